@@ -1,0 +1,33 @@
+"""genengine: the generation-engine layer of RL post-training.
+
+One protocol (generate, sleep, wake, load_weights) over SGLang, vLLM and an embedded CPU backend.
+Importing this package loads no engine and no torch.
+"""
+
+from genengine.config import EngineConfig
+from genengine.errors import GenEngineError
+from genengine.protocol import (
+    EngineState,
+    GenerationEngine,
+    GenerationOutput,
+    GenerationResult,
+    LoadReport,
+    SamplingParams,
+)
+from genengine.registry import available_backends, create_engine
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EngineConfig",
+    "EngineState",
+    "GenEngineError",
+    "GenerationEngine",
+    "GenerationOutput",
+    "GenerationResult",
+    "LoadReport",
+    "SamplingParams",
+    "__version__",
+    "available_backends",
+    "create_engine",
+]

@@ -1,0 +1,262 @@
+"""``EngineBase``: the contract's state machine and checks, written once for every backend.
+
+A backend subclasses it and fills in a handful of ``_methods`` that talk to its engine; argument
+checks, the sleep/wake/load state machine, bucketing and the errors trainers see all live here, so
+every backend behaves the same way (and the conformance suite tests this one implementation through
+each of them).
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from genengine.errors import (
+    EngineClosedError,
+    EngineSleepingError,
+    EngineStateError,
+    InvalidArgumentError,
+    WeightsNotLoadedError,
+)
+from genengine.protocol import (
+    TAG_KV_CACHE,
+    TAG_WEIGHTS,
+    EngineState,
+    GenerationResult,
+    LoadReport,
+)
+from genengine.requests import Request, normalize_requests
+from genengine.weights import DEFAULT_BUCKET_BYTES, WeightInfo, WeightValidator, iter_buckets, tensor_nbytes
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    import torch
+
+__all__ = ["EngineBase"]
+
+
+class EngineBase(abc.ABC):
+    """Shared implementation of :class:`genengine.protocol.GenerationEngine`."""
+
+    supported_tags: tuple[str, ...] = (TAG_WEIGHTS, TAG_KV_CACHE)
+    supports_images: ClassVar[bool] = False
+    validate_all_weights_first: ClassVar[bool] = False
+    """True makes each ``load_weights`` call all-or-nothing by checking the whole stream before writing."""
+
+    def __init__(self, *, sleep_enabled: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise InvalidArgumentError(f"bucket_bytes={bucket_bytes!r} must be a positive integer")
+        self._sleep_enabled = sleep_enabled
+        self._bucket_bytes = bucket_bytes
+        self._released: set[str] = set()
+        self._level: int | None = None
+        self._missing: set[str] = set()
+        self._broken_reason: str | None = None
+        self._flush_pending = False
+        self._closed = False
+
+    # ---- what a backend implements --------------------------------------------------------------------
+    @abc.abstractmethod
+    def _generate(self, requests: list[Request]) -> list[GenerationResult]:
+        """Run validated requests; the engine is awake with valid weights."""
+
+    @abc.abstractmethod
+    def _release(self, level: int) -> None:
+        """Free every tag's memory (level 1 backs weights up to host memory first); return once it is free."""
+
+    @abc.abstractmethod
+    def _resume(self, tags: tuple[str, ...]) -> None:
+        """Take back memory for ``tags`` (already filtered to released ones, in ``supported_tags`` order)."""
+
+    @abc.abstractmethod
+    def _weight_spec(self) -> Mapping[str, WeightInfo]:
+        """Every HF weight name the engine takes, with shape and dtype."""
+
+    @abc.abstractmethod
+    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Write one validated bucket into the engine."""
+
+    @abc.abstractmethod
+    def _flush_cache(self) -> None: ...
+
+    @abc.abstractmethod
+    def _shutdown(self) -> None: ...
+
+    def _vocab_size(self) -> int | None:
+        return None
+
+    def _finish_weights(self) -> None:
+        """After a load: make sure no cache computed with the old weights survives."""
+        self._flush_cache()
+
+    # ---- state --------------------------------------------------------------------------------------------
+    @property
+    def state(self) -> EngineState:
+        return EngineState(
+            released_tags=frozenset(self._released),
+            sleep_level=self._level,
+            weights_loaded=not self._missing,
+            closed=self._closed,
+        )
+
+    @property
+    def is_sleeping(self) -> bool:
+        return bool(self._released)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError(f"{type(self).__name__} was shut down; create a new engine")
+
+    def _check_can_generate(self) -> None:
+        if self._released:
+            ordered = [t for t in self.supported_tags if t in self._released]
+            raise EngineSleepingError(
+                f"the engine is asleep (released: {', '.join(ordered)}); call wake() before generate"
+            )
+        if self._missing:
+            reason = self._broken_reason or "after a level-2 sleep the weights must be sent again"
+            raise WeightsNotLoadedError(
+                f"refusing to generate from incomplete weights: {reason}; "
+                f"{len(self._missing)} weight(s) not loaded yet, e.g. {sorted(self._missing)[0]!r}"
+            )
+
+    # ---- the protocol ---------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: Any = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        image_data: Sequence[Any] | None = None,
+    ) -> list[GenerationResult]:
+        self._check_open()
+        requests = normalize_requests(
+            prompts,
+            sampling_params,
+            prompt_token_ids=prompt_token_ids,
+            image_data=image_data,
+            vocab_size=self._vocab_size(),
+            supports_images=self.supports_images,
+        )
+        self._check_can_generate()
+        return self._generate(requests)
+
+    def sleep(self, level: int = 1) -> None:
+        self._check_open()
+        if isinstance(level, bool) or level not in (1, 2):
+            raise InvalidArgumentError(
+                f"sleep level={level!r}: allowed are 1 (keep weights in host memory) and 2 (discard weights)"
+            )
+        if not self._sleep_enabled:
+            raise EngineStateError("sleep is disabled for this engine: create it with enable_sleep=True")
+        if self._released:
+            return
+        self._release(level)
+        self._released = set(self.supported_tags)
+        self._level = level
+        if level == 2:
+            self._missing = {n for n, info in self._weight_spec().items() if info.required}
+            self._broken_reason = None
+
+    def wake(self, tags: str | Sequence[str] | None = None) -> None:
+        self._check_open()
+        if tags is None:
+            wanted = set(self.supported_tags)
+        else:
+            wanted = {tags} if isinstance(tags, str) else set(tags)
+            unknown = sorted(t for t in wanted if t not in self.supported_tags)
+            if unknown or not wanted:
+                raise InvalidArgumentError(
+                    f"wake tags {unknown or list(wanted)!r}: allowed are {list(self.supported_tags)} or None for all"
+                )
+        todo = tuple(t for t in self.supported_tags if t in wanted and t in self._released)
+        if not todo:
+            return
+        self._resume(todo)
+        self._released.difference_update(todo)
+        if self._flush_pending and TAG_KV_CACHE not in self._released:
+            self._flush_pending = False
+            self._flush_cache()
+        if not self._released:
+            self._level = None
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int | None = None
+    ) -> LoadReport:
+        self._check_open()
+        if bucket_bytes is not None and (
+            isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
+        ):
+            raise InvalidArgumentError(f"bucket_bytes={bucket_bytes!r} must be a positive integer or None")
+        if TAG_WEIGHTS in self._released:
+            raise EngineSleepingError("the weights are asleep: call wake(['weights']) before load_weights")
+        if isinstance(named_tensors, (str, bytes)) or not isinstance(named_tensors, (Iterable, Mapping)):
+            raise InvalidArgumentError(
+                f"load_weights takes an iterable of (name, tensor) pairs, got {type(named_tensors).__name__}"
+            )
+        start = time.perf_counter()
+        validator = WeightValidator(self._weight_spec())
+        buckets = iter_buckets(
+            named_tensors,
+            validator,
+            bucket_bytes or self._bucket_bytes,
+            validate_all_first=self.validate_all_weights_first,
+        )
+        written: list[str] = []
+        num_bytes = num_buckets = 0
+        try:
+            for bucket in buckets:
+                self._apply_weights(bucket)
+                num_buckets += 1
+                for name, tensor in bucket:
+                    written.append(name)
+                    num_bytes += tensor_nbytes(tensor)
+        except BaseException as exc:
+            if written:
+                self._missing = {n for n, info in self._weight_spec().items() if info.required}
+                self._broken_reason = (
+                    f"a load_weights call failed after writing {len(written)} weight(s) ({type(exc).__name__}: {exc})"
+                )
+            raise
+        self._missing.difference_update(written)
+        if not self._missing:
+            self._broken_reason = None
+        if written:
+            if TAG_KV_CACHE in self._released:
+                self._flush_pending = True  # flushed as soon as the KV cache is back
+            else:
+                self._finish_weights()
+        return LoadReport(
+            num_tensors=len(written),
+            num_bytes=num_bytes,
+            num_buckets=num_buckets,
+            seconds=time.perf_counter() - start,
+        )
+
+    def flush_cache(self) -> None:
+        self._check_open()
+        if TAG_KV_CACHE in self._released:
+            return
+        self._flush_cache()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._shutdown()
+        finally:
+            self._closed = True
+
+    def __enter__(self) -> EngineBase:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()

@@ -1,0 +1,58 @@
+"""The ``genengine`` command. Subcommands live in ``cli_*`` modules and import heavy things only when run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+# Each module exposes add_parser(subparsers); a module not present yet (or broken) is skipped.
+_SUBCOMMAND_MODULES = (
+    "genengine.cli_backends",
+    "genengine.cli_generate",
+    "genengine.cli_demo",
+    "genengine.cli_bench",
+    "genengine.cli_topology",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from genengine import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="genengine",
+        description="Generation engines for RL post-training: generate, sleep, wake, load_weights.",
+    )
+    parser.add_argument("--version", action="version", version=f"genengine {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from genengine.errors import GenEngineError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except GenEngineError as exc:
+        print(f"genengine: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

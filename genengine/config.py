@@ -1,0 +1,134 @@
+"""``EngineConfig``: the engine section of a trainer's config, from whatever the trainer keeps it in.
+
+Trainers keep configs as dicts, dataclasses, YAML files or OmegaConf objects; all of them become one
+validated ``EngineConfig`` here, so a typo or an out-of-range value fails with a message before any
+engine (or GPU memory) is touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from genengine.errors import ConfigError, closest
+
+__all__ = ["DTYPES", "EngineConfig", "check_options"]
+
+DTYPES = ("bfloat16", "float16", "float32", "auto")
+
+
+def _to_plain(value: Any) -> Any:
+    """Mappings (OmegaConf's DictConfig too) to dicts, recursively; other values unchanged."""
+    if isinstance(value, Mapping):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Which backend to run, on which model, and how much of the GPU it may take.
+
+    ``options`` holds backend-specific settings passed to the engine unchanged (for example SGLang's
+    ``attention_backend``); each backend rejects options it does not know.
+    """
+
+    backend: Any = "transformers"
+    """A registered backend name, or an engine class or instance (see ``create_engine``)."""
+    model: str | None = None
+    tp_size: int = 1
+    mem_util: float = 0.8
+    """Share of the GPU's memory the engine may take, in (0, 1]."""
+    dtype: str = "bfloat16"
+    enable_sleep: bool = True
+    seed: int = 0
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.backend, str) and not self.backend:
+            raise ConfigError("backend is empty: give a backend name such as 'transformers', 'sglang' or 'vllm'")
+        if self.model is not None:
+            if isinstance(self.model, os.PathLike):
+                object.__setattr__(self, "model", os.fspath(self.model))
+            if not isinstance(self.model, str) or not self.model:
+                raise ConfigError(f"model={self.model!r} must be a non-empty path or model name")
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ConfigError(f"tp_size={self.tp_size!r} must be an integer >= 1")
+        mem = self.mem_util
+        if isinstance(mem, bool) or not isinstance(mem, (int, float)) or not 0 < mem <= 1:
+            raise ConfigError(f"mem_util={mem!r} must be a number in (0, 1]")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={self.dtype!r} is not supported; allowed: {', '.join(DTYPES)}")
+        if not isinstance(self.enable_sleep, bool):
+            raise ConfigError(f"enable_sleep={self.enable_sleep!r} must be true or false")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"seed={self.seed!r} must be an integer")
+        if not isinstance(self.options, Mapping):
+            raise ConfigError(f"options={self.options!r} must be a mapping of backend-specific settings")
+        object.__setattr__(self, "options", _to_plain(self.options))
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> EngineConfig:
+        data = _to_plain(data)
+        names = cls.field_names()
+        unknown = [k for k in data if k not in names]
+        if unknown:
+            key = str(unknown[0])
+            hint = closest(key, names)
+            raise ConfigError(
+                f"unknown engine config key {key!r}"
+                + (f" (did you mean {hint!r}?)" if hint else "")
+                + f"; allowed: {', '.join(names)} (backend-specific settings go under 'options')"
+            )
+        return cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> EngineConfig:
+        import yaml
+
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh)
+        except OSError as exc:
+            raise ConfigError(f"cannot read engine config {os.fspath(path)!r}: {exc}") from exc
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"engine config {os.fspath(path)!r} must hold a mapping, got {type(data).__name__}")
+        return cls.from_mapping(data)
+
+    @classmethod
+    def from_any(cls, value: Any) -> EngineConfig:
+        """An ``EngineConfig``, a mapping (dict, OmegaConf), a dataclass instance or a YAML file path."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            return cls.from_mapping(value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return cls.from_mapping({f.name: getattr(value, f.name) for f in fields(value)})
+        if isinstance(value, (str, os.PathLike)):
+            return cls.from_yaml(value)
+        raise ConfigError(
+            f"cannot build an engine config from {type(value).__name__}: "
+            "give a dict, a dataclass, an OmegaConf config or a YAML file path"
+        )
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def check_options(backend: str, options: Mapping[str, Any], allowed: Iterable[str]) -> None:
+    """Reject backend options the backend does not know, naming the closest known one."""
+    allowed = list(allowed)
+    for key in options:
+        if key not in allowed:
+            hint = closest(key, [*allowed, *EngineConfig.field_names()])
+            raise ConfigError(
+                f"unknown option {key!r} for backend {backend!r}"
+                + (f" (did you mean {hint!r}?)" if hint else "")
+                + f"; allowed options: {', '.join(sorted(allowed)) or 'none'}"
+            )

@@ -1,0 +1,37 @@
+"""The plugin hooks. A backend plugin is a module named by a ``genengine.backends`` entry point."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import pluggy
+
+__all__ = ["RegisterBackend", "hookimpl", "hookspec"]
+
+hookspec = pluggy.HookspecMarker("genengine")
+hookimpl = pluggy.HookimplMarker("genengine")
+
+
+class RegisterBackend(Protocol):
+    def __call__(
+        self,
+        name: str,
+        factory: Any,
+        *,
+        requires: tuple[str, ...] = (),
+        install_hint: str | None = None,
+        description: str = "",
+        raw_runner: Any = None,
+    ) -> None: ...
+
+
+@hookspec
+def register_backends(register: RegisterBackend) -> None:
+    """Register backends by calling ``register(name, factory, ...)`` once per backend.
+
+    ``factory`` is a callable taking an ``EngineConfig`` and returning a ``GenerationEngine``, or a
+    ``"module:attribute"`` string imported only when the backend is first used, so that listing backends
+    imports no engine. ``requires`` names the top-level modules the backend needs (checked without importing
+    them); ``install_hint`` says how to get them. ``raw_runner`` (same two forms) measures the raw engine
+    beside ours in ``genengine bench``: a callable ``(config, prompt_token_ids, max_new_tokens) -> tokens/s``.
+    """

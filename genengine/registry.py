@@ -1,0 +1,246 @@
+"""Finding backends: entry points → pluggy → ``create_engine``.
+
+Plugins load on first use. A plugin that fails to import does not break listing (it is reported
+with a warning and as not loadable); selecting it raises an error naming its distribution with the
+original exception chained.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+import pluggy
+
+from genengine import hookspecs
+from genengine.config import EngineConfig
+from genengine.errors import BackendImportError, BackendNotFoundError, ConfigError, DuplicateBackendError
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "KNOWN_BACKENDS",
+    "BackendInfo",
+    "available_backends",
+    "create_engine",
+    "get_backend",
+    "get_plugin_manager",
+]
+
+ENTRY_POINT_GROUP = "genengine.backends"
+
+KNOWN_BACKENDS: Mapping[str, str] = {
+    "sglang": "pip install 'genengine[sglang]'",
+    "vllm": "pip install 'genengine[vllm]'",
+}
+"""Backends we ship or know of, with how to install them: named in "unknown backend" errors."""
+
+_PROTOCOL_METHODS = ("generate", "sleep", "wake", "load_weights", "flush_cache", "shutdown")
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """One registered backend, as ``genengine backends`` shows it."""
+
+    name: str
+    plugin: str
+    distribution: str | None
+    version: str | None
+    description: str = ""
+    factory: Any = None
+    requires: tuple[str, ...] = ()
+    install_hint: str | None = None
+    raw_runner: Any = None
+    error: BaseException | None = None
+    """Set when the plugin itself failed to import or to register."""
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        return tuple(m for m in self.requires if importlib.util.find_spec(m) is None)
+
+    @property
+    def loadable(self) -> bool:
+        return self.error is None and not self.missing
+
+    @property
+    def reason(self) -> str | None:
+        """Why the backend cannot be used, or None if it can."""
+        if self.error is not None:
+            return f"plugin failed to import: {type(self.error).__name__}: {self.error}"
+        missing = self.missing
+        if missing:
+            return "not installed: " + (self.install_hint or f"missing module(s) {', '.join(missing)}")
+        return None
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager("genengine")
+        self.pm.add_hookspecs(hookspecs)
+        self.backends: dict[str, BackendInfo] = {}
+        self.sources: dict[str, tuple[str | None, str | None]] = {}
+
+    def load(self) -> None:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            dist = ep.dist.name if ep.dist is not None else None
+            version = ep.dist.version if ep.dist is not None else None
+            self.sources[ep.name] = (dist, version)
+            try:
+                module = ep.load()
+            except Exception as exc:
+                warnings.warn(
+                    f"error importing genengine plugin {ep.name!r} (distribution {dist!r}): "
+                    f"{type(exc).__name__}: {exc}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._add(BackendInfo(ep.name, ep.name, dist, version, error=exc))
+                continue
+            if self.pm.is_registered(module):
+                continue  # the same module reached through a second entry point
+            self.pm.register(module, name=ep.name)
+        for impl in self.pm.hook.register_backends.get_hookimpls():
+            self._call(impl.plugin_name, impl.function)
+
+    def _call(self, plugin: str, hook: Callable[..., object]) -> None:
+        dist, version = self.sources.get(plugin, (None, None))
+
+        def register(
+            name: str,
+            factory: Any,
+            *,
+            requires: tuple[str, ...] = (),
+            install_hint: str | None = None,
+            description: str = "",
+            raw_runner: Any = None,
+        ) -> None:
+            self._add(
+                BackendInfo(
+                    name, plugin, dist, version, description, factory, tuple(requires), install_hint, raw_runner
+                )
+            )
+
+        try:
+            hook(register=register)
+        except DuplicateBackendError:
+            raise
+        except Exception as exc:
+            warnings.warn(f"genengine plugin {plugin!r} failed to register: {exc}", RuntimeWarning, stacklevel=3)
+            self._add(BackendInfo(plugin, plugin, dist, version, error=exc))
+
+    def _add(self, info: BackendInfo) -> None:
+        old = self.backends.get(info.name)
+        if old is not None:
+            raise DuplicateBackendError(
+                f"backend {info.name!r} is registered twice: by plugin {old.plugin!r} "
+                f"(distribution {old.distribution!r}) and by plugin {info.plugin!r} "
+                f"(distribution {info.distribution!r}); uninstall one of them"
+            )
+        self.backends[info.name] = info
+
+
+_lock = threading.Lock()
+_registry: _Registry | None = None
+
+
+def _get() -> _Registry:
+    global _registry
+    with _lock:
+        if _registry is None:
+            registry = _Registry()
+            registry.load()
+            _registry = registry
+        return _registry
+
+
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The pluggy manager, with every installed plugin registered."""
+    return _get().pm
+
+
+def available_backends() -> list[BackendInfo]:
+    """Every registered backend, loadable or not; imports no engine."""
+    return sorted(_get().backends.values(), key=lambda b: b.name)
+
+
+def _resolve(ref: Any, what: str) -> Any:
+    if not isinstance(ref, str):
+        return ref
+    module_name, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in filter(None, attr.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def get_backend(name: str) -> BackendInfo:
+    """The backend called ``name``, or an error that lists what is installed and how to get the rest."""
+    backends = _get().backends
+    info = backends.get(name)
+    if info is None:
+        installed = ", ".join(sorted(n for n, b in backends.items() if b.loadable)) or "none"
+        missing = [
+            f"{n} ({hint})" for n, hint in KNOWN_BACKENDS.items() if n not in backends or not backends[n].loadable
+        ]
+        raise BackendNotFoundError(
+            f"unknown backend {name!r}. Installed backends: {installed}."
+            + (f" Known backends not installed: {'; '.join(missing)}." if missing else "")
+        )
+    if info.error is not None:
+        raise BackendImportError(
+            f"backend {name!r} cannot be used: its plugin (distribution {info.distribution!r}) failed to "
+            f"import: {type(info.error).__name__}: {info.error}"
+        ) from info.error
+    if info.missing:
+        raise BackendImportError(f"backend {name!r} is not installed: {info.reason}")
+    return info
+
+
+def _is_engine_class(obj: Any) -> bool:
+    return isinstance(obj, type) and all(callable(getattr(obj, m, None)) for m in _PROTOCOL_METHODS)
+
+
+def _is_engine_instance(obj: Any) -> bool:
+    return not isinstance(obj, type) and all(callable(getattr(obj, m, None)) for m in _PROTOCOL_METHODS)
+
+
+def create_engine(config: Any = None, /, **kwargs: Any) -> Any:
+    """Build an engine from a config (dict, dataclass, YAML path, OmegaConf, ``EngineConfig``) and/or kwargs.
+
+    Keyword arguments that are ``EngineConfig`` fields override the config; any other keyword goes into
+    ``options`` for the backend. ``backend`` may be a registered name, an engine class (built with
+    ``cls.from_config(config)`` if it has one, else ``cls(config)``) or a ready engine instance.
+    """
+    base = EngineConfig() if config is None else EngineConfig.from_any(config)
+    names = set(EngineConfig.field_names())
+    overrides = {k: v for k, v in kwargs.items() if k in names}
+    extra = {k: v for k, v in kwargs.items() if k not in names}
+    if extra:
+        overrides["options"] = {**dict(overrides.get("options", base.options)), **extra}
+    cfg = base.replace(**overrides) if overrides else base
+
+    backend = cfg.backend
+    if _is_engine_instance(backend):
+        return backend
+    if _is_engine_class(backend):
+        return backend.from_config(cfg) if hasattr(backend, "from_config") else backend(cfg)
+    if not isinstance(backend, str):
+        raise ConfigError(
+            f"backend={backend!r} is neither a backend name nor an engine class or instance "
+            f"(an engine has {', '.join(_PROTOCOL_METHODS)})"
+        )
+    info = get_backend(backend)
+    if cfg.model is None:
+        raise ConfigError(f"backend {backend!r} needs a model: pass model=PATH")
+    try:
+        factory = _resolve(info.factory, "factory")
+    except ImportError as exc:
+        raise BackendImportError(
+            f"backend {backend!r} (distribution {info.distribution!r}) failed to import its engine: {exc}"
+        ) from exc
+    return factory(cfg)

@@ -1,0 +1,17 @@
+"""Registers the ``sglang`` backend; imports nothing heavy so that listing backends stays fast."""
+
+from __future__ import annotations
+
+from genengine.hookspecs import RegisterBackend, hookimpl
+
+
+@hookimpl
+def register_backends(register: RegisterBackend) -> None:
+    register(
+        "sglang",
+        "genengine_sglang.engine:RLGenerationEngine.from_config",
+        requires=("sglang",),
+        install_hint="pip install 'genengine[sglang]'",
+        description="SGLang 0.5.17, one engine per tensor-parallel group, owned by the group leader",
+        raw_runner="genengine_sglang.raw:raw_tokens_per_second",
+    )
