@@ -1,0 +1,36 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (the CPU suite + checks).
+# Both create .venv first. CPU machines install a CPU build of torch before the project, so that
+# pip never pulls a CUDA build; override TORCH on other machines (GPU users install genengine[sglang]
+# or genengine[vllm], which pin the engines' torch).
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint docs clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(BIN)/genengine demo
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+docs: setup
+	@if [ -f mkdocs.yml ]; then $(BIN)/mkdocs build --strict -q -d $(VENV)/site; fi
+
+test: lint docs
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache out

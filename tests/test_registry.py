@@ -1,0 +1,175 @@
+"""The registry with real installed plugin distributions, discovered through their entry points.
+
+Each plugin under tests/plugins/ is pip-installed into its own folder; the checks run in a fresh
+interpreter with that folder on PYTHONPATH, so discovery goes through importlib.metadata exactly as for
+a user's ``pip install``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import genengine
+from genengine.errors import BackendImportError, BackendNotFoundError, ConfigError, GenEngineError
+from genengine.registry import available_backends, create_engine, get_backend
+
+PLUGINS = Path(__file__).parent / "plugins"
+
+
+@pytest.fixture(scope="session")
+def plugin_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("plugins")
+    dirs = {}
+    for name in ("example", "broken", "duplicate"):
+        target = root / name
+        build = tmp_path_factory.mktemp(f"src-{name}")
+        subprocess.run(["cp", "-r", f"{PLUGINS / name}/.", str(build)], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
+             "--target", str(target), str(build)],
+            check=True,
+            capture_output=True,
+        )
+        dirs[name] = target
+    return dirs
+
+
+def run_with(dirs: list[Path], code: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(d) for d in dirs), PYTHONWARNINGS="default")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def cli_with(dirs: list[Path], *args: str) -> subprocess.CompletedProcess[str]:
+    return run_with(dirs, f"import sys; from genengine.cli import main; sys.exit(main({list(args)!r}))")
+
+
+def test_builtin_backends_listed_with_install_hints() -> None:
+    infos = {b.name: b for b in available_backends()}
+    assert {"transformers", "sglang", "vllm"} <= set(infos)
+    assert infos["transformers"].loadable and infos["transformers"].distribution == "genengine"
+    for name in ("sglang", "vllm"):
+        if not infos[name].loadable:  # on the CPU machine
+            assert infos[name].reason == f"not installed: pip install 'genengine[{name}]'"
+
+
+def test_cli_backends_table_lists_all_three() -> None:
+    out = cli_with([], "backends").stdout
+    lines = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert {"sglang", "transformers", "vllm"} <= set(lines)
+    assert "loadable" in lines["transformers"]
+
+
+def test_example_plugin_discovered_through_entry_point(plugin_dirs: dict[str, Path]) -> None:
+    proc = cli_with([plugin_dirs["example"]], "backends", "--json")
+    rows = {r["name"]: r for r in json.loads(proc.stdout)}
+    assert rows["example"]["distribution"] == "genengine-example-backend"
+    assert rows["example"]["version"] == "1.2.3"
+    assert rows["example"]["status"] == "loadable"
+    code = (
+        "import genengine\n"
+        "e = genengine.create_engine(backend='example', model='m', tp_size=1)\n"
+        "print(type(e).__name__, e.generate(['hi'])[0].outputs[0].text, e.config.model)\n"
+    )
+    assert run_with([plugin_dirs["example"]], code).stdout.split() == ["EchoEngine", "hi", "m"]
+
+
+def test_broken_plugin_warns_but_listing_works(plugin_dirs: dict[str, Path]) -> None:
+    dirs = [plugin_dirs["example"], plugin_dirs["broken"]]
+    proc = cli_with(dirs, "backends")
+    assert proc.returncode == 0
+    assert "error importing genengine plugin 'broken'" in proc.stderr
+    assert "genengine-broken-backend" in proc.stderr
+    table = proc.stdout
+    assert "example" in table and "transformers" in table
+    assert "plugin failed to import: ModuleNotFoundError" in table
+
+
+def test_selecting_broken_plugin_names_distribution_and_chains(plugin_dirs: dict[str, Path]) -> None:
+    code = (
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "import genengine\n"
+        "from genengine.errors import BackendImportError\n"
+        "try:\n"
+        "    genengine.create_engine(backend='broken', model='m')\n"
+        "except BackendImportError as e:\n"
+        "    print(type(e.__cause__).__name__)\n"
+        "    print(e)\n"
+    )
+    out = run_with([plugin_dirs["broken"]], code).stdout.splitlines()
+    assert out[0] == "ModuleNotFoundError"
+    assert "genengine-broken-backend" in out[1] and "genengine_dependency_that_does_not_exist" in out[1]
+
+
+def test_duplicate_backend_names_both_plugins(plugin_dirs: dict[str, Path]) -> None:
+    code = (
+        "import genengine\n"
+        "from genengine.errors import DuplicateBackendError\n"
+        "try:\n"
+        "    genengine.available_backends()\n"
+        "except DuplicateBackendError as e:\n"
+        "    print(e)\n"
+    )
+    msg = run_with([plugin_dirs["example"], plugin_dirs["duplicate"]], code).stdout
+    assert "'example' is registered twice" in msg
+    assert "genengine-example-backend" in msg and "genengine-duplicate-backend" in msg
+    proc = cli_with([plugin_dirs["example"], plugin_dirs["duplicate"]], "backends")
+    assert proc.returncode == 2 and "registered twice" in proc.stderr
+
+
+def test_unknown_backend_lists_installed_and_how_to_install() -> None:
+    with pytest.raises(BackendNotFoundError) as info:
+        create_engine(backend="sglangg", model="m")
+    msg = str(info.value)
+    assert "'sglangg'" in msg and "transformers" in msg
+    if not get_backend("transformers").missing and "sglang" not in {b.name for b in available_backends() if b.loadable}:
+        assert "pip install 'genengine[sglang]'" in msg
+
+
+@pytest.mark.skipif(
+    any(b.name == "sglang" and b.loadable for b in available_backends()), reason="sglang is installed here"
+)
+def test_missing_engine_package_is_a_clear_import_error() -> None:
+    with pytest.raises(BackendImportError, match=r"pip install 'genengine\[sglang\]'"):
+        create_engine(backend="sglang", model="m")
+
+
+class _Engine:
+    """A fake engine class, to test that create_engine accepts classes and instances."""
+
+    def __init__(self, config: genengine.EngineConfig) -> None:
+        self.config = config
+
+    def generate(self) -> None: ...
+    def sleep(self) -> None: ...
+    def wake(self) -> None: ...
+    def load_weights(self) -> None: ...
+    def flush_cache(self) -> None: ...
+    def shutdown(self) -> None: ...
+
+
+def test_engine_class_and_instance_accepted_as_backend() -> None:
+    engine = create_engine(backend=_Engine, model="m", mem_util=0.5, attention_backend="triton")
+    assert isinstance(engine, _Engine)
+    assert engine.config.mem_util == 0.5 and engine.config.options == {"attention_backend": "triton"}
+    assert create_engine({"backend": engine}) is engine
+    with pytest.raises(ConfigError, match="neither a backend name"):
+        create_engine(backend=42, model="m")
+
+
+def test_backend_needs_a_model() -> None:
+    with pytest.raises(ConfigError, match="needs a model"):
+        create_engine(backend="transformers")
+
+
+def test_all_errors_share_one_base() -> None:
+    import genengine.errors as errors
+
+    classes = [getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)]
+    assert len(classes) > 10
+    assert all(issubclass(c, GenEngineError) for c in classes)
