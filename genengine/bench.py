@@ -1,0 +1,726 @@
+"""``genengine bench``: what one backend costs an RL step, measured through the protocol only.
+
+Four numbers decide whether a rollout engine fits colocated RL: generation throughput (beside the raw
+engine, so the protocol's overhead is visible), the time to take the trainer's weights (bucketed, and one
+call per parameter as LightRFT and OpenRLHF do), how much memory ``sleep`` really gives back, and how
+long each ``wake`` stage takes. Every number comes from ``GenerationEngine`` calls, so any registered
+backend (or an engine class given as ``module:Class``) is measured the same way.
+
+Memory is what the trainer would see: on a GPU the device-wide use from ``torch.cuda.mem_get_info``
+(engines that keep memory in another process, like SGLang's scheduler, are counted); on CPU the resident
+set size of this process, after returning freed heap to the OS (``malloc_trim``), so memory an engine
+freed counts as freed even when the allocator would have kept it for the next tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from genengine.errors import ConfigError, GenEngineError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BenchSettings", "format_report", "plot_report", "run_bench"]
+
+GB = 1e9
+TINY_MODEL = {"num_params": 20_000_000, "vocab_size": 4096, "dtype": "float32"}
+"""The model ``genengine bench`` builds when no ``--model`` is given: big enough that copies and frees are
+visible above allocator noise, small enough for the whole run to take well under a minute on two cores."""
+
+
+@dataclass
+class BenchSettings:
+    """What to measure. The defaults finish in well under two minutes on a two-core CPU."""
+
+    backend: Any = "transformers"
+    model: str | None = None
+    tp_size: int = 1
+    options: Mapping[str, Any] = field(default_factory=dict)
+    dtype: str | None = None
+    mem_util: float | None = None
+    batch_size: int = 8
+    prompt_len: int = 32
+    max_new_tokens: int = 32
+    repeats: int = 3
+    bucket_bytes: int | None = None
+    sleep_levels: tuple[int, ...] = (1, 2)
+    raw: bool = True
+    per_parameter: bool = True
+    progress: bool = True
+    seed: int = 0
+
+    def check(self) -> None:
+        """Reject bad settings before anything is built or loaded."""
+        for name in ("batch_size", "prompt_len", "max_new_tokens", "repeats", "tp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name}={value!r} must be an integer >= 1")
+        if self.bucket_bytes is not None and (not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1):
+            raise InvalidArgumentError(f"bucket_bytes={self.bucket_bytes!r} must be a positive integer or None")
+        bad = [lvl for lvl in self.sleep_levels if lvl not in (1, 2)]
+        if bad:
+            raise InvalidArgumentError(f"sleep level {bad[0]!r}: allowed are 1 and 2")
+        if self.model is not None and not os.path.isdir(self.model):
+            raise ConfigError(
+                f"model={self.model!r} is not a local model folder: the benchmark reads the checkpoint's "
+                "safetensors to play the trainer's weights"
+            )
+
+
+# ---- memory ----------------------------------------------------------------------------------------------
+class MemoryProbe:
+    """Used memory as the trainer sees it: device-wide on GPU, resident set size on CPU."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.kind = "torch.cuda.mem_get_info" if device.startswith("cuda") else "process RSS (anonymous)"
+        self._libc: Any = None
+        if not device.startswith("cuda") and platform.system() == "Linux":
+            with contextlib.suppress(OSError):
+                self._libc = ctypes.CDLL("libc.so.6")
+
+    def used(self) -> int | None:
+        gc.collect()
+        if self.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            return _all_ranks_sum(int(total - free))
+        if self._libc is not None:
+            with contextlib.suppress(AttributeError):
+                self._libc.malloc_trim(0)
+        try:
+            # Anonymous pages only: file-backed ones (shared libraries, a checkpoint mmapped by the loader)
+            # are not memory a trainer could get back.
+            with open("/proc/self/status", encoding="ascii") as fh:
+                for line in fh:
+                    if line.startswith("RssAnon:"):
+                        return _all_ranks_sum(int(line.split()[1]) * 1024)
+        except (OSError, ValueError):
+            pass
+        try:
+            import psutil  # type: ignore[import-untyped]
+        except ImportError:
+            return None
+        return _all_ranks_sum(int(psutil.Process().memory_info().rss))
+
+
+def _dist_initialized() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _all_ranks_sum(value: int) -> int:
+    """Memory summed over the world's ranks (each measures its own device), so a TP engine counts whole."""
+    if not _dist_initialized():
+        return value
+    import torch.distributed as dist
+
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return int(sum(values))
+
+
+def _rank() -> int:
+    if not _dist_initialized():
+        return 0
+    import torch.distributed as dist
+
+    return int(dist.get_rank())
+
+
+def _sub(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else a - b
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+def _resolve(ref: Any) -> Any:
+    if not isinstance(ref, str):
+        return ref
+    module_name, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in filter(None, attr.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _model_config(model: str) -> dict[str, Any]:
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as fh:
+        data: dict[str, Any] = json.load(fh)
+    return data
+
+
+def _vocab_size(model: str) -> int:
+    cfg = _model_config(model)
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    if not isinstance(vocab, int):
+        raise ConfigError(f"cannot find vocab_size in {model}/config.json")
+    return vocab
+
+
+def _trainer_weights(model: str, device: str, dtype: str | None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors on the trainer's device, in the engine's dtype: what a trainer would send."""
+    import torch
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"model={model!r} has no *.safetensors files to play the trainer's weights")
+    cast = getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else None
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(str(f), device=device).items():
+            tensors[name] = t.to(cast) if cast is not None and t.is_floating_point() else t
+    return tensors
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", disable=not enabled, leave=False, dynamic_ncols=True)
+
+
+def _device_for(settings: BenchSettings) -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    return f"cuda:{local}"
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        import torch
+
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def _maybe_init_distributed(device: str) -> bool:
+    """Under torchrun the benchmark plays the trainer: it owns the default process group."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or _dist_initialized():
+        return False
+    import torch
+    import torch.distributed as dist
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return True
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------------
+def run_bench(settings: BenchSettings) -> dict[str, Any]:
+    """Run every measurement and return the report (plain JSON-able data)."""
+    settings.check()
+    if settings.tp_size > 1 and int(os.environ.get("WORLD_SIZE", "1")) < settings.tp_size:
+        raise ConfigError(
+            f"tp_size={settings.tp_size} needs a torch.distributed world of at least {settings.tp_size} ranks: "
+            f"run `torchrun --nproc-per-node {settings.tp_size} -m genengine.cli bench ...`"
+        )
+    with contextlib.ExitStack() as stack:
+        model = settings.model
+        built = False
+        if model is None:
+            from genengine.testing.tiny_model import build_tiny_model
+
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="genengine-bench-"))
+            model = str(build_tiny_model(Path(tmp) / "model", **TINY_MODEL))  # type: ignore[arg-type]
+            built = True
+            if settings.dtype is None:
+                settings.dtype = "float32"
+        return _run(settings, model, built)
+
+
+def _run(settings: BenchSettings, model: str, built: bool) -> dict[str, Any]:
+    import torch
+
+    from genengine import __version__
+    from genengine.config import EngineConfig
+    from genengine.protocol import SamplingParams
+    from genengine.registry import create_engine, get_backend
+
+    t_total = time.perf_counter()
+    device = _device_for(settings)
+    owns_group = _maybe_init_distributed(device)
+    show = settings.progress and _rank() == 0
+
+    # Resolve the backend and import its engine module *before* the baseline, so imports do not count
+    # as engine memory.
+    backend = settings.backend
+    raw_runner: Any = None
+    distribution: str | None = None
+    if isinstance(backend, str) and ":" in backend:
+        backend = _resolve(backend)
+        name = f"{backend.__module__}.{backend.__qualname__}"
+    elif isinstance(backend, str):
+        info = get_backend(backend)
+        name, distribution, raw_runner = backend, info.distribution, info.raw_runner
+        if isinstance(info.factory, str):
+            importlib.import_module(info.factory.partition(":")[0])
+    else:
+        name = getattr(backend, "__qualname__", type(backend).__name__)
+
+    fields: dict[str, Any] = {"backend": backend, "model": model, "tp_size": settings.tp_size}
+    if settings.dtype is not None:
+        fields["dtype"] = settings.dtype
+    if settings.mem_util is not None:
+        fields["mem_util"] = settings.mem_util
+    config = EngineConfig(options=dict(settings.options), seed=settings.seed, **fields)
+
+    vocab = _vocab_size(model)
+    gen = torch.Generator().manual_seed(settings.seed)
+    low = min(10, vocab - 1)
+    prompts = torch.randint(low, vocab, (settings.batch_size, settings.prompt_len), generator=gen).tolist()
+    probe = MemoryProbe(device)
+    report: dict[str, Any] = {
+        "genengine_version": __version__,
+        "backend": name,
+        "distribution": distribution,
+        "model": "tiny (built by genengine bench)" if built else model,
+        "model_config": {
+            k: _model_config(model).get(k)
+            for k in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size", "torch_dtype", "dtype")
+            if k in _model_config(model)
+        },
+        "device": _device_name(device),
+        "memory_probe": probe.kind,
+        "tp_size": settings.tp_size,
+        "dtype": config.dtype,
+        "options": dict(config.options),
+        "settings": {
+            "batch_size": settings.batch_size,
+            "prompt_len": settings.prompt_len,
+            "max_new_tokens": settings.max_new_tokens,
+            "repeats": settings.repeats,
+            "bucket_bytes": settings.bucket_bytes,
+            "sleep_levels": list(settings.sleep_levels),
+        },
+    }
+
+    steps = 3 + settings.repeats + 2 * settings.repeats + 2 * len(settings.sleep_levels) + 1
+    steps += 1 if settings.raw and raw_runner is not None else 0
+    with _progress(steps, f"bench {name}", show) as bar:
+        bar.set_postfix_str("creating engine")
+        baseline = probe.used()
+        create_s, engine = _timed(lambda: create_engine(config))
+        bar.update(1)
+        try:
+            greedy = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=0.0, ignore_eos=True)
+            probe_params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+            bar.set_postfix_str("warm-up")
+            engine.generate(prompt_token_ids=prompts[:1], sampling_params=probe_params)
+            reference = [
+                o.token_ids
+                for r in engine.generate(prompt_token_ids=prompts[:2], sampling_params=probe_params)
+                for o in r.outputs
+            ]
+            bar.update(1)
+            awake = probe.used()
+            report["create_seconds"] = create_s
+            report["start_memory_bytes"] = _sub(awake, baseline)
+
+            # --- generation throughput ---------------------------------------------------------------------
+            runs = []
+            for i in range(settings.repeats):
+                bar.set_postfix_str(f"generate {i + 1}/{settings.repeats}")
+                secs, results = _timed(lambda: engine.generate(prompt_token_ids=prompts, sampling_params=greedy))
+                tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
+                runs.append((tokens / secs, secs, tokens))
+                bar.update(1)
+            best = statistics.median(r[0] for r in runs)
+            report["generate"] = {
+                "tokens_per_s": best,
+                "tokens_per_s_runs": [r[0] for r in runs],
+                "tokens": runs[0][2],
+                "seconds": statistics.median(r[1] for r in runs),
+            }
+
+            # --- load_weights ------------------------------------------------------------------------------
+            bar.set_postfix_str("reading checkpoint")
+            weights = _trainer_weights(model, device, config.dtype)
+            num_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+            report["weights"] = {"num_tensors": len(weights), "num_bytes": num_bytes}
+            report["load_weights"] = {
+                "bucketed": _load_bucketed(engine, weights, num_bytes, settings, prompts, probe_params, bar),
+                "per_parameter": _load_per_parameter(engine, weights, num_bytes, settings, show, bar),
+            }
+            after = [
+                o.token_ids
+                for r in engine.generate(prompt_token_ids=prompts[:2], sampling_params=probe_params)
+                for o in r.outputs
+            ]
+            report["load_weights"]["greedy_unchanged"] = after == reference
+            loaded = probe.used()  # steady state of an RL step: awake, holding weights it was sent
+
+            # --- sleep / wake ------------------------------------------------------------------------------
+            report["sleep"] = [
+                _sleep_cycle(engine, level, weights, probe, prompts, probe_params, reference, bar)
+                for level in settings.sleep_levels
+            ]
+            del weights
+        finally:
+            bar.set_postfix_str("shutdown")
+            shutdown_s, _ = _timed(engine.shutdown)
+            bar.update(1)
+        left = probe.used()
+        report["shutdown"] = {"seconds": shutdown_s, "memory_left_bytes": _sub(left, baseline)}
+        # The engine's memory, the denominator of "share freed by sleep": what it holds awake with loaded
+        # weights, above the baseline on a GPU (device-wide, exact). On CPU the first model load also imports
+        # code and fills caches that stay resident, and a loader may map the checkpoint's file instead of
+        # copying it, so there it is what shutdown gave back.
+        engine_memory = _sub(loaded, baseline if not probe.kind.startswith("process RSS") else left)
+        report["engine_memory_bytes"] = engine_memory
+        for cycle in report["sleep"]:
+            freed = cycle.get("freed_bytes")
+            cycle["freed_share"] = freed / engine_memory if freed is not None and engine_memory else None
+
+        # --- the raw engine, alone (ours is shut down: a GPU holds one engine at a time) ------------------
+        raw: dict[str, Any] = {"available": raw_runner is not None and settings.raw}
+        if settings.raw and raw_runner is not None:
+            bar.set_postfix_str("raw engine")
+            try:
+                raw["tokens_per_s"] = float(_resolve(raw_runner)(config, prompts, settings.max_new_tokens))
+            except Exception as exc:
+                raw["error"] = f"{type(exc).__name__}: {exc}"
+            bar.update(1)
+        raw_tps = raw.get("tokens_per_s")
+        report["generate"]["raw_tokens_per_s"] = raw_tps
+        report["generate"]["raw_error"] = raw.get("error")
+        report["generate"]["vs_raw"] = report["generate"]["tokens_per_s"] / raw_tps if raw_tps else None
+    report["total_seconds"] = time.perf_counter() - t_total
+    if owns_group:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return report
+
+
+def _barrier(engine: Any, prompts: list[list[int]]) -> None:
+    """A one-token generate: an engine that answers before its copies land is timed until it can serve."""
+    engine.generate(prompt_token_ids=prompts[:1], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+
+
+def _load_bucketed(
+    engine: Any,
+    weights: dict[str, Any],
+    num_bytes: int,
+    settings: BenchSettings,
+    prompts: list[list[int]],
+    probe_params: Any,
+    bar: Any,
+) -> dict[str, Any]:
+    engine.load_weights(list(weights.items()), bucket_bytes=settings.bucket_bytes)  # first touch is not steady state
+    barrier_s = min(_timed(lambda: _barrier(engine, prompts))[0] for _ in range(2))
+    runs = []
+    for i in range(settings.repeats):
+        bar.set_postfix_str(f"load_weights bucketed {i + 1}/{settings.repeats}")
+        secs, rep = _timed(lambda: engine.load_weights(list(weights.items()), bucket_bytes=settings.bucket_bytes))
+        visible, _ = _timed(lambda: _barrier(engine, prompts))
+        runs.append((secs, secs + visible - barrier_s, rep))
+        bar.update(1)
+    secs = statistics.median(r[0] for r in runs)
+    visible_s = statistics.median(r[1] for r in runs)
+    return {
+        "seconds": secs,
+        "until_visible_seconds": max(visible_s, secs),
+        "gb_per_s": num_bytes / secs / GB,
+        "calls": 1,
+        "num_buckets": runs[0][2].num_buckets,
+        "bucket_bytes": settings.bucket_bytes,
+        "num_tensors": runs[0][2].num_tensors,
+    }
+
+
+def _load_per_parameter(
+    engine: Any, weights: dict[str, Any], num_bytes: int, settings: BenchSettings, show: bool, bar: Any
+) -> dict[str, Any] | None:
+    if not settings.per_parameter:
+        for _ in range(settings.repeats):
+            bar.update(1)
+        return None
+    runs = []
+    for i in range(settings.repeats):
+        bar.set_postfix_str(f"load_weights per parameter {i + 1}/{settings.repeats}")
+        with _progress(len(weights), "one call per tensor", show) as inner:
+            start = time.perf_counter()
+            for item in weights.items():
+                engine.load_weights([item])
+                inner.update(1)
+            runs.append(time.perf_counter() - start)
+        bar.update(1)
+    secs = statistics.median(runs)
+    return {
+        "seconds": secs,
+        "gb_per_s": num_bytes / secs / GB,
+        "calls": len(weights),
+        "seconds_per_call": secs / len(weights),
+    }
+
+
+def _sleep_cycle(
+    engine: Any,
+    level: int,
+    weights: dict[str, Any],
+    probe: MemoryProbe,
+    prompts: list[list[int]],
+    probe_params: Any,
+    reference: list[list[int]],
+    bar: Any,
+) -> dict[str, Any]:
+    """One sleep(level) and the staged wake a trainer does: weights → (level 2: load_weights) → the rest."""
+    bar.set_postfix_str(f"sleep level {level}")
+    before = probe.used()
+    cycle: dict[str, Any] = {"level": level}
+    try:
+        sleep_s, _ = _timed(lambda: engine.sleep(level))
+    except GenEngineError as exc:
+        cycle["error"] = f"{type(exc).__name__}: {exc}"
+        bar.update(2)
+        return cycle
+    asleep = probe.used()
+    freed = _sub(before, asleep)
+    cycle.update(
+        {
+            "sleep_seconds": sleep_s,
+            "memory_awake_bytes": before,
+            "memory_asleep_bytes": asleep,
+            "freed_bytes": freed,
+            "wake": [],
+        }
+    )
+    bar.update(1)
+    for tag in engine.supported_tags:
+        bar.set_postfix_str(f"wake {tag} (level {level})")
+        start = time.perf_counter()
+        engine.wake([tag])
+        secs = time.perf_counter() - start
+        cycle["wake"].append({"tag": tag, "seconds": secs, "memory_after_bytes": probe.used()})
+        if tag == "weights" and level == 2:
+            cycle["reload_seconds"], _ = _timed(lambda: engine.load_weights(list(weights.items())))
+    got = [
+        o.token_ids
+        for r in engine.generate(prompt_token_ids=prompts[:2], sampling_params=probe_params)
+        for o in r.outputs
+    ]
+    cycle["greedy_unchanged"] = got == reference
+    bar.update(1)
+    return cycle
+
+
+# ---- output ----------------------------------------------------------------------------------------------
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{n} B"
+
+
+def _fmt_s(s: float | None) -> str:
+    if s is None:
+        return "n/a"
+    return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _rows(report: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    g = report["generate"]
+    yield "backend", f"{report['backend']} on {report['device']}, tp_size={report['tp_size']}, dtype={report['dtype']}"
+    yield (
+        "model",
+        f"{report['model']} ({report['weights']['num_tensors']} tensors, {_fmt_bytes(report['weights']['num_bytes'])})",
+    )
+    yield "engine start", _fmt_s(report["create_seconds"])
+    yield "engine memory", f"{_fmt_bytes(report['engine_memory_bytes'])} awake with weights ({report['memory_probe']})"
+    s = report["settings"]
+    shape = f"{s['batch_size']} prompts x {s['prompt_len']} tokens, {s['max_new_tokens']} new, greedy"
+    yield "generate", f"{g['tokens_per_s']:.1f} tok/s ({shape})"
+    if g.get("raw_tokens_per_s"):
+        yield "generate, raw engine", f"{g['raw_tokens_per_s']:.1f} tok/s (ours/raw = {g['vs_raw']:.2f})"
+    elif g.get("raw_error"):
+        yield "generate, raw engine", f"failed: {g['raw_error']}"
+    else:
+        yield "generate, raw engine", "n/a (the plugin registers no raw_runner)"
+    lw = report["load_weights"]
+    b = lw["bucketed"]
+    yield (
+        "load_weights, bucketed",
+        (
+            f"{_fmt_s(b['seconds'])} ({b['gb_per_s']:.2f} GB/s, {b['num_buckets']} bucket(s)); "
+            f"until a generate sees them {_fmt_s(b['until_visible_seconds'])}"
+        ),
+    )
+    p = lw.get("per_parameter")
+    if p:
+        yield (
+            "load_weights, per parameter",
+            (
+                f"{_fmt_s(p['seconds'])} ({p['gb_per_s']:.2f} GB/s, {p['calls']} calls,"
+                f" {_fmt_s(p['seconds_per_call'])}/call)"
+            ),
+        )
+    yield "same greedy output after loads", "yes" if lw.get("greedy_unchanged") else "NO"
+    for c in report["sleep"]:
+        lvl = c["level"]
+        if "error" in c:
+            yield f"sleep level {lvl}", f"not supported: {c['error']}"
+            continue
+        share = f" = {c['freed_share']:.1%} of engine memory" if c.get("freed_share") is not None else ""
+        yield f"sleep level {lvl}", f"{_fmt_s(c['sleep_seconds'])}, frees {_fmt_bytes(c['freed_bytes'])}{share}"
+        for w in c["wake"]:
+            yield f"  wake {w['tag']}", _fmt_s(w["seconds"])
+            if w["tag"] == "weights" and "reload_seconds" in c:
+                yield "  load_weights (re-push)", _fmt_s(c["reload_seconds"])
+        yield "  same greedy output after wake", "yes" if c["greedy_unchanged"] else "NO"
+    sd = report["shutdown"]
+    note = (
+        " (on CPU this includes code and caches of the first model load)" if report["device"].startswith("cpu") else ""
+    )
+    yield (
+        "shutdown",
+        f"{_fmt_s(sd['seconds'])}, memory left above the start {_fmt_bytes(sd['memory_left_bytes'])}{note}",
+    )
+    yield "benchmark took", _fmt_s(report["total_seconds"])
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """The end-of-run table, one measurement per line."""
+    rows = list(_rows(report))
+    width = max(len(k) for k, _ in rows)
+    line = "-" * (width + 2 + max(len(v) for _, v in rows))
+    body = "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+    return f"{line}\n{body}\n{line}"
+
+
+def _time_unit(seconds: list[float]) -> tuple[float, str]:
+    return (1000.0, "ms") if max(seconds, default=0.0) < 1 else (1.0, "s")
+
+
+def plot_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """Four panels: throughput, weight sync, memory freed by sleep, time of each sleep/wake step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    fig.suptitle(f"genengine bench: {report['backend']} on {report['device']}", fontsize=13)
+    ours, other, third = "#3b6fb6", "#b0b0b0", "#e08a3c"
+
+    ax = axes[0][0]
+    g = report["generate"]
+    labels, values, colors = ["genengine"], [g["tokens_per_s"]], [ours]
+    if g.get("raw_tokens_per_s"):
+        labels.append("raw engine")
+        values.append(g["raw_tokens_per_s"])
+        colors.append(other)
+    else:
+        ax.text(0.98, 0.95, "raw engine: n/a", ha="right", va="top", transform=ax.transAxes, color="#666666")
+    bars = ax.bar(labels, values, color=colors, width=0.6)
+    ax.bar_label(bars, fmt="%.0f")
+    s = report["settings"]
+    ax.set_title(f"generate: {s['batch_size']} prompts x {s['prompt_len']} tokens, {s['max_new_tokens']} new")
+    ax.set_ylabel("tokens / s")
+    ax.margins(y=0.15)
+
+    ax = axes[0][1]
+    lw = report["load_weights"]
+    labels = ["bucketed\n(1 call)"]
+    secs = [lw["bucketed"]["seconds"]]
+    rates = [lw["bucketed"]["gb_per_s"]]
+    if lw.get("per_parameter"):
+        labels.append(f"per parameter\n({lw['per_parameter']['calls']} calls)")
+        secs.append(lw["per_parameter"]["seconds"])
+        rates.append(lw["per_parameter"]["gb_per_s"])
+    scale, unit = _time_unit(secs)
+    bars = ax.bar(labels, [x * scale for x in secs], color=[ours, other][: len(labels)], width=0.6)
+    ax.bar_label(bars, labels=[f"{_fmt_s(x)}\n{r:.2f} GB/s" for x, r in zip(secs, rates, strict=True)])
+    ax.set_title(
+        f"load_weights: {_fmt_bytes(report['weights']['num_bytes'])} in {report['weights']['num_tensors']} tensors"
+    )
+    ax.set_ylabel(unit)
+    ax.margins(y=0.25)
+
+    ax = axes[1][0]
+    cycles = [c for c in report["sleep"] if "error" not in c]
+    engine_mem = report.get("engine_memory_bytes") or 0
+    mib = 1 << 20
+    if cycles and engine_mem:
+        labels = [f"level {c['level']}" for c in cycles]
+        freed = [max(c["freed_bytes"] or 0, 0) / mib for c in cycles]
+        kept = [max(engine_mem / mib - f, 0) for f in freed]
+        ax.bar(labels, freed, color=ours, label="freed by sleep", width=0.6)
+        ax.bar(labels, kept, bottom=freed, color=other, label="still held", width=0.6)
+        for i, c in enumerate(cycles):
+            if c.get("freed_share") is not None:
+                ax.text(i, engine_mem / mib, f"{c['freed_share']:.0%} freed", ha="center", va="bottom")
+        ax.legend(loc="lower right")
+        ax.margins(y=0.15)
+    else:
+        ax.text(0.5, 0.5, "no sleep measurement", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(f"sleep: share of the engine's {_fmt_bytes(engine_mem)} freed ({report['memory_probe']})")
+    ax.set_ylabel("MiB")
+
+    ax = axes[1][1]
+    if cycles:
+        steps: list[str] = ["sleep"]
+        for c in cycles:
+            for w in c["wake"]:
+                if w["tag"] not in steps:
+                    steps.append(w["tag"])
+                if w["tag"] == "weights" and "reload_seconds" in c and "re-push" not in steps:
+                    steps.append("re-push")
+        times = []
+        for c in cycles:
+            t = {"sleep": c["sleep_seconds"], "re-push": c.get("reload_seconds")}
+            t.update({w["tag"]: w["seconds"] for w in c["wake"]})
+            times.append(t)
+        scale, unit = _time_unit([v for t in times for v in t.values() if v is not None])
+        width = 0.8 / len(cycles)
+        for i, (c, t) in enumerate(zip(cycles, times, strict=True)):
+            pts = [(j, t[step]) for j, step in enumerate(steps) if t.get(step) is not None]
+            xs = [j + (i - (len(cycles) - 1) / 2) * width for j, _ in pts]
+            bars = ax.bar(
+                xs, [v * scale for _, v in pts], width=width, label=f"level {c['level']}", color=[ours, third][i % 2]
+            )
+            ax.bar_label(bars, labels=[_fmt_s(v) for _, v in pts], fontsize=8)
+        names = {"sleep": "sleep", "re-push": "load_weights\n(re-push)"}
+        ax.set_xticks(range(len(steps)), [names.get(st, f"wake\n{st}") for st in steps])
+        ax.legend()
+        ax.margins(y=0.15)
+        ax.set_ylabel(unit)
+    ax.set_title("sleep, then the staged wake (weights first)")
+
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,108 @@
+"""``genengine bench``: throughput, weight sync, sleep and wake of one backend, through the protocol."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def _option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE read as YAML, so ``--option chunked_prefill_size=4096`` is an int."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--option {text!r}: expected KEY=VALUE")
+    import yaml
+
+    try:
+        return key, yaml.safe_load(value)
+    except yaml.YAMLError:
+        return key, value
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sleep-levels {text!r}: expected e.g. '1,2', '2' or ''") from None
+    if any(lvl not in (1, 2) for lvl in levels):
+        raise argparse.ArgumentTypeError(f"--sleep-levels {text!r}: allowed levels are 1 and 2")
+    return levels
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "bench",
+        help="measure generate throughput, load_weights, sleep and wake of a backend",
+        description=(
+            "Measure one backend through the GenerationEngine protocol: generation throughput (beside the raw "
+            "engine when the plugin registers a raw_runner), load_weights time and GB/s (bucketed and one call "
+            "per parameter), memory freed by sleep and the time of each wake stage. With no arguments it "
+            "builds a tiny model and runs the embedded backend on CPU. With --tp-size N, run it under "
+            "`torchrun --nproc-per-node N`."
+        ),
+    )
+    p.add_argument("--backend", default="transformers", help="a registered backend, or module:EngineClass")
+    p.add_argument("--model", default=None, help="local HF model folder (default: build a tiny random model)")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument(
+        "--option",
+        action="append",
+        type=_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="backend option (repeatable); VALUE is read as YAML",
+    )
+    p.add_argument("--dtype", default=None, help="engine dtype (default: the config's; float32 for the tiny model)")
+    p.add_argument("--mem-util", type=float, default=None)
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
+    p.add_argument("--bucket-mb", type=float, default=None, help="load_weights bucket size (default: the backend's)")
+    p.add_argument("--sleep-levels", type=_levels, default=(1, 2), help="comma-separated, e.g. '1,2' (default)")
+    p.add_argument("--no-raw", action="store_true", help="skip the raw engine's throughput")
+    p.add_argument("--no-per-parameter", action="store_true", help="skip the one-call-per-tensor weight sync")
+    p.add_argument("--json", metavar="FILE", default=None, help="write the report as JSON ('-' for stdout)")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the figures into a PNG")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from genengine.bench import BenchSettings, format_report, plot_report, run_bench
+
+    settings = BenchSettings(
+        backend=args.backend,
+        model=args.model,
+        tp_size=args.tp_size,
+        options=dict(args.option),
+        dtype=args.dtype,
+        mem_util=args.mem_util,
+        batch_size=args.batch_size,
+        prompt_len=args.prompt_len,
+        max_new_tokens=args.max_new_tokens,
+        repeats=args.repeats,
+        bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20)),
+        sleep_levels=args.sleep_levels,
+        raw=not args.no_raw,
+        per_parameter=not args.no_per_parameter,
+        progress=not args.quiet,
+    )
+    report = run_bench(settings)
+    from genengine.bench import _rank
+
+    if _rank() != 0:
+        return 0
+    print(format_report(report), file=sys.stderr if args.json == "-" else sys.stdout)
+    if args.json == "-":
+        print(json.dumps(report, indent=2))
+    elif args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=2)
+            fh.write("\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {plot_report(report, args.plot)}")
+    return 0
