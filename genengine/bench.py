@@ -234,6 +234,26 @@ def _maybe_init_distributed(device: str) -> bool:
     return True
 
 
+def _resolve_backend(settings: BenchSettings) -> tuple[Any, str, str | None, Any]:
+    """(backend for the config, display name, distribution, raw runner); imports the engine's module now,
+    so a bad name fails before any model is built and imports do not count as engine memory."""
+    from genengine.registry import get_backend
+
+    backend = settings.backend
+    if isinstance(backend, str) and ":" in backend:
+        try:
+            backend = _resolve(backend)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"backend={settings.backend!r} cannot be imported: {exc}") from exc
+        return backend, f"{backend.__module__}.{backend.__qualname__}", None, None
+    if isinstance(backend, str):
+        info = get_backend(backend)
+        if isinstance(info.factory, str):
+            importlib.import_module(info.factory.partition(":")[0])
+        return backend, backend, info.distribution, info.raw_runner
+    return backend, getattr(backend, "__qualname__", type(backend).__name__), None, None
+
+
 # ---- the benchmark ---------------------------------------------------------------------------------------
 def run_bench(settings: BenchSettings) -> dict[str, Any]:
     """Run every measurement and return the report (plain JSON-able data)."""
@@ -243,6 +263,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             f"tp_size={settings.tp_size} needs a torch.distributed world of at least {settings.tp_size} ranks: "
             f"run `torchrun --nproc-per-node {settings.tp_size} -m genengine.cli bench ...`"
         )
+    resolved = _resolve_backend(settings)
     with contextlib.ExitStack() as stack:
         model = settings.model
         built = False
@@ -254,37 +275,24 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             built = True
             if settings.dtype is None:
                 settings.dtype = "float32"
-        return _run(settings, model, built)
+        return _run(settings, model, built, resolved)
 
 
-def _run(settings: BenchSettings, model: str, built: bool) -> dict[str, Any]:
+def _run(
+    settings: BenchSettings, model: str, built: bool, resolved: tuple[Any, str, str | None, Any]
+) -> dict[str, Any]:
     import torch
 
     from genengine import __version__
     from genengine.config import EngineConfig
     from genengine.protocol import SamplingParams
-    from genengine.registry import create_engine, get_backend
+    from genengine.registry import create_engine
 
     t_total = time.perf_counter()
     device = _device_for(settings)
     owns_group = _maybe_init_distributed(device)
     show = settings.progress and _rank() == 0
-
-    # Resolve the backend and import its engine module *before* the baseline, so imports do not count
-    # as engine memory.
-    backend = settings.backend
-    raw_runner: Any = None
-    distribution: str | None = None
-    if isinstance(backend, str) and ":" in backend:
-        backend = _resolve(backend)
-        name = f"{backend.__module__}.{backend.__qualname__}"
-    elif isinstance(backend, str):
-        info = get_backend(backend)
-        name, distribution, raw_runner = backend, info.distribution, info.raw_runner
-        if isinstance(info.factory, str):
-            importlib.import_module(info.factory.partition(":")[0])
-    else:
-        name = getattr(backend, "__qualname__", type(backend).__name__)
+    backend, name, distribution, raw_runner = resolved
 
     fields: dict[str, Any] = {"backend": backend, "model": model, "tp_size": settings.tp_size}
     if settings.dtype is not None:
@@ -421,8 +429,13 @@ def _run(settings: BenchSettings, model: str, built: bool) -> dict[str, Any]:
     return report
 
 
-def _barrier(engine: Any, prompts: list[list[int]]) -> None:
-    """A one-token generate: an engine that answers before its copies land is timed until it can serve."""
+def _barrier(engine: Any, prompts: list[list[int]], *, flush: bool = False) -> None:
+    """A one-token generate: an engine that answers before its copies land is timed until it can serve.
+
+    Its own cost is measured with a flushed prefix cache, as it runs after a load (which flushes).
+    """
+    if flush:
+        engine.flush_cache()
     engine.generate(prompt_token_ids=prompts[:1], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
 
 
@@ -436,7 +449,7 @@ def _load_bucketed(
     bar: Any,
 ) -> dict[str, Any]:
     engine.load_weights(list(weights.items()), bucket_bytes=settings.bucket_bytes)  # first touch is not steady state
-    barrier_s = min(_timed(lambda: _barrier(engine, prompts))[0] for _ in range(2))
+    barrier_s = min(_timed(lambda: _barrier(engine, prompts, flush=True))[0] for _ in range(2))
     runs = []
     for i in range(settings.repeats):
         bar.set_postfix_str(f"load_weights bucketed {i + 1}/{settings.repeats}")
@@ -548,7 +561,9 @@ def _fmt_bytes(n: int | None) -> str:
 def _fmt_s(s: float | None) -> str:
     if s is None:
         return "n/a"
-    return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
+    if s < 0.001:
+        return f"{s * 1e6:.0f} µs"
+    return f"{s * 1000:.2f} ms" if s < 0.01 else f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def _rows(report: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
@@ -682,12 +697,12 @@ def plot_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
         for i, c in enumerate(cycles):
             if c.get("freed_share") is not None:
                 ax.text(i, engine_mem / mib, f"{c['freed_share']:.0%} freed", ha="center", va="bottom")
-        ax.legend(loc="lower right")
-        ax.margins(y=0.15)
+        ax.legend(loc="center right")
+        ax.set_ylim(0, engine_mem / mib * 1.15)
     else:
         ax.text(0.5, 0.5, "no sleep measurement", ha="center", va="center", transform=ax.transAxes)
-    ax.set_title(f"sleep: share of the engine's {_fmt_bytes(engine_mem)} freed ({report['memory_probe']})")
-    ax.set_ylabel("MiB")
+    ax.set_title(f"sleep: memory freed, of the engine's {_fmt_bytes(engine_mem)}")
+    ax.set_ylabel(f"MiB ({report['memory_probe']})")
 
     ax = axes[1][1]
     if cycles:
@@ -696,8 +711,8 @@ def plot_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path
             for w in c["wake"]:
                 if w["tag"] not in steps:
                     steps.append(w["tag"])
-                if w["tag"] == "weights" and "reload_seconds" in c and "re-push" not in steps:
-                    steps.append("re-push")
+        if any("reload_seconds" in c for c in cycles):  # the trainer's re-push comes right after waking weights
+            steps.insert(steps.index("weights") + 1 if "weights" in steps else len(steps), "re-push")
         times = []
         for c in cycles:
             t = {"sleep": c["sleep_seconds"], "re-push": c.get("reload_seconds")}

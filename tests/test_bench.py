@@ -1,0 +1,143 @@
+"""``genengine bench`` on the embedded backend: the real measurements, the table, the JSON and the PNG."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from genengine.bench import BenchSettings, format_report, run_bench
+from genengine.cli import main
+from genengine.errors import ConfigError, InvalidArgumentError
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, Path, float]:
+    """``genengine bench`` with no measuring arguments: builds its tiny model, runs the embedded backend."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path_factory.mktemp("bench")
+    buf = io.StringIO()
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["bench", "--json", str(out / "r.json"), "--plot", str(out / "r.png"), "--quiet"])
+    elapsed = time.perf_counter() - start
+    assert rc == 0
+    return json.loads((out / "r.json").read_text()), buf.getvalue(), out / "r.png", elapsed
+
+
+def test_no_argument_run_finishes_quickly_and_writes_everything(default_run: Any) -> None:
+    report, table, png, elapsed = default_run
+    assert elapsed < 120
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    for row in (
+        "generate",
+        "generate, raw engine",
+        "load_weights, bucketed",
+        "load_weights, per parameter",
+        "sleep level 1",
+        "sleep level 2",
+        "wake weights",
+        "wake kv_cache",
+        "shutdown",
+    ):
+        assert f"\n{row} " in table or f"\n  {row} " in table, row
+    assert report["backend"] == "transformers" and report["device"].startswith("cpu")
+
+
+def test_report_holds_real_measurements(default_run: Any) -> None:
+    report = default_run[0]
+    g = report["generate"]
+    s = report["settings"]
+    assert g["tokens"] == s["batch_size"] * s["max_new_tokens"]  # greedy, ignore_eos: every token counted
+    assert (
+        g["tokens_per_s"] > 0
+        and g["raw_tokens_per_s"] > 0
+        and g["vs_raw"] == pytest.approx(g["tokens_per_s"] / g["raw_tokens_per_s"])
+    )
+    w = report["weights"]
+    lw = report["load_weights"]
+    assert lw["bucketed"]["num_tensors"] == w["num_tensors"] and lw["bucketed"]["num_buckets"] >= 1
+    assert lw["bucketed"]["gb_per_s"] == pytest.approx(w["num_bytes"] / lw["bucketed"]["seconds"] / 1e9)
+    assert lw["per_parameter"]["calls"] == w["num_tensors"]
+    assert lw["greedy_unchanged"] is True  # loading the checkpoint's own weights changes nothing
+    levels = {c["level"]: c for c in report["sleep"]}
+    assert set(levels) == {1, 2}
+    for c in levels.values():
+        assert [x["tag"] for x in c["wake"]] == ["weights", "kv_cache"]  # the staged order
+        assert c["greedy_unchanged"] is True
+    # Level 2 drops the weights: most of what the engine holds comes back to the process.
+    assert levels[2]["freed_share"] > 0.5
+    assert levels[2]["freed_bytes"] > 0.5 * w["num_bytes"]
+    assert "reload_seconds" in levels[2] and "reload_seconds" not in levels[1]
+
+
+def test_table_is_printed_from_the_report(default_run: Any) -> None:
+    assert format_report(default_run[0]) in default_run[1]
+
+
+def test_engine_class_as_backend_and_skipped_parts(tmp_path: Path) -> None:
+    from genengine.testing.tiny_model import tiny_model_dir
+
+    report = run_bench(
+        BenchSettings(
+            backend="genengine.backends.transformers:TransformersEngine",
+            model=str(tiny_model_dir()),
+            dtype="float32",
+            batch_size=2,
+            prompt_len=4,
+            max_new_tokens=3,
+            repeats=1,
+            sleep_levels=(2,),
+            per_parameter=False,
+            progress=False,
+        )
+    )
+    assert report["backend"] == "genengine.backends.transformers.TransformersEngine"
+    assert report["generate"]["tokens"] == 6 and report["generate"]["raw_tokens_per_s"] is None
+    assert report["load_weights"]["per_parameter"] is None
+    assert [c["level"] for c in report["sleep"]] == [2]
+    assert "n/a (the plugin registers no raw_runner)" in format_report(report)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/nonexistent/model"], "is not a local model folder"),
+        (["--batch-size", "0"], "batch_size=0 must be an integer >= 1"),
+        (["--backend", "nope"], "unknown backend 'nope'"),
+        (["--tp-size", "2"], "run `torchrun --nproc-per-node 2"),
+    ],
+)
+def test_bad_arguments_fail_before_any_work(args: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    start = time.perf_counter()
+    assert main(["bench", "--quiet", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert time.perf_counter() - start < 5  # no model was built, no engine started
+
+
+@pytest.mark.parametrize("args", [["--option", "no_equals_sign"], ["--sleep-levels", "1,3"]])
+def test_malformed_options_are_usage_errors(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *args])
+    assert exc.value.code == 2
+    assert args[0] in capsys.readouterr().err
+
+
+def test_settings_are_checked() -> None:
+    with pytest.raises(InvalidArgumentError, match="sleep level 3"):
+        BenchSettings(sleep_levels=(3,)).check()
+    with pytest.raises(ConfigError, match="'/no/such'"):
+        BenchSettings(model="/no/such").check()
+
+
+def test_option_values_are_typed() -> None:
+    from genengine.cli_bench import _option
+
+    assert _option("max_batch_size=4") == ("max_batch_size", 4)
+    assert _option("device=cpu") == ("device", "cpu")
+    assert _option("flag=true") == ("flag", True)
