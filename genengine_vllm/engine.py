@@ -1,0 +1,616 @@
+"""``VLLMEngine``: vLLM 0.26.0 colocated in the trainer's own processes, behind genengine's protocol.
+
+How it maps (every choice checked against vLLM 0.26.0's source):
+
+* **Where it runs.** The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
+  ``load_weights`` writes the trainer's tensors straight into the model (``LLM.apply_model`` →
+  ``model.load_weights``): no IPC, no second copy. With ``torch.distributed`` initialised (the trainer's
+  world), every rank holds one engine rank (``distributed_executor_backend="external_launcher"``) and the
+  TP groups are the contiguous ranks of :mod:`genengine.distributed`, which is how vLLM builds them too.
+  ``tp_size=1`` also works without ``torch.distributed`` (one GPU, a notebook): vLLM then makes a private
+  one-rank group. ``tp_size > 1`` needs the trainer's group (``DistributedSetupError``, an AssertionError
+  as in the reference).
+* **Identical ranks.** external_launcher is deterministic only if every rank of a TP group gets the same
+  requests with the same seeds. Each call's inputs *and* engine state are compared across the group first
+  (``InconsistentInputsError`` names the odd rank; a rank that never arrives is a ``CollectiveTimeoutError``,
+  not a hang), and no request reaches vLLM without an explicit seed (vLLM would draw one from the global
+  numpy RNG, which the colocated trainer also consumes). Each TP group has its own seed,
+  ``config.seed + group index``. Creating the engine leaves the trainer's RNG states as they were (vLLM
+  reseeds python/numpy/torch while it starts).
+* **Sleep.** vLLM's sleep mode (cumem allocator): level 1 backs weights up to host memory, level 2 drops
+  them; ``wake`` maps tags back (``"weights"``, ``"kv_cache"``). After level 2 the state machine refuses to
+  generate until ``load_weights`` covered every weight; the disk checkpoint is never reloaded (the TRL bug).
+  ``expandable_segments:True`` is removed from the allocator settings while the engine lives (with it
+  PyTorch bypasses vLLM's pool and sleep frees nothing). vLLM's allocator is one per process: a second
+  sleep-mode engine is refused before any GPU memory is taken.
+* **Shutdown** leaves the trainer's default process group alive (vLLM's teardown calls
+  ``torch.distributed.destroy_process_group()``, which would take the trainer's world down with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import random
+import sys
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from genengine.base import EngineBase
+from genengine.config import EngineConfig
+from genengine.errors import (
+    BackendImportError,
+    ConfigError,
+    DistributedSetupError,
+    EngineStateError,
+    InvalidArgumentError,
+)
+from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, EngineState, GenerationResult, LoadReport
+from genengine_vllm.options import (
+    VLLMSettings,
+    build_llm_kwargs,
+    convert_request_output,
+    resolve_settings,
+    split_greedy_n,
+    strip_expandable_segments,
+    vllm_sampling_kwargs,
+)
+from genengine_vllm.spec import vocab_size, weight_spec
+
+if TYPE_CHECKING:
+    import torch
+
+    from genengine.distributed import EngineGroup, Topology
+    from genengine.requests import Request
+    from genengine.weights import WeightInfo
+
+__all__ = ["VLLMEngine", "get_vllm_engine"]
+
+_SEED_SPACE = 1 << 62  # vLLM treats seed -1 as "none" and adds the sample index to a seed: stay well inside int64
+
+
+# ---- process-wide state ------------------------------------------------------------------------------------
+class _ProcessState:
+    """What one process may hold at once: vLLM's allocator, parallel state and default group are global."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.live: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.sleep_owner: weakref.ref[Any] | None = None
+        self.vllm_world: Any = None  # the default group vLLM created itself (no trainer world)
+
+
+_STATE = _ProcessState()
+
+
+def _sleep_owner() -> Any:
+    owner = _STATE.sleep_owner() if _STATE.sleep_owner is not None else None
+    if owner is not None and getattr(owner, "_closed", False):
+        return None
+    return owner
+
+
+def _foreign_cumem_bytes() -> int:
+    """Bytes vLLM's sleep allocator holds for an engine genengine did not make (a raw ``vllm.LLM``)."""
+    module = sys.modules.get("vllm.device_allocator.cumem")  # only if vLLM's allocator was ever loaded
+    instance = getattr(getattr(module, "CuMemAllocator", None), "instance", None)
+    if instance is None:
+        return 0
+    try:
+        return int(instance.get_current_usage())
+    except Exception:
+        return 0
+
+
+def check_sleep_slot(owner: object | None, what: str) -> None:
+    """Raise unless vLLM's one-per-process sleep allocator is free (or already ``owner``'s)."""
+    holder = _sleep_owner()
+    if holder is not None and holder is not owner:
+        raise EngineStateError(
+            f"{what}: a vLLM engine with sleep enabled already lives in this process ({holder!r}); vLLM's "
+            "sleep allocator serves one engine per process. Shut it down first, or create this one with "
+            "enable_sleep=False (get_vllm_engine: enable_engine_sleep=False)"
+        )
+    if holder is None and (held := _foreign_cumem_bytes()) > 0:
+        raise EngineStateError(
+            f"{what}: vLLM's sleep allocator already holds {held} bytes for an engine created outside "
+            "genengine in this process; it serves one engine per process"
+        )
+
+
+def claim_sleep_slot(owner: object, what: str) -> None:
+    """Reserve vLLM's one-per-process sleep allocator for ``owner``; raise if another engine holds it."""
+    with _STATE.lock:
+        check_sleep_slot(owner, what)
+        _STATE.sleep_owner = weakref.ref(owner)
+
+
+def release_sleep_slot(owner: object) -> None:
+    with _STATE.lock:
+        if _STATE.sleep_owner is not None and _STATE.sleep_owner() in (owner, None):
+            _STATE.sleep_owner = None
+
+
+@contextlib.contextmanager
+def keep_default_group(active: bool = True) -> Iterator[None]:
+    """Make ``torch.distributed.destroy_process_group()`` of the default group a no-op inside the block.
+
+    vLLM's teardown (``cleanup_dist_env_and_memory`` → ``destroy_distributed_environment``) destroys the
+    default group, which under external_launcher is the trainer's; its own subgroups are destroyed
+    normally.
+    """
+    if not active:
+        yield
+        return
+    import torch.distributed as dist
+
+    original = dist.destroy_process_group
+    default = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+    def guarded(group: Any = None) -> None:
+        if default is not None and (group is None or group is default):
+            return
+        original(group)
+
+    dist.destroy_process_group = guarded  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = original  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def preserve_rng_states() -> Iterator[None]:
+    """Restore python's, numpy's and torch's (CPU and CUDA) RNG states after the block.
+
+    vLLM reseeds all of them while it starts (``set_random_seed``): a colocated trainer's dropout and data
+    order must not change because an engine was created.
+    """
+    import torch
+
+    py_state = random.getstate()
+    np_module = sys.modules.get("numpy")
+    np_state = np_module.random.get_state() if np_module is not None else None
+    cpu_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        if np_state is not None and np_module is not None:
+            np_module.random.set_state(np_state)
+        torch.set_rng_state(cpu_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _set_expandable_segments(enabled: bool) -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enabled}")
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise BackendImportError(
+            f"the vllm backend needs vLLM 0.26.0 (pip install 'genengine[vllm]'): {type(exc).__name__}: {exc}"
+        ) from exc
+    return vllm
+
+
+def _trainer_world(tp_size: int) -> Topology | None:
+    """This rank's place in the trainer's world, or None when there is no trainer world (tp_size 1 only)."""
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    if initialised and _STATE.vllm_world is not None and dist.group.WORLD is _STATE.vllm_world:
+        initialised = False  # the one-rank group an earlier engine of this process made: not a trainer's
+    if not initialised:
+        if tp_size > 1:
+            raise DistributedSetupError(
+                f"tp_size={tp_size} needs torch.distributed initialised by the trainer (launch one process per "
+                "GPU, e.g. with torchrun, and call torch.distributed.init_process_group() before creating the "
+                "engine); tp_size=1 also runs without it"
+            )
+        return None
+    from genengine.distributed import topology_from_env
+
+    return topology_from_env(tp_size)
+
+
+def _load_image(image: Any, index: int) -> Any:
+    """A PIL image (or list of them) from what ``image_data`` allows: PIL images, file paths, bytes, data URIs."""
+    if isinstance(image, (list, tuple)):
+        return [_load_image(item, index) for item in image]
+    if hasattr(image, "mode") and hasattr(image, "size"):
+        return image
+    import base64
+    import io
+
+    from PIL import Image
+
+    try:
+        if isinstance(image, (bytes, bytearray)):
+            return Image.open(io.BytesIO(bytes(image))).convert("RGB")
+        if isinstance(image, str) and image.startswith("data:image"):
+            return Image.open(io.BytesIO(base64.b64decode(image.split(",", 1)[1]))).convert("RGB")
+        if isinstance(image, (str, os.PathLike)) and os.path.isfile(image):
+            return Image.open(image).convert("RGB")
+    except Exception as exc:
+        raise InvalidArgumentError(f"image_data[{index}] cannot be read as an image: {exc}") from exc
+    raise InvalidArgumentError(
+        f"image_data[{index}]={str(image)[:80]!r} is not an image: give a PIL image, a file path, bytes or a "
+        "data:image URI (nothing is downloaded)"
+    )
+
+
+def _image_fingerprint(image_data: Any) -> Any:
+    """Images by content for the TP consistency check, without pickling whole PIL objects."""
+    if image_data is None:
+        return None
+    if isinstance(image_data, (list, tuple)):
+        return [_image_fingerprint(x) for x in image_data]
+    if hasattr(image_data, "tobytes") and hasattr(image_data, "mode") and hasattr(image_data, "size"):
+        return ("image", image_data.mode, tuple(image_data.size), image_data.tobytes())
+    return image_data
+
+
+def generate_check_value(
+    prompts: Any, sampling_params: Any, prompt_token_ids: Any, image_data: Any, state: EngineState
+) -> tuple[Any, ...]:
+    """What must be equal on every rank of a TP group before a ``generate`` reaches vLLM.
+
+    The engine state is part of it: a rank that is asleep while the others generate would leave them
+    waiting in vLLM's collectives forever.
+    """
+    return ("generate", prompts, sampling_params, prompt_token_ids, _image_fingerprint(image_data), state)
+
+
+# ---- worker-side helpers (run by collective_rpc on this process's worker) ----------------------------------
+# collective_rpc calls them with vLLM's WorkerWrapperBase; its ``worker`` is the GPU worker.
+def _stash_saved_buffers(wrapper: Any) -> None:
+    worker = getattr(wrapper, "worker", wrapper)
+    worker._genengine_stash = worker._sleep_saved_buffers
+    worker._sleep_saved_buffers = {}
+
+
+def _unstash_saved_buffers(wrapper: Any) -> None:
+    worker = getattr(wrapper, "worker", wrapper)
+    worker._sleep_saved_buffers = getattr(worker, "_genengine_stash", {})
+    worker._genengine_stash = {}
+
+
+# ---- the engine --------------------------------------------------------------------------------------------
+class VLLMEngine(EngineBase):
+    """vLLM in the trainer's process: generate, sleep (levels 1 and 2), staged wake, in-place weight loads.
+
+    Create it with :meth:`from_config` (what ``genengine.create_engine(backend="vllm", ...)`` calls) or
+    :func:`get_vllm_engine` (the reference's arguments). Backend options: ``skip_tokenizer_init``,
+    ``disable_cuda_graph``, ``weight_sync_mode`` (``"bucketed"``: one in-place load per bucket;
+    ``"per_param"``: one per tensor, the baseline), ``bucket_bytes``, and any ``vllm.LLM`` argument that
+    genengine does not set itself (``max_model_len``, ``enable_prefix_caching``, ``max_num_seqs``, ...).
+    """
+
+    supported_tags = (TAG_WEIGHTS, TAG_KV_CACHE)
+    supports_images: ClassVar[bool] = True
+
+    def __init__(self, settings: VLLMSettings, topology: Topology | None) -> None:
+        super().__init__(sleep_enabled=settings.enable_sleep, bucket_bytes=settings.bucket_bytes)
+        self.settings = settings
+        self.topology = topology
+        self._closed = True  # until vLLM is up; shutdown() is then a no-op
+        self._llm: Any = None
+        self._group: EngineGroup | None = None
+        self._spec: dict[str, WeightInfo] | None = None
+        self._alloc_conf: str | None = None
+        self._expandable_off = False
+        self._max_model_len = 0
+        self._multimodal = False
+        group_index = topology.dp_rank if topology is not None else 0
+        self.group_seed = settings.seed + group_index
+        self._seed_rng = random.Random(self.group_seed)
+        if settings.enable_sleep:
+            claim_sleep_slot(self, f"VLLMEngine({settings.model!r})")
+        try:
+            self._start(topology)
+        except BaseException:
+            self._restore_allocator()
+            release_sleep_slot(self)
+            raise
+        self._closed = False
+        with _STATE.lock:
+            _STATE.live.add(self)
+
+    # -- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> VLLMEngine:
+        """Validate everything, then start vLLM; bad input fails before vLLM is imported or memory is taken."""
+        config = EngineConfig.from_any(config)
+        settings = resolve_settings(config)
+        topology = _trainer_world(settings.tp_size)
+        if settings.enable_sleep:
+            with _STATE.lock:
+                check_sleep_slot(None, f"VLLMEngine({settings.model!r})")
+        _import_vllm()
+        return cls(settings, topology)
+
+    def _start(self, topology: Topology | None) -> None:
+        import torch.distributed as dist
+
+        vllm = _import_vllm()
+        # In-process engine core: apply_model reaches the model without IPC (external_launcher forces it too).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if topology is not None:
+            from genengine.distributed import engine_group
+
+            self._group = engine_group(self.settings.tp_size, check_port=False)
+            # ExecutorWithExternalLauncher reads the rank and the device from torchrun's variables.
+            os.environ["RANK"] = str(topology.rank)
+            os.environ["LOCAL_RANK"] = str(topology.local_rank)
+        if self.settings.enable_sleep:
+            self._alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+            stripped = strip_expandable_segments(self._alloc_conf)
+            if stripped != self._alloc_conf:
+                if stripped is None:
+                    os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+                else:
+                    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = stripped
+                _set_expandable_segments(False)
+                self._expandable_off = True
+        had_world = dist.is_available() and dist.is_initialized()
+        kwargs = build_llm_kwargs(self.settings, external_launcher=topology is not None, group_seed=self.group_seed)
+        with preserve_rng_states():
+            llm = vllm.LLM(**kwargs)
+        if not had_world and dist.is_available() and dist.is_initialized():
+            _STATE.vllm_world = dist.group.WORLD
+        self._llm = llm
+        from vllm.v1.engine.core_client import InprocClient
+
+        if not isinstance(llm.llm_engine.engine_core, InprocClient):
+            self._teardown(llm, last=True)
+            raise EngineStateError(
+                "vLLM started its engine core in another process; genengine needs it in-process "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=0) to load weights without copies"
+            )
+        self._max_model_len = int(llm.model_config.max_model_len)
+        self._multimodal = bool(getattr(llm.model_config, "is_multimodal_model", False))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("asleep" if self._released else "awake")
+        return f"VLLMEngine(model={self.settings.model!r}, tp_size={self.settings.tp_size}, {state})"
+
+    # -- the protocol, with the TP-group checks vLLM's external_launcher needs --------------------------------
+    @property
+    def _tp_checked(self) -> bool:
+        return self._group is not None and self.settings.tp_size > 1
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: Any = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        image_data: Sequence[Any] | None = None,
+    ) -> list[GenerationResult]:
+        self._check_open()
+        if self._tp_checked:
+            assert self._group is not None
+            self._group.check_consistent(
+                generate_check_value(prompts, sampling_params, prompt_token_ids, image_data, self.state),
+                what="generate inputs (prompts, sampling parameters, images) or engine state (asleep/awake)",
+            )
+        return super().generate(prompts, sampling_params, prompt_token_ids=prompt_token_ids, image_data=image_data)
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int | None = None
+    ) -> LoadReport:
+        self._check_open()
+        if self._tp_checked:
+            assert self._group is not None
+            self._group.check_consistent(
+                ("load_weights", bucket_bytes, self.state), what="load_weights arguments or engine state"
+            )
+        return super().load_weights(named_tensors, bucket_bytes=bucket_bytes)
+
+    # -- EngineBase hooks -----------------------------------------------------------------------------------
+    def _vocab_size(self) -> int | None:
+        return vocab_size(self.settings.model_config)
+
+    def _weight_spec(self) -> Mapping[str, WeightInfo]:
+        if self._spec is None:
+            self._spec = weight_spec(self.settings.model, self.settings.model_config, self.settings.dtype)
+        return self._spec
+
+    def _generate(self, requests: list[Request]) -> list[GenerationResult]:
+        from vllm import SamplingParams as VllmSamplingParams
+
+        detokenize = not self.settings.skip_tokenizer_init
+        for r in requests:  # everything that can be refused, before a seed is drawn or a request is queued
+            if r.prompt is not None and not detokenize:
+                raise InvalidArgumentError(
+                    "text prompts need the tokenizer, but the engine was created with skip_tokenizer_init=True: "
+                    "pass prompt_token_ids"
+                )
+            if r.image is not None and not self._multimodal:
+                raise InvalidArgumentError(f"image_data[{r.index}] given, but {self.settings.model} takes no images")
+            if r.prompt_token_ids is not None and len(r.prompt_token_ids) >= self._max_model_len:
+                raise InvalidArgumentError(
+                    f"prompt_token_ids[{r.index}] has {len(r.prompt_token_ids)} tokens; the engine's "
+                    f"max_model_len is {self._max_model_len} (prompt and completion together)"
+                )
+            vllm_sampling_kwargs(r.params, seed=0, detokenize=detokenize)  # validates
+        prompts: list[dict[str, Any]] = []
+        params: list[Any] = []
+        owners: list[int] = []
+        for r in requests:
+            prompt: dict[str, Any] = (
+                {"prompt": r.prompt} if r.prompt is not None else {"prompt_token_ids": list(r.prompt_token_ids or ())}
+            )
+            if r.image is not None:
+                prompt["multi_modal_data"] = {"image": _load_image(r.image, r.index)}
+            seed = r.params.seed % _SEED_SPACE if r.params.seed is not None else self._seed_rng.getrandbits(61)
+            copies = split_greedy_n(r.params)
+            for k in range(copies):
+                kwargs = vllm_sampling_kwargs(
+                    r.params, seed=seed + k, detokenize=detokenize, n=1 if copies > 1 else None
+                )
+                prompts.append(prompt)
+                params.append(VllmSamplingParams(**kwargs))
+                owners.append(r.index)
+        try:
+            outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        except ValueError as exc:  # vLLM's VLLMValidationError: e.g. a text prompt longer than max_model_len
+            raise InvalidArgumentError(f"vLLM refused the request: {exc}") from exc
+        grouped: dict[int, list[Any]] = {}
+        for owner, out in zip(owners, outputs, strict=True):
+            grouped.setdefault(owner, []).append(out)
+        return [convert_request_output(grouped[r.index], r.params, detokenize=detokenize) for r in requests]
+
+    def _release(self, level: int) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self._llm.sleep(level=level)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+
+    def _resume(self, tags: tuple[str, ...]) -> None:
+        import torch
+
+        torch.cuda.empty_cache()  # hand the trainer's cached blocks back so that vLLM can map them
+        if self._level == 2 and TAG_WEIGHTS in self._released and TAG_WEIGHTS not in tags:
+            # After a level-2 sleep vLLM's worker restores the model's buffers (rotary tables) on the first
+            # wake_up, whatever its tags: with the weights still unmapped that write would fault. Keep them
+            # for the wake that maps the weights.
+            self._llm.collective_rpc(_stash_saved_buffers)
+            try:
+                self._llm.wake_up(tags=list(tags))
+            finally:
+                self._llm.collective_rpc(_unstash_saved_buffers)
+        else:
+            self._llm.wake_up(tags=list(tags))
+        torch.cuda.synchronize()
+
+    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        if self._tp_checked:
+            assert self._group is not None
+            self._group.check_consistent(
+                [(name, tuple(t.shape), str(t.dtype)) for name, t in bucket], what="weight names and shapes"
+            )
+        if self.settings.weight_sync_mode == "per_param":
+            for item in bucket:
+                self._load_into_model([item])
+        else:
+            self._load_into_model(bucket)
+
+    def _load_into_model(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        # vLLM's own loader for the architecture: maps HF names (q/k/v → qkv_proj, ...) and shards for TP.
+        self._llm.apply_model(lambda model: model.load_weights(iter(items)))
+
+    def _flush_cache(self) -> None:
+        if not self._llm.reset_prefix_cache():
+            raise EngineStateError("vLLM could not reset its prefix cache (requests still running)")
+        self._llm.llm_engine.reset_encoder_cache()  # vision embeddings computed with the old weights
+
+    def _shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        try:
+            if llm is not None:
+                if self._released:
+                    # vLLM's allocator cannot free memory it unmapped for sleep (the CUDA error it would hit
+                    # poisons every later allocation of the process): map it back, then free it.
+                    llm.wake_up(tags=[t for t in self.supported_tags if t in self._released])
+                    self._released.clear()
+                with _STATE.lock:
+                    _STATE.live.discard(self)
+                    last = not any(e is not self for e in _STATE.live)
+                self._teardown(llm, last=last)
+        finally:
+            with _STATE.lock:
+                _STATE.live.discard(self)
+            self._restore_allocator()
+            release_sleep_slot(self)
+
+    def _teardown(self, llm: Any, *, last: bool) -> None:
+        import torch
+
+        client = llm.llm_engine.engine_core
+        if last:
+            # EngineCore.shutdown → cleanup_dist_env_and_memory destroys vLLM's groups and the default group:
+            # keep the default group when it is the trainer's.
+            trainer_world = self.topology is not None
+            with keep_default_group(trainer_world):
+                client.shutdown()
+            if not trainer_world:
+                _STATE.vllm_world = None
+        else:
+            # Another engine of this process still uses vLLM's process-global parallel state: free only ours.
+            core = client.engine_core
+            core.structured_output_manager.clear_backend()
+            core.model_executor.shutdown()
+            core.scheduler.shutdown()
+            gc.unfreeze()
+        del client, llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def _restore_allocator(self) -> None:
+        if self._expandable_off:
+            if self._alloc_conf is None:
+                os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+            else:
+                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = self._alloc_conf
+            _set_expandable_segments(True)
+            self._expandable_off = False
+
+
+def get_vllm_engine(
+    model_name_or_path: str,
+    engine_mem_util: float,
+    enable_engine_sleep: bool = True,
+    tp_size: int = 1,
+    skip_tokenizer_init: bool = False,
+    dtype: str = "bfloat16",
+    disable_cuda_graph: bool = False,
+    **vllm_options: Any,
+) -> VLLMEngine:
+    """The reference's ``get_sglang_engine`` arguments, for vLLM; extra keywords go to ``vllm.LLM``.
+
+    ``disable_cuda_graph`` maps to vLLM's ``enforce_eager``; ``seed`` (default 0) is the base seed of the
+    TP groups. Bad values raise ``ConfigError`` naming the argument, a world the TP groups cannot split
+    raises ``DistributedSetupError`` (an ``AssertionError``, as in the reference), all before vLLM starts.
+    Unlike the reference, ``tp_size=1`` also runs without ``torch.distributed`` (single-GPU use).
+    """
+    if (
+        isinstance(engine_mem_util, bool)
+        or not isinstance(engine_mem_util, (int, float))
+        or not (0 < engine_mem_util <= 1)
+    ):
+        raise ConfigError(f"engine_mem_util={engine_mem_util!r} must be a number in (0, 1]")
+    if not isinstance(enable_engine_sleep, bool):
+        raise ConfigError(f"enable_engine_sleep={enable_engine_sleep!r} must be True or False")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ConfigError(f"tp_size={tp_size!r} must be an integer >= 1")
+    seed = vllm_options.pop("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"seed={seed!r} must be an integer")
+    config = EngineConfig(
+        backend="vllm",
+        model=model_name_or_path,
+        tp_size=tp_size,
+        mem_util=engine_mem_util,
+        dtype=dtype,
+        enable_sleep=enable_engine_sleep,
+        seed=seed,
+        options={"skip_tokenizer_init": skip_tokenizer_init, "disable_cuda_graph": disable_cuda_graph, **vllm_options},
+    )
+    return VLLMEngine.from_config(config)

@@ -1,0 +1,80 @@
+"""The raw ``vllm.LLM`` that ``genengine bench`` measures beside ours: same settings, no genengine code."""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+from genengine.config import EngineConfig
+
+__all__ = ["raw_tokens_per_second"]
+
+
+def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_new_tokens: int) -> float:
+    """Greedy output tokens per second of a plain ``vllm.LLM`` built with the arguments ours would use.
+
+    One warm-up run, then the median of three. Runs in this process, so it must not overlap a live
+    sleep-mode engine (vLLM allows one per process; the same check as ours refuses it).
+    """
+    import statistics
+
+    import torch
+
+    from genengine_vllm.engine import (
+        _STATE,
+        _import_vllm,
+        _trainer_world,
+        claim_sleep_slot,
+        keep_default_group,
+        preserve_rng_states,
+        release_sleep_slot,
+    )
+    from genengine_vllm.options import build_llm_kwargs, resolve_settings
+
+    settings = resolve_settings(EngineConfig.from_any(config))
+    topology = _trainer_world(settings.tp_size)
+    vllm = _import_vllm()
+    token = object()
+    if settings.enable_sleep:
+        claim_sleep_slot(token, "raw vllm.LLM")
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if topology is not None:
+        os.environ["RANK"] = str(topology.rank)
+        os.environ["LOCAL_RANK"] = str(topology.local_rank)
+    group_seed = settings.seed + (topology.dp_rank if topology is not None else 0)
+    llm: Any = None
+    try:
+        kwargs = build_llm_kwargs(settings, external_launcher=topology is not None, group_seed=group_seed)
+        with preserve_rng_states():
+            llm = vllm.LLM(**kwargs)
+        params = vllm.SamplingParams(
+            temperature=0.0,
+            max_tokens=max_new_tokens,
+            ignore_eos=True,
+            detokenize=not settings.skip_tokenizer_init,
+            seed=group_seed,
+        )
+        prompts = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
+        llm.generate(prompts, params, use_tqdm=False)
+        rates = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            rates.append(tokens / (time.perf_counter() - start))
+        return float(statistics.median(rates))
+    finally:
+        if llm is not None:
+            with keep_default_group(topology is not None):
+                llm.llm_engine.engine_core.shutdown()
+            if topology is None:
+                _STATE.vllm_world = None
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        release_sleep_slot(token)

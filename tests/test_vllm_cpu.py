@@ -1,0 +1,632 @@
+"""The vllm backend on a CPU machine without vLLM: validation, argument mapping, weight spec, distributed guards.
+
+Everything here runs without vLLM installed. Where a process group is needed it is a real one: two
+spawned processes over gloo. The parts that need a GPU and vLLM are in tests/gpu/test_vllm_gpu.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import socket
+import struct
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from genengine.config import EngineConfig
+from genengine.errors import (
+    BackendImportError,
+    ConfigError,
+    DistributedSetupError,
+    EngineStateError,
+    InconsistentInputsError,
+    InvalidArgumentError,
+    WeightLoadError,
+)
+from genengine.protocol import EngineState, SamplingParams
+from genengine.testing.tiny_model import tiny_model_dir
+from genengine.weights import WeightValidator
+from genengine_vllm import engine as vengine
+from genengine_vllm.engine import VLLMEngine, get_vllm_engine
+from genengine_vllm.options import (
+    LOGPROBS_MODE,
+    build_llm_kwargs,
+    convert_request_output,
+    resolve_settings,
+    sampled_logprobs,
+    split_greedy_n,
+    strip_expandable_segments,
+    vllm_sampling_kwargs,
+)
+from genengine_vllm.spec import read_safetensors_header, vocab_size, weight_spec
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_no_vllm = pytest.mark.skipif(HAS_VLLM, reason="checks the error raised when vLLM is missing")
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return tiny_model_dir()
+
+
+@pytest.fixture
+def fresh_slot() -> Any:
+    """No sleep-mode engine registered before or after the test."""
+    vengine._STATE.sleep_owner = None
+    yield
+    vengine._STATE.sleep_owner = None
+
+
+# ---- import hygiene ------------------------------------------------------------------------------------------
+def test_package_import_is_light() -> None:
+    code = (
+        "import genengine_vllm, genengine_vllm.plugin, genengine_vllm.engine, genengine_vllm.raw\n"
+        "import sys\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_lazy_exports() -> None:
+    import genengine_vllm
+
+    assert genengine_vllm.get_vllm_engine is get_vllm_engine
+    assert genengine_vllm.VLLMEngine is VLLMEngine
+    assert {"VLLMEngine", "get_vllm_engine"} <= set(dir(genengine_vllm))
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = genengine_vllm.nope  # type: ignore[attr-defined]
+
+
+def test_registry_factory_and_raw_runner_resolve() -> None:
+    from genengine.registry import _resolve, available_backends
+
+    info = next(b for b in available_backends() if b.name == "vllm")
+    assert _resolve(info.factory, "factory") == VLLMEngine.from_config
+    from genengine_vllm.raw import raw_tokens_per_second
+
+    assert _resolve(info.raw_runner, "raw_runner") is raw_tokens_per_second
+
+
+# ---- bad input, before vLLM is imported or memory taken ------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "error", "needles"),
+    [
+        ({"engine_mem_util": 0}, ConfigError, ["engine_mem_util=0", "(0, 1]"]),
+        ({"engine_mem_util": 1.5}, ConfigError, ["engine_mem_util=1.5"]),
+        ({"engine_mem_util": -0.2}, ConfigError, ["engine_mem_util=-0.2"]),
+        ({"engine_mem_util": True}, ConfigError, ["engine_mem_util=True"]),
+        ({"engine_mem_util": "0.5"}, ConfigError, ["engine_mem_util='0.5'"]),
+        ({"tp_size": 0}, ConfigError, ["tp_size=0", ">= 1"]),
+        ({"tp_size": -2}, ConfigError, ["tp_size=-2"]),
+        ({"tp_size": 1.0}, ConfigError, ["tp_size=1.0"]),
+        ({"dtype": "float32"}, ConfigError, ["dtype='float32'", "bfloat16", "float16"]),
+        ({"dtype": "int8"}, ConfigError, ["dtype='int8'"]),
+        ({"dtype": "auto"}, ConfigError, ["dtype='auto'", "bfloat16, float16"]),
+        ({"disable_cuda_graph": "yes"}, ConfigError, ["disable_cuda_graph='yes'", "True or False"]),
+        ({"disable_cuda_graph": 1}, ConfigError, ["disable_cuda_graph=1"]),
+        ({"skip_tokenizer_init": None}, ConfigError, ["skip_tokenizer_init=None"]),
+        ({"enable_engine_sleep": "true"}, ConfigError, ["enable_engine_sleep='true'"]),
+        ({"seed": 1.5}, ConfigError, ["seed=1.5"]),
+        ({"max_model_length": 512}, ConfigError, ["'max_model_length'", "did you mean 'max_model_len'"]),
+        ({"tensor_parallel_size": 2}, ConfigError, ["'tensor_parallel_size'", "use tp_size"]),
+        ({"gpu_memory_utilization": 0.5}, ConfigError, ["engine_mem_util"]),
+        ({"enforce_eager": True}, ConfigError, ["disable_cuda_graph"]),
+        ({"logprobs_mode": "raw_logprobs"}, ConfigError, ["processed_logprobs"]),
+        ({"distributed_executor_backend": "mp"}, ConfigError, ["external_launcher"]),
+        ({"weight_sync_mode": "fast"}, ConfigError, ["weight_sync_mode='fast'", "bucketed, per_param"]),
+        ({"bucket_bytes": 0}, ConfigError, ["bucket_bytes=0"]),
+        ({"tp_size": 2}, DistributedSetupError, ["tp_size=2", "torch.distributed", "tp_size=1"]),
+    ],
+)
+def test_bad_arguments_fail_first(model_dir: Path, kwargs: dict[str, Any], error: type, needles: list[str]) -> None:
+    args: dict[str, Any] = {"model_name_or_path": str(model_dir), "engine_mem_util": 0.3, **kwargs}
+    with pytest.raises(error) as info:
+        get_vllm_engine(**args)
+    for needle in needles:
+        assert needle in str(info.value)
+    assert "vllm" not in sys.modules or HAS_VLLM
+
+
+def test_distributed_errors_are_assertion_errors(model_dir: Path) -> None:
+    with pytest.raises(AssertionError):
+        get_vllm_engine(str(model_dir), 0.3, tp_size=4)
+
+
+@pytest.mark.parametrize("where", ["missing", "file", "no_config", "bad_config"])
+def test_bad_model_path(tmp_path: Path, where: str) -> None:
+    target = tmp_path / "model"
+    if where == "file":
+        target.write_text("x")
+    elif where == "no_config":
+        target.mkdir()
+    elif where == "bad_config":
+        target.mkdir()
+        (target / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError) as info:
+        get_vllm_engine(str(target), 0.5)
+    assert str(target) in str(info.value)
+
+
+def test_model_must_be_given(model_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="model=None"):
+        VLLMEngine.from_config(EngineConfig(backend="vllm", mem_util=0.3))
+
+
+def test_create_engine_with_the_class_validates(model_dir: Path) -> None:
+    from genengine.registry import create_engine
+
+    with pytest.raises(ConfigError, match="did you mean 'enable_prefix_caching'"):
+        create_engine(backend=VLLMEngine, model=str(model_dir), enable_prefix_cache=False)
+
+
+@needs_no_vllm
+def test_valid_arguments_reach_the_import(model_dir: Path, fresh_slot: Any) -> None:
+    with pytest.raises(BackendImportError, match=r"genengine\[vllm\]"):
+        get_vllm_engine(str(model_dir), 0.3, max_model_len=512, weight_sync_mode="per_param")
+
+
+@needs_no_vllm
+def test_second_sleep_engine_is_refused_before_anything(model_dir: Path, fresh_slot: Any) -> None:
+    class Holder:
+        _closed = False
+
+        def __repr__(self) -> str:
+            return "HolderEngine"
+
+    holder = Holder()
+    vengine.claim_sleep_slot(holder, "test")
+    vengine.claim_sleep_slot(holder, "test")  # the owner may claim again
+    with pytest.raises(EngineStateError) as info:
+        get_vllm_engine(str(model_dir), 0.3)
+    assert "HolderEngine" in str(info.value) and "one engine per process" in str(info.value)
+    assert "enable_engine_sleep=False" in str(info.value)
+    with pytest.raises(EngineStateError):
+        vengine.claim_sleep_slot(object(), "another")
+    # An engine without sleep does not need the allocator: it gets as far as importing vLLM.
+    with pytest.raises(BackendImportError):
+        get_vllm_engine(str(model_dir), 0.3, enable_engine_sleep=False)
+    holder._closed = True  # a shut-down engine no longer holds the slot
+    with pytest.raises(BackendImportError):
+        get_vllm_engine(str(model_dir), 0.3)
+    holder._closed = False
+    vengine.release_sleep_slot(holder)
+    with pytest.raises(BackendImportError):
+        get_vllm_engine(str(model_dir), 0.3)
+
+
+def test_sleep_slot_frees_with_its_owner(fresh_slot: Any) -> None:
+    class Owner:
+        pass
+
+    owner = Owner()
+    vengine.claim_sleep_slot(owner, "test")
+    del owner
+    import gc
+
+    gc.collect()
+    vengine.claim_sleep_slot(Owner(), "test")  # the dead owner's claim does not block
+
+
+# ---- argument mapping -------------------------------------------------------------------------------------
+def _settings(model_dir: Path, **options: Any) -> Any:
+    fields = {k: options.pop(k) for k in ("tp_size", "mem_util", "dtype", "enable_sleep", "seed") if k in options}
+    return resolve_settings(EngineConfig(backend="vllm", model=str(model_dir), options=options, **fields))
+
+
+def test_llm_kwargs_mapping(model_dir: Path) -> None:
+    s = _settings(
+        model_dir,
+        mem_util=0.35,
+        dtype="float16",
+        enable_sleep=False,
+        seed=7,
+        disable_cuda_graph=True,
+        skip_tokenizer_init=True,
+        max_model_len=512,
+        enable_prefix_caching=False,
+    )
+    kw = build_llm_kwargs(s, external_launcher=False, group_seed=9)
+    assert kw == {
+        "model": str(model_dir.resolve()),
+        "tensor_parallel_size": 1,
+        "gpu_memory_utilization": 0.35,
+        "dtype": "float16",
+        "enable_sleep_mode": False,
+        "enforce_eager": True,
+        "skip_tokenizer_init": True,
+        "seed": 9,
+        "logprobs_mode": "processed_logprobs",
+        "max_model_len": 512,
+        "enable_prefix_caching": False,
+    }
+    assert s.weight_sync_mode == "bucketed" and s.bucket_bytes == 512 << 20
+    kw = build_llm_kwargs(_settings(model_dir), external_launcher=True, group_seed=3)
+    assert kw["distributed_executor_backend"] == "external_launcher"
+    assert kw["enable_sleep_mode"] is True and kw["enforce_eager"] is False and kw["logprobs_mode"] == LOGPROBS_MODE
+    assert _settings(model_dir, weight_sync_mode="per_param", bucket_bytes=1 << 20).bucket_bytes == 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("conf", "expected"),
+    [
+        (None, None),
+        ("expandable_segments:True", None),
+        ("expandable_segments:true,max_split_size_mb:128", "max_split_size_mb:128"),
+        (
+            "max_split_size_mb:64, expandable_segments:True ,garbage_collection_threshold:0.6",
+            "max_split_size_mb:64,garbage_collection_threshold:0.6",
+        ),
+        ("expandable_segments:False", "expandable_segments:False"),
+        ("max_split_size_mb:20", "max_split_size_mb:20"),
+    ],
+)
+def test_strip_expandable_segments(conf: str | None, expected: str | None) -> None:
+    assert strip_expandable_segments(conf) == expected
+
+
+def test_sampling_kwargs() -> None:
+    kw = vllm_sampling_kwargs(
+        SamplingParams(
+            max_new_tokens=9,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=-1,
+            stop=("\n\n", "END"),
+            stop_token_ids=(5, 6),
+            n=3,
+            logprobs=True,
+            ignore_eos=True,
+        ),
+        seed=11,
+        detokenize=True,
+    )
+    assert kw == {
+        "n": 3,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 0,
+        "max_tokens": 9,
+        "stop": ["\n\n", "END"],
+        "stop_token_ids": [5, 6],
+        "ignore_eos": True,
+        "seed": 11,
+        "logprobs": 0,
+        "flat_logprobs": True,
+        "detokenize": True,
+        "skip_special_tokens": True,
+        "include_stop_str_in_output": False,
+    }
+    plain = vllm_sampling_kwargs(SamplingParams(temperature=0, top_k=40), seed=0, detokenize=False, n=1)
+    assert plain["top_k"] == 40 and plain["logprobs"] is None and plain["stop"] is None and plain["n"] == 1
+    assert plain["stop_token_ids"] is None and plain["detokenize"] is False
+    assert split_greedy_n(SamplingParams(temperature=0, n=4)) == 4
+    assert split_greedy_n(SamplingParams(temperature=0.5, n=4)) == 1
+    assert split_greedy_n(SamplingParams(temperature=0)) == 1
+
+
+def test_sampling_refusals() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"temperature=0.005.*0.01"):
+        vllm_sampling_kwargs(SamplingParams(temperature=0.005), seed=0, detokenize=True)
+    assert vllm_sampling_kwargs(SamplingParams(temperature=0.01), seed=0, detokenize=True)["temperature"] == 0.01
+    with pytest.raises(InvalidArgumentError, match="skip_tokenizer_init"):
+        vllm_sampling_kwargs(SamplingParams(stop=("x",)), seed=0, detokenize=False)
+
+
+# ---- output mapping (objects shaped like vLLM 0.26's RequestOutput / CompletionOutput / FlatLogprobs) ------
+@dataclasses.dataclass
+class _Flat:
+    start_indices: list[int]
+    end_indices: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+
+def _completion(index: int, ids: list[int], text: str, reason: str, stop: Any = None, lps: Any = None) -> Any:
+    return SimpleNamespace(index=index, token_ids=ids, text=text, finish_reason=reason, stop_reason=stop, logprobs=lps)
+
+
+def test_convert_outputs_order_reasons_and_logprobs() -> None:
+    flat = _Flat([0, 1, 2], [1, 2, 3], [7, 8, 2], [-0.5, -1.25, -0.125])
+    as_dicts = [{4: SimpleNamespace(logprob=-0.25)}, {9: SimpleNamespace(logprob=-2.0), 3: SimpleNamespace(logprob=-1)}]
+    ro = SimpleNamespace(
+        prompt_token_ids=[1, 2, 3],
+        outputs=[
+            _completion(1, [4, 9], "ab", "length", None, as_dicts),
+            _completion(0, [7, 8, 2], "xy", "stop", "END", flat),
+        ],
+    )
+    result = convert_request_output([ro], SamplingParams(n=2, logprobs=True, stop=("END",)), detokenize=True)
+    assert result.prompt_token_ids == [1, 2, 3]
+    first, second = result.outputs
+    assert (first.token_ids, first.text, first.finish_reason, first.stop_reason) == ([7, 8, 2], "xy", "stop", "END")
+    assert first.logprobs == [-0.5, -1.25, -0.125]
+    assert (second.token_ids, second.finish_reason, second.stop_reason) == ([4, 9], "length", None)
+    assert second.logprobs == [-0.25, -2.0]
+
+
+def test_convert_stop_token_and_extra_eos() -> None:
+    params = SamplingParams(stop_token_ids=(42,))
+    ro = SimpleNamespace(prompt_token_ids=[5], outputs=[_completion(0, [3, 42], "t", "stop", 42)])
+    out = convert_request_output([ro], params, detokenize=False).outputs[0]
+    assert out.stop_reason == 42 and out.text is None and out.logprobs is None and out.token_ids == [3, 42]
+    # vLLM reports an EOS id from generation_config.json as a stop token; the contract calls it EOS (None).
+    ro = SimpleNamespace(prompt_token_ids=[5], outputs=[_completion(0, [3, 151643], "t", "stop", 151643)])
+    assert convert_request_output([ro], params, detokenize=True).outputs[0].stop_reason is None
+
+
+def test_convert_greedy_n_copies() -> None:
+    ros = [SimpleNamespace(prompt_token_ids=[1], outputs=[_completion(0, [2], "a", "length")]) for _ in range(3)]
+    result = convert_request_output(ros, SamplingParams(temperature=0, n=3), detokenize=True)
+    assert [o.token_ids for o in result.outputs] == [[2], [2], [2]]
+
+
+def test_convert_refuses_what_it_cannot_map() -> None:
+    abort = SimpleNamespace(prompt_token_ids=[1], outputs=[_completion(0, [2], "a", "abort")])
+    with pytest.raises(EngineStateError, match="abort"):
+        convert_request_output([abort], SamplingParams(), detokenize=True)
+    short = SimpleNamespace(prompt_token_ids=[1], outputs=[_completion(0, [2, 3], "a", "length", None, [{2: None}])])
+    with pytest.raises(EngineStateError, match="1 logprob positions for 2 tokens"):
+        convert_request_output([short], SamplingParams(logprobs=True), detokenize=True)
+    with pytest.raises(EngineStateError, match="n=2"):
+        convert_request_output([abort], SamplingParams(n=2), detokenize=True)
+    with pytest.raises(EngineStateError, match="sampled token 5"):
+        sampled_logprobs([5], _Flat([0], [1], [6], [-1.0]))
+
+
+# ---- weight spec --------------------------------------------------------------------------------------------
+def _hf_state_dict(model_dir: Path) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
+    return dict(model.state_dict())
+
+
+def test_spec_from_headers_accepts_a_trainers_state_dict(model_dir: Path) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    spec = weight_spec(model_dir, config, "bfloat16")
+    state = _hf_state_dict(model_dir)
+    assert set(spec) == set(state)
+    assert all(spec[n].shape == tuple(t.shape) for n, t in state.items())
+    assert all(info.required and info.dtype == "bfloat16" for info in spec.values())
+    validator = WeightValidator(spec)
+    for i, item in enumerate(state.items()):
+        validator.check(i, item)
+    assert vocab_size(config) == 512
+    with pytest.raises(WeightLoadError, match=r"did you mean 'model\.norm\.weight'"):
+        WeightValidator(spec).check(0, ("model.norm.weights", state["model.norm.weight"]))
+
+
+def test_spec_tied_embeddings(tmp_path: Path) -> None:
+    from genengine.testing.tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "tied", tie_word_embeddings=True, num_layers=1)
+    config = json.loads((path / "config.json").read_text())
+    spec = weight_spec(path, config, "bfloat16")
+    assert "lm_head.weight" not in read_safetensors_header(path / "model.safetensors")
+    head = spec["lm_head.weight"]
+    assert not head.required and head.shape == spec["model.embed_tokens.weight"].shape
+    state = _hf_state_dict(path)
+    assert "lm_head.weight" in state and set(state) == set(spec)
+    required = {n for n, i in spec.items() if i.required}
+    assert required == set(state) - {"lm_head.weight"}
+
+
+def test_spec_sharded_checkpoint_and_skipped_buffers(tmp_path: Path, model_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    names = sorted(tensors)
+    out = tmp_path / "sharded"
+    out.mkdir()
+    (out / "config.json").write_text((model_dir / "config.json").read_text())
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:]), start=1):
+        fname = f"model-{i:05d}-of-00002.safetensors"
+        shard = {n: tensors[n] for n in part}
+        if i == 2:
+            import torch
+
+            shard["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(32)
+        save_file(shard, str(out / fname))
+        weight_map.update({n: fname for n in shard})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    spec = weight_spec(out, json.loads((out / "config.json").read_text()), "bfloat16")
+    assert set(spec) == set(names) | {"model.layers.0.self_attn.rotary_emb.inv_freq"}
+    assert not spec["model.layers.0.self_attn.rotary_emb.inv_freq"].required
+    (out / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ConfigError, match="do not exist"):
+        weight_spec(out, {}, "bfloat16")
+
+
+def test_spec_without_weights_uses_the_meta_model(tmp_path: Path, model_dir: Path) -> None:
+    out = tmp_path / "dummy"
+    out.mkdir()
+    (out / "config.json").write_text((model_dir / "config.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    from_meta = weight_spec(out, config, "bfloat16")
+    from_headers = weight_spec(model_dir, config, "bfloat16")
+    assert {n: i.shape for n, i in from_meta.items()} == {n: i.shape for n, i in from_headers.items()}
+
+
+def test_corrupt_safetensors_header(tmp_path: Path) -> None:
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(struct.pack("<Q", 10) + b"{not json}")
+    with pytest.raises(ConfigError, match="unreadable safetensors header"):
+        read_safetensors_header(bad)
+    bad.write_bytes(b"abc")
+    with pytest.raises(ConfigError, match="not a safetensors file"):
+        read_safetensors_header(bad)
+
+
+# ---- RNG states -------------------------------------------------------------------------------------------
+def test_rng_states_survive_engine_start() -> None:
+    import numpy as np
+    import torch
+
+    def draw() -> tuple[Any, ...]:
+        return random.random(), float(np.random.rand()), float(torch.rand(1))
+
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    expected = draw()
+    random.seed(5)
+    np.random.seed(5)
+    torch.manual_seed(5)
+    with vengine.preserve_rng_states():  # what vLLM does while it starts: reseed everything
+        random.seed(0)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        draw()
+    assert draw() == expected
+
+
+# ---- real process groups (2 ranks over gloo) ------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _scenarios(model: str) -> dict[str, Any]:
+    """Run on each rank of a 2-rank world; returns what this rank saw."""
+    import torch
+    import torch.distributed as dist
+
+    from genengine.distributed import engine_group
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+
+    def outcome(fn: Any) -> str:
+        try:
+            fn()
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+    # The world cannot be split into TP groups of 3: every rank raises, before vLLM.
+    out["tp3"] = outcome(lambda: get_vllm_engine(model, 0.3, tp_size=3))
+    if not HAS_VLLM:  # with vLLM installed this would start a real engine
+        out["tp2"] = outcome(lambda: get_vllm_engine(model, 0.3, tp_size=2))
+
+    group = engine_group(2, check_port=False, timeout_s=60)
+    awake = EngineState()
+    same = vengine.generate_check_value(["hi there"], SamplingParams(temperature=0.5, seed=3), None, None, awake)
+    out["same"] = outcome(lambda: group.check_consistent(same, what="generate inputs"))
+    prompt = "hi there" if rank == 0 else "hi there!"
+    differ = vengine.generate_check_value([prompt], SamplingParams(temperature=0.5, seed=3), None, None, awake)
+    out["prompt"] = outcome(lambda: group.check_consistent(differ, what="generate inputs"))
+    seed = 3 if rank == 0 else 4
+    differ = vengine.generate_check_value(["hi"], {"temperature": 0.5, "seed": seed}, None, None, awake)
+    out["seed"] = outcome(lambda: group.check_consistent(differ, what="generate inputs"))
+    state = awake if rank == 0 else EngineState(released_tags=frozenset({"weights", "kv_cache"}), sleep_level=1)
+    differ = vengine.generate_check_value(None, None, [[1, 2, 3]], None, state)
+    out["state"] = outcome(lambda: group.check_consistent(differ, what="generate inputs or engine state"))
+
+    # vLLM's teardown destroys the default group; inside the guard that is a no-op, subgroups still go.
+    sub = dist.new_group([0, 1], backend="gloo")
+    with vengine.keep_default_group(True):
+        dist.destroy_process_group()
+        dist.destroy_process_group(sub)
+    out["initialised_after_guard"] = dist.is_initialized()
+    total = torch.tensor([rank + 1.0])
+    dist.all_reduce(total)
+    out["all_reduce"] = total.item()
+    out["restored"] = dist.destroy_process_group is not None and "guarded" not in dist.destroy_process_group.__name__
+    return out
+
+
+def _rank_main(rank: int, world: int, port: int, model: str, results: Any) -> None:
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GENENGINE_COLLECTIVE_TIMEOUT_S": "60",
+        }
+    )
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        value = _scenarios(model)
+        dist.destroy_process_group()
+        results.put((rank, "ok", value))
+    except BaseException:
+        results.put((rank, "err", traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir: Path) -> dict[int, dict[str, Any]]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(model_dir), results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    seen: dict[int, dict[str, Any]] = {}
+    try:
+        for _ in procs:
+            rank, status, value = results.get(timeout=240)
+            assert status == "ok", f"rank {rank} failed:\n{value}"
+            seen[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return seen
+
+
+def test_world_that_tp_cannot_split(two_ranks: dict[int, dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        assert two_ranks[rank]["tp3"].startswith("DistributedSetupError")
+        assert "not divisible by tp_size 3" in two_ranks[rank]["tp3"]
+
+
+@needs_no_vllm
+def test_tp2_in_a_world_of_two_passes_the_checks(two_ranks: dict[int, dict[str, Any]]) -> None:
+    for rank in (0, 1):  # topology fine, no sleep engine yet: the next step is importing vLLM
+        assert two_ranks[rank]["tp2"].startswith("BackendImportError"), two_ranks[rank]["tp2"]
+
+
+def test_consistency_check_names_the_odd_rank(two_ranks: dict[int, dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        seen = two_ranks[rank]
+        assert seen["same"] == "ok"
+        for case in ("prompt", "seed", "state"):
+            assert seen[case].startswith("InconsistentInputsError"), seen[case]
+            assert "rank(s) [1] of TP group [0, 1]" in seen[case]  # on a tie the leader's value wins
+        assert "engine state" in seen["state"]
+
+
+def test_default_group_survives_the_guard(two_ranks: dict[int, dict[str, Any]]) -> None:
+    for rank in (0, 1):
+        assert two_ranks[rank]["initialised_after_guard"] is True
+        assert math.isclose(two_ranks[rank]["all_reduce"], 3.0)
+        assert two_ranks[rank]["restored"] is True
+
+
+def test_inconsistent_inputs_error_is_a_value_error() -> None:
+    assert issubclass(InconsistentInputsError, ValueError)
