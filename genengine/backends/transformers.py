@@ -1,0 +1,606 @@
+"""The embedded default backend: PyTorch + transformers on the CPU or one CUDA device.
+
+It runs everywhere, so trainers and tests are real without a GPU, and it is the reference the GPU
+backends are held to by the conformance suite: processed logprobs computed exactly as the contract says,
+seeded sampling that does not depend on batch composition, and a prompt prefix cache that ``load_weights``
+must flush (so a stale-cache bug would show here as on SGLang or vLLM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import hashlib
+import inspect
+import os
+import random
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from genengine.base import EngineBase
+from genengine.config import EngineConfig, check_options
+from genengine.errors import ConfigError, InvalidArgumentError
+from genengine.protocol import (
+    TAG_KV_CACHE,
+    TAG_WEIGHTS,
+    FinishReason,
+    GenerationOutput,
+    GenerationResult,
+    SamplingParams,
+)
+from genengine.weights import DEFAULT_BUCKET_BYTES, WeightInfo
+
+if TYPE_CHECKING:
+    import torch
+
+    from genengine.requests import Request
+
+__all__ = ["OPTIONS", "TransformersEngine", "hf_generate_tokens_per_second"]
+
+OPTIONS = ("device", "max_batch_size", "bucket_bytes", "attn_implementation", "prefix_cache_bytes")
+"""Backend options (``EngineConfig.options``) this backend accepts."""
+
+_ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+_DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+# ---- option checks (all run before anything is loaded) -------------------------------------------------------
+def _check_device(device: Any) -> str:
+    if not isinstance(device, str) or not _DEVICE_RE.match(device):
+        raise ConfigError(f"device={device!r}: allowed are 'cpu', 'cuda' or 'cuda:N'")
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} but CUDA is not available here; use device='cpu'")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"device={device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return device
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+    return value
+
+
+def _checkpoint_dtype(model_dir: str) -> str:
+    import json
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return str(dtype).removeprefix("torch.")
+
+
+def _sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``seed``: stable across runs and machines."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def _malloc_trim() -> None:
+    """Give freed heap pages back to the OS, so that a level-2 sleep shows in RSS on CPU (glibc only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+# ---- per-call state ---------------------------------------------------------------------------------------
+@dataclass
+class _Prefix:
+    """A prompt's prefill: per-layer keys and values ``[kv_heads, len, head_dim]`` and the next-token logits."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    logits: torch.Tensor
+    nbytes: int
+
+
+@dataclass
+class _Row:
+    """One sample being generated."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: FinishReason | None = None
+    stop_reason: str | int | None = None
+    text: str | None = None
+    _rng: torch.Generator | None = None
+
+    def uniform(self) -> float:
+        import torch
+
+        if self._rng is None:
+            self._rng = torch.Generator().manual_seed(self.seed)
+        return float(torch.rand(1, generator=self._rng).item())
+
+
+class TransformersEngine(EngineBase):
+    """A ``GenerationEngine`` running a transformers causal LM in this process.
+
+    Options: ``device`` ("cpu", "cuda", "cuda:N"), ``max_batch_size`` (rows decoded together),
+    ``bucket_bytes``, ``attn_implementation`` (transformers' name, default its own choice),
+    ``prefix_cache_bytes`` (prompt KV kept across calls; 0 disables). ``mem_util`` is not used: memory
+    grows with the batch. Sleep level 1 moves the weights to host memory (on CPU there is nothing to
+    move) and drops the prefix cache; level 2 frees the weights' storage.
+    """
+
+    supported_tags = (TAG_WEIGHTS, TAG_KV_CACHE)
+    validate_all_weights_first = True
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        *,
+        device: str = "cpu",
+        dtype: str = "auto",
+        enable_sleep: bool = True,
+        seed: int = 0,
+        max_batch_size: int = 64,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        attn_implementation: str | None = None,
+        prefix_cache_bytes: int = 256 << 20,
+    ) -> None:
+        model_dir = os.fspath(model)
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            raise ConfigError(f"model={model_dir!r} is not a model directory (no config.json there)")
+        device = _check_device(device)
+        if dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ConfigError(f"dtype={dtype!r}: allowed are auto, bfloat16, float16, float32")
+        _check_positive_int("max_batch_size", max_batch_size)
+        if attn_implementation is not None and attn_implementation not in _ATTN_IMPLEMENTATIONS:
+            raise ConfigError(
+                f"attn_implementation={attn_implementation!r}: allowed are {', '.join(_ATTN_IMPLEMENTATIONS)} or None"
+            )
+        if isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0:
+            raise ConfigError(f"prefix_cache_bytes={prefix_cache_bytes!r} must be an integer >= 0")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"seed={seed!r} must be an integer")
+        super().__init__(sleep_enabled=enable_sleep, bucket_bytes=bucket_bytes)
+
+        import torch
+        import transformers
+
+        self.model_dir = model_dir
+        self.device = torch.device(device)
+        self.dtype = getattr(torch, _checkpoint_dtype(model_dir) if dtype == "auto" else dtype)
+        self.max_batch_size = max_batch_size
+        self.prefix_cache_bytes = prefix_cache_bytes
+        self._rng = random.Random(seed)
+
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()
+        try:
+            self._tokenizer: Any = transformers.AutoTokenizer.from_pretrained(model_dir)
+            kwargs: dict[str, Any] = {"dtype": self.dtype}
+            if attn_implementation is not None:
+                kwargs["attn_implementation"] = attn_implementation
+            model_obj: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        finally:
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
+        model_obj.to(self.device).eval().requires_grad_(False)
+        self._model: Any = model_obj
+        cfg = self._model.config.get_text_config(decoder=True)
+        self._config = self._model.config
+        # transformers renamed ``past_key_values`` to ``cache`` (5.2x); the GPU images run older releases.
+        forward_params = inspect.signature(self._model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self._vocab = int(cfg.vocab_size)
+        self._max_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+
+        eos: set[int] = set()
+        for source in (self._model.generation_config.eos_token_id, self._tokenizer.eos_token_id):
+            if isinstance(source, int):
+                eos.add(source)
+            elif isinstance(source, (list, tuple)):
+                eos.update(int(t) for t in source)
+        self._eos = frozenset(eos)
+        pad = self._tokenizer.pad_token_id
+        self._pad = int(pad if pad is not None else min(eos, default=0))
+
+        # Parameters by every HF name (a tied lm_head appears under both names, as one Parameter).
+        self._params = dict(self._model.named_parameters(remove_duplicate=False))
+        seen: dict[int, str] = {}
+        spec: dict[str, WeightInfo] = {}
+        for name, tensor in self._model.state_dict().items():
+            alias = id(self._params[name]) in seen if name in self._params else False
+            spec[name] = WeightInfo(
+                shape=tuple(tensor.shape), dtype=str(tensor.dtype).removeprefix("torch."), required=not alias
+            )
+            if name in self._params:
+                seen.setdefault(id(self._params[name]), name)
+        self._spec = spec
+        self._unique_params = list({id(p): p for p in self._params.values()}.values())
+        self._shapes = [tuple(p.shape) for p in self._unique_params]
+        self._host_backup: list[torch.Tensor] | None = None
+        self._prefixes: OrderedDict[tuple[int, ...], _Prefix] = OrderedDict()
+        self._prefix_nbytes = 0
+
+    @classmethod
+    def from_config(cls, config: Any) -> TransformersEngine:
+        """Build from an ``EngineConfig`` (the registry's factory); options are checked before loading."""
+        config = EngineConfig.from_any(config)
+        check_options("transformers", config.options, OPTIONS)
+        if config.tp_size != 1:
+            raise ConfigError(f"tp_size={config.tp_size}: the transformers backend runs on one device (tp_size=1)")
+        if config.model is None:
+            raise ConfigError("the transformers backend needs a model: pass model=PATH")
+        return cls(
+            config.model,
+            dtype=config.dtype,
+            enable_sleep=config.enable_sleep,
+            seed=config.seed,
+            **dict(config.options),
+        )
+
+    # ---- introspection -------------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @property
+    def model(self) -> Any:
+        """The underlying transformers model (read-only use: its weights belong to the engine)."""
+        return self._model
+
+    def _vocab_size(self) -> int | None:
+        return self._vocab
+
+    def _weight_spec(self) -> Mapping[str, WeightInfo]:
+        return self._spec
+
+    # ---- generate ------------------------------------------------------------------------------------------
+    def _encode(self, request: Request) -> tuple[int, ...]:
+        if request.prompt_token_ids is not None:
+            return request.prompt_token_ids
+        ids = tuple(int(t) for t in self._tokenizer.encode(request.prompt))
+        if not ids:
+            raise InvalidArgumentError(f"prompts[{request.index}]={request.prompt!r} encodes to no tokens")
+        return ids
+
+    def _generate(self, requests: list[Request]) -> list[GenerationResult]:
+        import torch
+
+        prompts = [self._encode(r) for r in requests]
+        for r, ids in zip(requests, prompts, strict=True):
+            if len(ids) + r.params.max_new_tokens > self._max_len:
+                raise InvalidArgumentError(
+                    f"prompt {r.index} has {len(ids)} tokens; with max_new_tokens={r.params.max_new_tokens} it "
+                    f"exceeds the model's context of {self._max_len} tokens"
+                )
+        rows: list[list[_Row]] = []
+        for r, ids in zip(requests, prompts, strict=True):
+            p = r.params
+            rows.append(
+                [
+                    _Row(ids, p, _sample_seed(p.seed, j) if p.seed is not None else self._rng.getrandbits(63))
+                    for j in range(p.n)
+                ]
+            )
+        flat = [row for per_request in rows for row in per_request]
+        with torch.inference_mode():
+            prefixes = self._prefill(list(dict.fromkeys(prompts)))
+            # Rows of similar prompt length decode together: less padding.
+            ordered = sorted(flat, key=lambda row: len(row.prompt))
+            for start in range(0, len(ordered), self.max_batch_size):
+                self._decode(ordered[start : start + self.max_batch_size], prefixes)
+        return [
+            GenerationResult(
+                prompt_token_ids=list(ids),
+                outputs=[
+                    GenerationOutput(
+                        token_ids=row.tokens,
+                        text=row.text,
+                        finish_reason=row.finish or "length",
+                        logprobs=row.logprobs if row.params.logprobs else None,
+                        stop_reason=row.stop_reason,
+                    )
+                    for row in per_request
+                ],
+            )
+            for ids, per_request in zip(prompts, rows, strict=True)
+        ]
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self._config)
+
+    def _prefill(self, prompts: list[tuple[int, ...]]) -> dict[tuple[int, ...], _Prefix]:
+        """KV and next-token logits of each distinct prompt, from the prefix cache or computed in batches."""
+        import torch
+
+        found: dict[tuple[int, ...], _Prefix] = {}
+        todo = []
+        for ids in prompts:
+            hit = self._prefixes.get(ids)
+            if hit is not None:
+                self._prefixes.move_to_end(ids)
+                found[ids] = hit
+            else:
+                todo.append(ids)
+        todo.sort(key=len)
+        for start in range(0, len(todo), self.max_batch_size):
+            batch = todo[start : start + self.max_batch_size]
+            width = max(len(ids) for ids in batch)
+            input_ids = torch.full((len(batch), width), self._pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for b, ids in enumerate(batch):
+                input_ids[b, width - len(ids) :] = torch.tensor(ids)
+                mask[b, width - len(ids) :] = 1
+            input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            cache = self._new_cache()
+            out = self._model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kwarg: cache},
+            )
+            logits = out.logits[:, -1].float()
+            layers = cache.layers
+            for b, ids in enumerate(batch):
+                keep = slice(width - len(ids), width)
+                keys = [layer.keys[b, :, keep].clone() for layer in layers]
+                values = [layer.values[b, :, keep].clone() for layer in layers]
+                nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
+                entry = _Prefix(keys, values, logits[b].clone(), nbytes)
+                found[ids] = entry
+                self._remember(ids, entry)
+        return found
+
+    def _remember(self, ids: tuple[int, ...], entry: _Prefix) -> None:
+        if entry.nbytes > self.prefix_cache_bytes:
+            return
+        self._prefixes[ids] = entry
+        self._prefix_nbytes += entry.nbytes
+        while self._prefix_nbytes > self.prefix_cache_bytes:
+            _, old = self._prefixes.popitem(last=False)
+            self._prefix_nbytes -= old.nbytes
+
+    def _decode(self, rows: list[_Row], prefixes: dict[tuple[int, ...], _Prefix]) -> None:
+        import torch
+
+        width = max(len(row.prompt) for row in rows)
+        batch = len(rows)
+        first = prefixes[rows[0].prompt]
+        cache = self._new_cache()
+        for layer in range(len(first.keys)):
+            shape = (batch, *first.keys[layer].shape[:1], width, first.keys[layer].shape[-1])
+            keys = first.keys[layer].new_zeros(shape)
+            values = first.values[layer].new_zeros(shape)
+            for b, row in enumerate(rows):
+                entry = prefixes[row.prompt]
+                keys[b, :, width - len(row.prompt) :] = entry.keys[layer]
+                values[b, :, width - len(row.prompt) :] = entry.values[layer]
+            cache.update(keys, values, layer)
+        mask = torch.zeros((batch, width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            mask[b, width - len(row.prompt) :] = 1
+        mask = mask.to(self.device)
+        positions = torch.tensor([len(row.prompt) for row in rows], device=self.device)
+        logits = torch.stack([prefixes[row.prompt].logits for row in rows])
+        active = list(range(batch))
+        while True:
+            live = [rows[i] for i in active]
+            tokens = self._sample(logits, live)
+            keep = [j for j, row in enumerate(live) if self._advance(row)]
+            if not keep:
+                return
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                mask, positions, tokens = mask[index], positions[index], tokens[index]
+                active = [active[j] for j in keep]
+            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+            out = self._model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=positions[:, None],
+                use_cache=True,
+                **{self._cache_kwarg: cache},
+            )
+            logits = out.logits[:, -1].float()
+            positions = positions + 1
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """Pick each row's next token and record its processed logprob; returns the tokens."""
+        import torch
+
+        greedy = [row.params.greedy for row in rows]
+        raw = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+        chosen = raw.gather(1, tokens[:, None])[:, 0]
+        if not all(greedy):
+            sampled = [i for i, g in enumerate(greedy) if not g]
+            params = [rows[i].params for i in sampled]
+            index = torch.tensor(sampled, device=logits.device)
+            scores = logits[index] / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+            ks = [p.top_k_or_none or 0 for p in params]
+            if any(0 < k < scores.shape[-1] for k in ks):
+                kmax = min(max(ks), scores.shape[-1])
+                top = torch.topk(scores, kmax, dim=-1).values
+                kth = top.gather(1, (torch.tensor(ks, device=logits.device).clamp(1, kmax) - 1)[:, None])
+                kth[torch.tensor([not 0 < k < scores.shape[-1] for k in ks], device=logits.device)] = -float("inf")
+                scores = scores.masked_fill(scores < kth, -float("inf"))
+            if any(p.top_p < 1 for p in params):
+                # As transformers' TopPLogitsWarper: drop the least likely tokens whose total mass is <= 1 - top_p.
+                order_vals, order = torch.sort(scores, dim=-1)
+                cum = order_vals.softmax(dim=-1).cumsum(dim=-1)
+                limit = torch.tensor([1 - p.top_p if p.top_p < 1 else -1.0 for p in params], device=logits.device)
+                remove = cum <= limit[:, None]
+                remove[:, -1] = False
+                scores = scores.masked_fill(remove.scatter(1, order, remove), -float("inf"))
+            logp = torch.log_softmax(scores, dim=-1)
+            cdf = logp.exp().cumsum(dim=-1)
+            u = torch.tensor([rows[i].uniform() for i in sampled], dtype=cdf.dtype, device=logits.device)
+            pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+            pick = pick.clamp(max=scores.shape[-1] - 1)
+            picked = logp.gather(1, pick[:, None])[:, 0]
+            bad = torch.isinf(picked)  # only when u*total rounds up to the total: take the most likely token
+            if bool(bad.any()):
+                pick = torch.where(bad, logp.argmax(dim=-1), pick)
+                picked = logp.gather(1, pick[:, None])[:, 0]
+            tokens = tokens.index_put((index,), pick)
+            chosen = chosen.index_put((index,), picked)
+        for row, tok, lp in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):
+            row.tokens.append(tok)
+            row.logprobs.append(lp)
+        return tokens
+
+    def _advance(self, row: _Row) -> bool:
+        """Apply the stop rules to a row's newest token; True while the row goes on."""
+        p = row.params
+        tok = row.tokens[-1]
+
+        def decode(ids: list[int]) -> str:
+            return str(self._tokenizer.decode(ids, skip_special_tokens=True))
+
+        if not p.ignore_eos and tok in self._eos:
+            row.finish = "stop"
+        elif tok in p.stop_token_ids:
+            row.finish, row.stop_reason = "stop", tok
+        if row.finish is not None:
+            row.text = decode(row.tokens[:-1])
+            return False
+        if p.stop:
+            text = decode(row.tokens)
+            hits = [(text.find(s), s) for s in p.stop if s in text]
+            if hits:
+                cut, stop = min(hits)
+                row.finish, row.stop_reason, row.text = "stop", stop, text[:cut]
+                return False
+        if len(row.tokens) >= p.max_new_tokens:
+            row.finish = "length"
+            row.text = decode(row.tokens)
+            return False
+        return True
+
+    # ---- memory --------------------------------------------------------------------------------------------
+    def _drop_prefixes(self) -> None:
+        self._prefixes.clear()
+        self._prefix_nbytes = 0
+
+    def _free_device_memory(self) -> None:
+        import torch
+
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        else:
+            _malloc_trim()
+
+    def _release(self, level: int) -> None:
+        import torch
+
+        self._drop_prefixes()
+        if level == 2:
+            for p in self._unique_params:
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        elif self.device.type == "cuda":
+            pin = torch.cuda.is_available()
+            self._host_backup = [
+                p.data.to("cpu", copy=True).pin_memory() if pin else p.data.cpu() for p in self._unique_params
+            ]
+            for p in self._unique_params:
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        self._free_device_memory()
+
+    def _resume(self, tags: tuple[str, ...]) -> None:
+        import torch
+
+        if TAG_WEIGHTS not in tags:
+            return  # the KV cache is allocated per call: nothing to take back
+        if self._host_backup is not None:
+            for p, host in zip(self._unique_params, self._host_backup, strict=True):
+                p.data = host.to(self.device, non_blocking=True)
+            self._host_backup = None
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        elif self._level == 2:
+            for p, shape in zip(self._unique_params, self._shapes, strict=True):
+                p.data = torch.empty(shape, dtype=p.dtype, device=self.device)
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        import torch
+
+        with torch.no_grad():
+            for name, tensor in bucket:
+                self._params[name].data.copy_(tensor, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _flush_cache(self) -> None:
+        self._drop_prefixes()
+
+    def _shutdown(self) -> None:
+        self._drop_prefixes()
+        self._host_backup = None
+        self._params = {}
+        self._unique_params = []
+        self._model = None
+        self._free_device_memory()
+
+
+def hf_generate_tokens_per_second(config: Any, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int) -> float:
+    """Tokens/s of plain transformers ``generate`` (greedy, no EOS stop) on the engine's model and device.
+
+    ``genengine bench``'s raw runner for this backend: the same prompts, left-padded into one batch.
+    """
+    import torch
+    import transformers
+
+    config = EngineConfig.from_any(config)
+    device = _check_device(config.options.get("device", "cpu"))
+    if config.model is None:
+        raise ConfigError("hf_generate_tokens_per_second needs config.model")
+    dtype = getattr(torch, _checkpoint_dtype(config.model) if config.dtype == "auto" else config.dtype)
+    model, mask, input_ids = _hf_model_and_batch(config.model, dtype, device, prompt_token_ids)
+    gen = transformers.GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0
+    )
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        model.generate(input_ids=input_ids, attention_mask=mask, generation_config=gen)  # warm-up
+        start = time.perf_counter()
+        out = model.generate(input_ids=input_ids, attention_mask=mask, generation_config=gen)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    return (out.shape[1] - input_ids.shape[1]) * out.shape[0] / seconds
+
+
+def _hf_model_and_batch(
+    model_dir: str, dtype: torch.dtype, device: str, prompt_token_ids: Sequence[Sequence[int]]
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    import torch
+    import transformers
+
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        model: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        model.to(device).eval()
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+    width = max(len(p) for p in prompt_token_ids)
+    input_ids = torch.zeros((len(prompt_token_ids), width), dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for b, ids in enumerate(prompt_token_ids):
+        input_ids[b, width - len(ids) :] = torch.tensor(list(ids))
+        mask[b, width - len(ids) :] = 1
+    return model, mask.to(device), input_ids.to(device)

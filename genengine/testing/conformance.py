@@ -1,0 +1,727 @@
+"""The contract as a pytest suite: every backend subclasses ``EngineConformance`` and must pass it.
+
+Usage, in a test module::
+
+    class TestMyEngine(EngineConformance):
+        greedy_matches_hf = False            # flags: what the engine can promise
+        logprob_tolerance = 0.1
+
+        def make_engine(self, model_dir, **options):
+            return create_engine(backend="mine", model=model_dir, **options)
+
+One engine serves a whole class (class-scoped fixtures); every test leaves it awake with the original
+weights. Besides it, one fresh engine is built on a second model (other random weights, same tokenizer)
+and shut down *before* the class engine starts, so at most one engine is alive at a time; its outputs are
+the reference for ``load_weights`` and its shutdown is what the shutdown tests check. The reference for
+logprobs and greedy decoding is transformers itself, run on the CPU in float32 from the model directory.
+
+Importable without a GPU; imports torch and transformers only inside fixtures and tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from genengine.errors import (
+    EngineClosedError,
+    EngineSleepingError,
+    InvalidArgumentError,
+    WeightLoadError,
+    WeightsNotLoadedError,
+)
+from genengine.protocol import (
+    TAG_KV_CACHE,
+    TAG_WEIGHTS,
+    GenerationEngine,
+    GenerationResult,
+    SamplingParams,
+)
+from genengine.testing.tiny_model import tiny_model_dir
+
+__all__ = ["GREEDY", "PROMPTS", "EngineConformance", "load_checkpoint", "reference_logprobs"]
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "In a distant galaxy far away", "Hello"]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, logprobs=True)
+_EXTRA_PROMPTS = [
+    "the answer is",
+    "write a story about",
+    "one two three",
+    "where did the old man go",
+    "people say that",
+    "my name is",
+    "a little water",
+    "every day we",
+]
+
+
+# ---- helpers (public: plugin suites use them for their own extra tests) ------------------------------------
+def load_checkpoint(model_dir: str | Path) -> dict[str, Any]:
+    """Every tensor of an HF checkpoint directory, by HF name (what a trainer's state_dict holds)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, Any] = {}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def reference_logprobs(
+    hf_model: Any, prompt_ids: list[int], token_ids: list[int], params: SamplingParams
+) -> list[float]:
+    """Processed logprobs of ``token_ids`` after ``prompt_ids`` by transformers' own warpers (teacher forcing).
+
+    Temperature, then top-k, then top-p, as ``generate`` applies them; temperature 0 is the unscaled
+    distribution. A token the processing removed gets ``-inf``.
+    """
+    import torch
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    if not token_ids:
+        return []
+    with torch.no_grad():
+        x = torch.tensor([list(prompt_ids) + list(token_ids)])
+        scores = hf_model(x).logits[0, len(prompt_ids) - 1 : -1].float()
+    if not params.greedy:
+        dummy = torch.zeros((scores.shape[0], 1), dtype=torch.long)
+        scores = TemperatureLogitsWarper(params.temperature)(dummy, scores)
+        if params.top_k_or_none is not None:
+            scores = TopKLogitsWarper(params.top_k_or_none)(dummy, scores)
+        if params.top_p < 1:
+            scores = TopPLogitsWarper(params.top_p)(dummy, scores)
+    logp = torch.log_softmax(scores, dim=-1)
+    return [float(v) for v in logp.gather(1, torch.tensor(token_ids)[:, None])[:, 0]]
+
+
+def _tokens(results: list[GenerationResult]) -> list[list[list[int]]]:
+    return [[o.token_ids for o in r.outputs] for r in results]
+
+
+def _expect_raises(exc_type: type[BaseException], call: Callable[[], Any]) -> BaseException:
+    with pytest.raises(exc_type) as info:
+        call()
+    return info.value
+
+
+# Bad generate() input: (id, args, kwargs). Each must raise InvalidArgumentError and change nothing.
+_BAD_GENERATE: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
+    ("empty-prompt-list", ([],), {}),
+    ("empty-prompt", ([""],), {}),
+    ("empty-token-ids", (), {"prompt_token_ids": [[]]}),
+    ("empty-token-id-list", (), {"prompt_token_ids": []}),
+    ("flat-token-ids", (), {"prompt_token_ids": [1, 2, 3]}),
+    ("negative-token-id", (), {"prompt_token_ids": [[1, -1]]}),
+    ("token-id-outside-vocab", (), {"prompt_token_ids": [[1, 10**9]]}),
+    ("text-and-ids", (["hi"],), {"prompt_token_ids": [[1, 2]]}),
+    ("no-prompt", (), {}),
+    ("prompt-not-a-string", ([5],), {}),
+    ("prompts-not-a-list", (5,), {}),
+    ("max-new-tokens-0", (["hi"], {"max_new_tokens": 0}), {}),
+    ("max-new-tokens-negative", (["hi"], {"max_new_tokens": -3}), {}),
+    ("max-new-tokens-float", (["hi"], {"max_new_tokens": 2.5}), {}),
+    ("temperature-negative", (["hi"], {"temperature": -0.1}), {}),
+    ("temperature-nan", (["hi"], {"temperature": math.nan}), {}),
+    ("temperature-inf", (["hi"], {"temperature": math.inf}), {}),
+    ("top-p-0", (["hi"], {"top_p": 0.0}), {}),
+    ("top-p-above-1", (["hi"], {"top_p": 1.5}), {}),
+    ("top-p-nan", (["hi"], {"top_p": math.nan}), {}),
+    ("top-p-inf", (["hi"], {"top_p": math.inf}), {}),
+    ("top-k-0", (["hi"], {"top_k": 0}), {}),
+    ("top-k-minus-2", (["hi"], {"top_k": -2}), {}),
+    ("top-k-float", (["hi"], {"top_k": 2.5}), {}),
+    ("n-0", (["hi"], {"n": 0}), {}),
+    ("stop-int", (["hi"], {"stop": 123}), {}),
+    ("stop-list-of-ints", (["hi"], {"stop": [1, 2]}), {}),
+    ("stop-empty-string", (["hi"], {"stop": [""]}), {}),
+    ("stop-token-ids-string", (["hi"], {"stop_token_ids": "abc"}), {}),
+    ("stop-token-ids-negative", (["hi"], {"stop_token_ids": [-1]}), {}),
+    ("seed-string", (["hi"], {"seed": "x"}), {}),
+    ("unknown-sampling-key", (["hi"], {"temprature": 0.5}), {}),
+    ("params-list-wrong-length", (["hi", "ho"], [{"max_new_tokens": 2}] * 3), {}),
+    ("params-wrong-type", (["hi"], 42), {}),
+]
+
+
+class EngineConformance:
+    """The conformance suite. Subclass it, override ``make_engine`` and the capability flags."""
+
+    supports_sleep_level_2: ClassVar[bool] = True
+    supports_seed: ClassVar[bool] = True
+    """Seeded sampling is reproducible across calls."""
+    seeded_batch_invariant: ClassVar[bool] = True
+    """A seeded request's samples do not depend on the other requests in its batch (needs ``supports_seed``)."""
+    supports_images: ClassVar[bool] = False
+    logprob_tolerance: ClassVar[float] = 1e-4
+    """Mean absolute difference allowed between the engine's logprobs and transformers' on the same tokens."""
+    greedy_matches_hf: ClassVar[bool] = True
+    """Greedy output equals transformers ``generate`` token for token (fp32 CPU yes, bf16 GPU no)."""
+    model_kwargs: ClassVar[dict[str, Any]] = {}
+    """Arguments for ``build_tiny_model``."""
+
+    def make_engine(self, model_dir: str, **options: Any) -> GenerationEngine:
+        raise NotImplementedError("subclasses return an engine serving model_dir")
+
+    # ---- fixtures --------------------------------------------------------------------------------------
+    @pytest.fixture(scope="class")
+    @classmethod
+    def model_dir(cls) -> str:
+        return str(tiny_model_dir(**cls.model_kwargs))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def other_model_dir(cls) -> str:
+        """Same shapes and tokenizer, other random weights."""
+        kwargs = dict(cls.model_kwargs)
+        kwargs["seed"] = int(kwargs.get("seed", 0)) + 1
+        return str(tiny_model_dir(**kwargs))
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def original_weights(cls, model_dir: str) -> dict[str, Any]:
+        return load_checkpoint(model_dir)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def other_weights(cls, other_model_dir: str) -> dict[str, Any]:
+        return load_checkpoint(other_model_dir)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def hf_model(cls, model_dir: str) -> Any:
+        import torch
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        return model.eval()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tokenizer(cls, model_dir: str) -> Any:
+        import transformers
+
+        return transformers.AutoTokenizer.from_pretrained(model_dir)
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def other_record(cls, other_model_dir: str) -> dict[str, Any]:
+        """A fresh engine on the other weights, used in a ``with`` block: its outputs and its shutdown.
+
+        Runs before the class engine exists, so backends that allow one engine per process (or per GPU)
+        need not hold two at once.
+        """
+        record: dict[str, Any] = {}
+        engine = cls().make_engine(other_model_dir)
+        with engine as entered:
+            record["enter_returns_self"] = entered is engine
+            record["results"] = engine.generate(PROMPTS, GREEDY)
+        record["closed"] = engine.state.closed
+        calls: dict[str, Callable[[], Any]] = {
+            "generate": lambda: engine.generate(PROMPTS[:1], GREEDY),
+            "sleep": lambda: engine.sleep(1),
+            "wake": lambda: engine.wake(),
+            "load_weights": lambda: engine.load_weights([]),
+            "flush_cache": lambda: engine.flush_cache(),
+        }
+        errors: dict[str, BaseException | None] = {}
+        for name, call in calls.items():
+            try:
+                call()
+                errors[name] = None
+            except Exception as exc:
+                errors[name] = exc
+        record["errors_after_shutdown"] = errors
+        try:
+            engine.shutdown()
+            record["second_shutdown"] = None
+        except Exception as exc:
+            record["second_shutdown"] = exc
+        return record
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def engine(cls, model_dir: str, other_record: dict[str, Any]) -> Iterator[GenerationEngine]:
+        engine = cls().make_engine(model_dir)
+        try:
+            yield engine
+        finally:
+            engine.shutdown()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def baseline(cls, engine: GenerationEngine) -> list[GenerationResult]:
+        """Greedy outputs of the class engine on ``PROMPTS`` with its original weights."""
+        return engine.generate(PROMPTS, GREEDY)
+
+    @pytest.fixture(autouse=True)
+    def _leave_engine_awake(self, engine: GenerationEngine) -> Iterator[None]:
+        yield
+        if not engine.state.closed and engine.is_sleeping:
+            engine.wake()
+
+    @contextmanager
+    def restoring(self, engine: GenerationEngine, weights: dict[str, Any]) -> Iterator[None]:
+        """Run a block that changes the engine's weights or sleeps it; afterwards it is awake with ``weights``."""
+        try:
+            yield
+        finally:
+            if engine.is_sleeping:
+                engine.wake()
+            engine.load_weights(weights.items())
+
+    def assert_baseline(self, engine: GenerationEngine, baseline: list[GenerationResult]) -> None:
+        assert _tokens(engine.generate(PROMPTS, GREEDY)) == _tokens(baseline)
+
+    # ---- the protocol object ---------------------------------------------------------------------------
+    def test_is_a_generation_engine(self, engine: GenerationEngine) -> None:
+        assert isinstance(engine, GenerationEngine)
+        tags = tuple(engine.supported_tags)
+        assert TAG_WEIGHTS in tags and TAG_KV_CACHE in tags
+        assert tags.index(TAG_WEIGHTS) < tags.index(TAG_KV_CACHE), "weights must come back before the KV cache"
+        state = engine.state
+        assert not state.is_sleeping and state.weights_loaded and not state.closed and state.sleep_level is None
+
+    # ---- generate --------------------------------------------------------------------------------------
+    def test_results_come_back_in_prompt_order(self, engine: GenerationEngine, tokenizer: Any) -> None:
+        # Distinct lengths identify each prompt's result whatever the engine's numerics.
+        params = [{"temperature": 0.0, "max_new_tokens": 3 + i, "ignore_eos": True} for i in range(len(PROMPTS))]
+        for order in (list(range(len(PROMPTS))), list(reversed(range(len(PROMPTS))))):
+            results = engine.generate([PROMPTS[i] for i in order], [params[i] for i in order])
+            assert len(results) == len(order)
+            for i, result in zip(order, results, strict=True):
+                assert result.prompt_token_ids == tokenizer.encode(PROMPTS[i])
+                assert len(result.outputs) == 1
+                assert len(result.outputs[0].token_ids) == 3 + i
+                assert result.outputs[0].finish_reason == "length"
+
+    def test_token_id_prompts_equal_text_prompts(
+        self, engine: GenerationEngine, tokenizer: Any, baseline: list[GenerationResult]
+    ) -> None:
+        ids = [tokenizer.encode(p) for p in PROMPTS]
+        results = engine.generate(prompt_token_ids=ids, sampling_params=GREEDY)
+        assert [r.prompt_token_ids for r in results] == ids
+        assert _tokens(results) == _tokens(baseline)
+
+    def test_output_fields(self, engine: GenerationEngine, tokenizer: Any, baseline: list[GenerationResult]) -> None:
+        for result in baseline:
+            (out,) = result.outputs
+            assert 1 <= len(out.token_ids) <= GREEDY.max_new_tokens
+            assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+            assert all(lp <= 1e-6 and math.isfinite(lp) for lp in out.logprobs)
+            if out.finish_reason == "length":
+                assert len(out.token_ids) == GREEDY.max_new_tokens and out.stop_reason is None
+                assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+            else:  # EOS: kept in token_ids, not in the text
+                assert out.finish_reason == "stop" and out.stop_reason is None
+                assert out.token_ids[-1] == tokenizer.eos_token_id
+                assert out.text == tokenizer.decode(out.token_ids[:-1], skip_special_tokens=True)
+        plain = engine.generate(PROMPTS[:1], {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True})
+        (out,) = plain[0].outputs
+        assert out.logprobs is None and len(out.token_ids) == 5 and out.finish_reason == "length"
+
+    def test_greedy_matches_hf_generate(self, hf_model: Any, tokenizer: Any, baseline: list[GenerationResult]) -> None:
+        if not self.greedy_matches_hf:
+            pytest.skip("this engine's numerics differ from float32 transformers (greedy_matches_hf = False)")
+        import torch
+
+        for prompt, result in zip(PROMPTS, baseline, strict=True):
+            ids = torch.tensor([tokenizer.encode(prompt)])
+            with torch.no_grad():
+                out = hf_model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=GREEDY.max_new_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            assert result.outputs[0].token_ids == out[0, ids.shape[1] :].tolist(), prompt
+
+    def test_greedy_logprobs_match_hf_forward(self, hf_model: Any, baseline: list[GenerationResult]) -> None:
+        diffs = []
+        for result in baseline:
+            out = result.outputs[0]
+            ref = reference_logprobs(hf_model, result.prompt_token_ids, out.token_ids, GREEDY)
+            assert out.logprobs is not None
+            diffs += [abs(a - b) for a, b in zip(out.logprobs, ref, strict=True)]
+        mean = sum(diffs) / len(diffs)
+        assert mean <= self.logprob_tolerance, f"mean |Δlogprob| {mean:.2e} (max {max(diffs):.2e})"
+
+    def test_sampled_logprobs_are_processed(self, engine: GenerationEngine, hf_model: Any) -> None:
+        """After temperature, top-k and top-p, as the trainer needs them; not the raw distribution."""
+        cases = [
+            SamplingParams(temperature=0.7, max_new_tokens=10, logprobs=True, seed=11, n=2),
+            SamplingParams(temperature=1.0, top_k=8, max_new_tokens=10, logprobs=True, seed=12, n=2),
+            SamplingParams(temperature=1.0, top_p=0.8, max_new_tokens=10, logprobs=True, seed=13, n=2),
+            SamplingParams(temperature=1.3, top_k=20, top_p=0.9, max_new_tokens=10, logprobs=True, seed=14, n=2),
+        ]
+        results = engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(cases))], cases)
+        raw_params = SamplingParams(temperature=0.0)
+        for params, result in zip(cases, results, strict=True):
+            assert len(result.outputs) == params.n
+            diffs, raw_diffs, removed = [], [], 0
+            for out in result.outputs:
+                assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+                ref = reference_logprobs(hf_model, result.prompt_token_ids, out.token_ids, params)
+                raw = reference_logprobs(hf_model, result.prompt_token_ids, out.token_ids, raw_params)
+                for got, want, unprocessed in zip(out.logprobs, ref, raw, strict=True):
+                    if math.isinf(want):
+                        removed += 1  # sampled a token the reference filtered out
+                        continue
+                    diffs.append(abs(got - want))
+                    raw_diffs.append(abs(got - unprocessed))
+            total = removed + len(diffs)
+            allowed = 0 if self.greedy_matches_hf else max(1, total // 20)
+            assert removed <= allowed, f"{params}: {removed} of {total} sampled tokens are outside top-k/top-p"
+            mean = sum(diffs) / len(diffs)
+            assert mean <= self.logprob_tolerance, f"{params}: mean |Δlogprob| {mean:.2e}"
+            raw_mean = sum(raw_diffs) / len(raw_diffs)
+            assert raw_mean > max(2 * mean, 1e-3), f"{params}: the logprobs look unprocessed (raw)"
+
+    def test_top_k_1_and_tiny_top_p_sample_greedily(
+        self, engine: GenerationEngine, baseline: list[GenerationResult]
+    ) -> None:
+        for extra in ({"top_k": 1}, {"top_p": 1e-6}):
+            params = {"temperature": 1.0, "max_new_tokens": GREEDY.max_new_tokens, "logprobs": True, "seed": 5, **extra}
+            results = engine.generate(PROMPTS, params)
+            assert _tokens(results) == _tokens(baseline), extra
+            for result in results:
+                logprobs = result.outputs[0].logprobs
+                assert logprobs is not None
+                assert all(abs(lp) <= max(self.logprob_tolerance, 1e-5) for lp in logprobs), (extra, logprobs)
+
+    def test_n_samples(self, engine: GenerationEngine) -> None:
+        params = {"temperature": 1.0, "max_new_tokens": 8, "n": 4, "seed": 0, "logprobs": True}
+        results = engine.generate(PROMPTS[:2], params)
+        assert len(results) == 2
+        for result in results:
+            assert len(result.outputs) == 4
+            samples = {tuple(o.token_ids) for o in result.outputs}
+            assert len(samples) > 1, "n samples of a temperature-1 request are all identical"
+            for out in result.outputs:
+                assert 1 <= len(out.token_ids) <= 8
+                assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+
+    def test_seeded_sampling_is_reproducible(self, engine: GenerationEngine) -> None:
+        if not self.supports_seed:
+            pytest.skip("the engine does not promise reproducible seeded sampling (supports_seed = False)")
+        params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10, seed=1234, n=2)
+        first = _tokens(engine.generate(PROMPTS[1:2], params))
+        assert _tokens(engine.generate(PROMPTS[1:2], params)) == first
+        other = SamplingParams(temperature=1.0, max_new_tokens=10, seed=99)
+        different = _tokens(engine.generate(PROMPTS[1:2], SamplingParams(**{**_fields(params), "seed": 4321})))
+        assert different != first, "two seeds gave the same samples"
+        if self.seeded_batch_invariant:
+            batch = engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [other, params, GREEDY])
+            assert _tokens(batch)[1] == first[0], "a seeded request's samples changed with its batch"
+
+    def test_max_new_tokens_and_ignore_eos(self, engine: GenerationEngine) -> None:
+        params = [
+            {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True},
+            {"temperature": 1.0, "max_new_tokens": 7, "ignore_eos": True, "seed": 3},
+        ]
+        results = engine.generate(PROMPTS[:2], params)
+        for want, result in zip((1, 7), results, strict=True):
+            (out,) = result.outputs
+            assert len(out.token_ids) == want
+            assert out.finish_reason == "length" and out.stop_reason is None
+
+    def test_stop_token_ids(self, engine: GenerationEngine, tokenizer: Any) -> None:
+        full = engine.generate(PROMPTS[0], {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
+        tokens = full[0].outputs[0].token_ids
+        stop = next((t for t in tokens[3:] if t != tokenizer.eos_token_id), None)
+        assert stop is not None
+        k = tokens.index(stop)
+        params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True, "stop_token_ids": [stop]}
+        (out,) = engine.generate(PROMPTS[0], params)[0].outputs
+        assert out.token_ids == tokens[: k + 1], "the stop token is kept in token_ids"
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.text == tokenizer.decode(tokens[:k], skip_special_tokens=True), "the stop token is not in the text"
+
+    def test_stop_strings(self, engine: GenerationEngine, tokenizer: Any) -> None:
+        prompts = PROMPTS + _EXTRA_PROMPTS
+        full = engine.generate(prompts, {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True})
+        found = None
+        for prompt, result in zip(prompts, full, strict=True):
+            tokens = result.outputs[0].token_ids
+            for k in range(1, len(tokens)):
+                before = tokenizer.decode(tokens[:k], skip_special_tokens=True)
+                upto = tokenizer.decode(tokens[: k + 1], skip_special_tokens=True)
+                stop = upto[-2:]
+                if "\ufffd" in upto or len(stop) < 2 or not stop.strip() or stop in before:
+                    continue
+                found = (prompt, tokens, k, stop, upto)
+                break
+            if found:
+                break
+        if found is None:
+            pytest.fail("no clean two-character stop string in the greedy outputs; change the prompts")
+        prompt, tokens, k, stop, upto = found
+        params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True, "stop": ["\x00never\x00", stop]}
+        (out,) = engine.generate(prompt, params)[0].outputs
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.token_ids == tokens[: k + 1], "the token that completed the stop string stays in token_ids"
+        assert out.text == upto[: upto.index(stop)], "the text is cut before the stop string"
+
+    def test_eos_ends_generation_unless_ignored(
+        self, engine: GenerationEngine, tokenizer: Any, original_weights: dict[str, Any]
+    ) -> None:
+        """With the final norm zeroed every logit is 0, so greedy picks token 0: our tiny models' EOS."""
+        import torch
+
+        eos = tokenizer.eos_token_id
+        if eos != 0 or "model.norm.weight" not in original_weights:
+            pytest.skip("needs a model whose EOS id is 0 and whose final norm is model.norm.weight")
+        zeros = torch.zeros_like(original_weights["model.norm.weight"])
+        with self.restoring(engine, original_weights):
+            engine.load_weights([("model.norm.weight", zeros)])
+            (out,) = engine.generate(PROMPTS[0], {"temperature": 0.0, "max_new_tokens": 6, "logprobs": True})[0].outputs
+            assert out.token_ids == [eos] and out.finish_reason == "stop" and out.stop_reason is None
+            assert out.text == ""
+            assert out.logprobs is not None
+            uniform = -math.log(_vocab_size(original_weights))
+            assert abs(out.logprobs[0] - uniform) <= max(self.logprob_tolerance, 1e-3)
+            params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+            (out,) = engine.generate(PROMPTS[0], params)[0].outputs
+            assert out.token_ids == [eos] * 6 and out.finish_reason == "length" and out.text == ""
+            (out,) = engine.generate(PROMPTS[0], {**params, "stop_token_ids": [eos]})[0].outputs
+            assert out.token_ids == [eos] and out.finish_reason == "stop" and out.stop_reason == eos
+
+    # ---- bad input -------------------------------------------------------------------------------------
+    @pytest.mark.parametrize(("case", "args", "kwargs"), _BAD_GENERATE, ids=[c[0] for c in _BAD_GENERATE])
+    def test_bad_generate_input_is_rejected(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        case: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        _expect_raises(InvalidArgumentError, lambda: engine.generate(*args, **kwargs))
+        assert not engine.is_sleeping and engine.state.weights_loaded
+        out = engine.generate(PROMPTS[:1], {"temperature": 0.0, "max_new_tokens": 2})
+        assert out[0].outputs[0].token_ids == baseline[0].outputs[0].token_ids[:2]
+
+    def test_images_rejected_when_unsupported(self, engine: GenerationEngine) -> None:
+        if self.supports_images:
+            pytest.skip("the engine takes images")
+        _expect_raises(InvalidArgumentError, lambda: engine.generate(["hi"], image_data=[b"not an image"]))
+
+    # ---- sleep / wake ----------------------------------------------------------------------------------
+    def test_wake_while_awake_is_a_no_op(self, engine: GenerationEngine, baseline: list[GenerationResult]) -> None:
+        engine.wake()
+        engine.wake(["kv_cache"])
+        assert not engine.is_sleeping
+        self.assert_baseline(engine, baseline)
+
+    def test_sleep_level_1_cycle(
+        self, engine: GenerationEngine, baseline: list[GenerationResult], original_weights: dict[str, Any]
+    ) -> None:
+        engine.sleep(1)
+        state = engine.state
+        assert engine.is_sleeping and state.sleep_level == 1
+        assert state.released_tags == frozenset(engine.supported_tags)
+        _expect_raises(EngineSleepingError, lambda: engine.generate(PROMPTS, GREEDY))
+        _expect_raises(EngineSleepingError, lambda: engine.generate(prompt_token_ids=[[1, 2]]))
+        _expect_raises(EngineSleepingError, lambda: engine.load_weights(original_weights.items()))
+        engine.sleep(1)  # double sleep: no-op
+        engine.sleep(2)  # any sleep while asleep: no-op, the level stays
+        assert engine.state.sleep_level == 1
+        engine.flush_cache()  # nothing cached while asleep: allowed, a no-op
+        engine.wake()
+        assert not engine.is_sleeping and engine.state.sleep_level is None
+        engine.wake()
+        self.assert_baseline(engine, baseline)  # level 1 keeps the weights
+
+    def test_staged_wake_after_level_1(self, engine: GenerationEngine, baseline: list[GenerationResult]) -> None:
+        engine.sleep(1)
+        engine.wake([TAG_WEIGHTS])
+        assert engine.is_sleeping and engine.state.released_tags == frozenset({TAG_KV_CACHE})
+        _expect_raises(EngineSleepingError, lambda: engine.generate(PROMPTS, GREEDY))
+        engine.wake([TAG_KV_CACHE])
+        assert not engine.is_sleeping
+        self.assert_baseline(engine, baseline)
+
+    def test_bad_sleep_and_wake_arguments(self, engine: GenerationEngine, baseline: list[GenerationResult]) -> None:
+        for level in (0, 3, -1, True, "1", None):
+            with pytest.raises(InvalidArgumentError):
+                engine.sleep(level)  # type: ignore[arg-type]
+        for tags in (["bogus"], [], ["weights", "nope"]):
+            with pytest.raises(InvalidArgumentError):
+                engine.wake(tags)
+        assert not engine.is_sleeping
+        self.assert_baseline(engine, baseline)
+
+    def test_level_2_needs_weights_before_generate(
+        self, engine: GenerationEngine, baseline: list[GenerationResult], original_weights: dict[str, Any]
+    ) -> None:
+        if not self.supports_sleep_level_2:
+            pytest.skip("no level-2 sleep")
+        with self.restoring(engine, original_weights):
+            engine.sleep(2)
+            assert engine.state.sleep_level == 2 and not engine.state.weights_loaded
+            engine.wake()
+            assert not engine.is_sleeping and not engine.state.weights_loaded
+            _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+            first = next(iter(original_weights))
+            engine.load_weights([(first, original_weights[first])])  # one tensor is not all of them
+            _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+            engine.load_weights(original_weights.items())
+            assert engine.state.weights_loaded
+            self.assert_baseline(engine, baseline)
+
+    def test_staged_wake_after_level_2(
+        self, engine: GenerationEngine, baseline: list[GenerationResult], original_weights: dict[str, Any]
+    ) -> None:
+        if not self.supports_sleep_level_2:
+            pytest.skip("no level-2 sleep")
+        with self.restoring(engine, original_weights):
+            engine.sleep(2)
+            engine.wake([TAG_WEIGHTS])
+            engine.load_weights(original_weights.items())
+            assert engine.state.released_tags == frozenset({TAG_KV_CACHE})
+            _expect_raises(EngineSleepingError, lambda: engine.generate(PROMPTS, GREEDY))
+            engine.wake([TAG_KV_CACHE])
+            assert not engine.is_sleeping and engine.state.weights_loaded
+            self.assert_baseline(engine, baseline)
+
+    # ---- load_weights ----------------------------------------------------------------------------------
+    def test_load_weights_equals_a_fresh_engine(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        other_record: dict[str, Any],
+    ) -> None:
+        """Also the stale-cache check: the same prompts just ran, so a cache that survived would show."""
+        reference = other_record["results"]
+        assert _tokens(reference) != _tokens(baseline), "the two random models should not agree"
+        with self.restoring(engine, original_weights):
+            self.assert_baseline(engine, baseline)
+            report = engine.load_weights(other_weights.items())
+            assert report.num_tensors == len(other_weights)
+            assert report.num_bytes == sum(t.numel() * t.element_size() for t in other_weights.values())
+            assert report.num_buckets >= 1 and report.seconds >= 0
+            results = engine.generate(PROMPTS, GREEDY)
+            assert _tokens(results) == _tokens(reference)
+            diffs = [
+                abs(a - b)
+                for got, want in zip(results, reference, strict=True)
+                for a, b in zip(got.outputs[0].logprobs or [], want.outputs[0].logprobs or [], strict=True)
+            ]
+            assert sum(diffs) / len(diffs) <= self.logprob_tolerance
+        self.assert_baseline(engine, baseline)
+
+    def test_load_weights_in_small_buckets(
+        self, engine: GenerationEngine, baseline: list[GenerationResult], original_weights: dict[str, Any]
+    ) -> None:
+        largest = max(t.numel() * t.element_size() for t in original_weights.values())
+        with self.restoring(engine, original_weights):
+            report = engine.load_weights(original_weights.items(), bucket_bytes=largest)
+            assert report.num_buckets > 1 and report.num_tensors == len(original_weights)
+            self.assert_baseline(engine, baseline)
+
+    @pytest.mark.parametrize("bad", ["unknown-name", "wrong-shape", "wrong-dtype", "not-a-tensor", "name-twice"])
+    def test_failed_load_weights_changes_nothing(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        hf_model: Any,
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        bad: str,
+    ) -> None:
+        """The good tensors come first (other weights), the bad entry last: nothing may be written."""
+        import torch
+
+        name, tensor = next(iter(other_weights.items()))
+        entry: tuple[str, Any] = {
+            "unknown-name": ("model.layers.99.not_a_weight", tensor),
+            "wrong-shape": (name, tensor.flatten()[:-1].clone()),
+            "wrong-dtype": (name, torch.zeros(tensor.shape, dtype=torch.int64)),
+            "not-a-tensor": (name, tensor.tolist()),
+            "name-twice": (name, tensor),
+        }[bad]
+        stream = [(n, t) for n, t in other_weights.items() if bad == "name-twice" or n != name] + [entry]
+        with self.restoring(engine, original_weights):
+            error = _expect_raises(WeightLoadError, lambda: engine.load_weights(stream))
+            assert entry[0] in str(error), f"the error should name {entry[0]!r}: {error}"
+            assert engine.state.weights_loaded and not engine.is_sleeping
+            results = engine.generate(PROMPTS, GREEDY)
+            assert _tokens(results) == _tokens(baseline)
+            # The weights serving these outputs are the original checkpoint's, by transformers' own forward.
+            for result in results:
+                out = result.outputs[0]
+                ref = reference_logprobs(hf_model, result.prompt_token_ids, out.token_ids, GREEDY)
+                diff = sum(abs(a - b) for a, b in zip(out.logprobs or [], ref, strict=True)) / len(ref)
+                assert diff <= self.logprob_tolerance
+
+    def test_load_weights_bad_arguments(self, engine: GenerationEngine, baseline: list[GenerationResult]) -> None:
+        bad_streams: list[Any] = [5, "model.norm.weight", None, [("x", 1, 2)], [object()]]
+        for value in bad_streams:
+            with pytest.raises(InvalidArgumentError):
+                engine.load_weights(value)
+        for bucket in (0, -1, 1.5, True):
+            with pytest.raises(InvalidArgumentError):
+                engine.load_weights([], bucket_bytes=bucket)  # type: ignore[arg-type]
+        self.assert_baseline(engine, baseline)
+
+    def test_stream_failing_midway_never_serves_mixed_weights(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+    ) -> None:
+        items = list(other_weights.items())
+
+        def stream() -> Iterator[tuple[str, Any]]:
+            yield from items[: len(items) // 2]
+            raise RuntimeError("trainer died half-way through the weights")
+
+        smallest = min(t.numel() * t.element_size() for t in other_weights.values())
+        with self.restoring(engine, original_weights):
+            _expect_raises(RuntimeError, lambda: engine.load_weights(stream(), bucket_bytes=smallest))
+            if engine.state.weights_loaded:  # all-or-nothing engines: nothing was written
+                self.assert_baseline(engine, baseline)
+            else:  # streaming engines: half-written, so generating must be refused until a full load
+                _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+        self.assert_baseline(engine, baseline)
+
+    def test_flush_cache(self, engine: GenerationEngine, baseline: list[GenerationResult]) -> None:
+        engine.flush_cache()
+        self.assert_baseline(engine, baseline)
+        engine.flush_cache()
+        engine.flush_cache()
+        self.assert_baseline(engine, baseline)
+
+    # ---- shutdown --------------------------------------------------------------------------------------
+    def test_context_manager_and_shutdown(self, other_record: dict[str, Any]) -> None:
+        """Recorded on the fresh engine of ``other_record``: ``with`` returns it and shuts it down."""
+        assert other_record["enter_returns_self"]
+        assert other_record["closed"]
+        assert other_record["second_shutdown"] is None, "shutdown must be idempotent"
+        for call, error in other_record["errors_after_shutdown"].items():
+            assert isinstance(error, EngineClosedError), f"{call} after shutdown raised {error!r}"
+
+
+def _fields(params: SamplingParams) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(params)
+
+
+def _vocab_size(weights: dict[str, Any]) -> int:
+    for name in ("lm_head.weight", "model.embed_tokens.weight"):
+        if name in weights:
+            return int(weights[name].shape[0])
+    raise KeyError("no lm_head.weight or model.embed_tokens.weight in the checkpoint")
