@@ -30,6 +30,7 @@ How it maps (every choice checked against vLLM 0.26.0's source):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import random
@@ -50,6 +51,7 @@ from genengine.errors import (
 )
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, EngineState, GenerationResult, LoadReport
 from genengine_vllm.options import (
+    WEIGHT_SYNC_MODES,
     VLLMSettings,
     build_llm_kwargs,
     convert_request_output,
@@ -380,6 +382,17 @@ class VLLMEngine(EngineBase):
             )
         self._max_model_len = int(llm.model_config.max_model_len)
         self._multimodal = bool(getattr(llm.model_config, "is_multimodal_model", False))
+
+    @property
+    def weight_sync_mode(self) -> str:
+        """``"bucketed"`` (one in-place load per bucket) or ``"per_param"`` (one per tensor, the baseline)."""
+        return self.settings.weight_sync_mode
+
+    @weight_sync_mode.setter
+    def weight_sync_mode(self, mode: str) -> None:
+        if mode not in WEIGHT_SYNC_MODES:
+            raise InvalidArgumentError(f"weight_sync_mode={mode!r}: allowed are {', '.join(WEIGHT_SYNC_MODES)}")
+        self.settings = dataclasses.replace(self.settings, weight_sync_mode=mode)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("asleep" if self._released else "awake")

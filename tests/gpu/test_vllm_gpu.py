@@ -1,0 +1,264 @@
+"""vLLM 0.26.0 on one GPU: the conformance suite, plus what only a real GPU shows.
+
+The engine runs colocated, as under a trainer: this module initialises a one-rank NCCL world first, so the
+engine takes the external_launcher path and its shutdown must leave that world alive. One sleep-mode
+engine serves the module (vLLM allows one per process); the suite's fresh reference engine on other
+weights runs before it, with sleep disabled.
+
+Run on the GPU machine (see tools/gpu/vllm_gpu.sh):
+    PYTHONPATH=/tmp/site-proj:/tmp/site-vllm python3 -m pytest -m gpu tests/gpu/test_vllm_gpu.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("vllm")
+
+from genengine import create_engine  # noqa: E402
+from genengine.errors import EngineStateError  # noqa: E402
+from genengine.protocol import GenerationEngine, GenerationResult, SamplingParams  # noqa: E402
+from genengine.testing.conformance import GREEDY, PROMPTS, EngineConformance  # noqa: E402
+from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# Settings of the machine, not of the product: the GPU kit does not carry flashinfer.
+if importlib.util.find_spec("flashinfer") is None:
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+MEM_UTIL = 0.3
+GIB = 1 << 30
+_RECORD: dict[str, Any] = {"engines": []}
+
+
+def _free() -> int:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def trainer_world() -> Any:
+    """A one-rank NCCL default group, as torchrun gives a trainer: the group the engine must not destroy."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield dist.group.WORLD
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    )
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl")
+    world = dist.group.WORLD
+    yield world
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def allocator_settings() -> Any:
+    """make_engine sets expandable_segments:True in the environment; leave the process as it was found."""
+    saved = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    yield
+    if saved is None:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    else:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = saved
+    enabled = "expandable_segments:True" in (saved or "")
+    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enabled}")
+
+
+def _rng_kept(cpu: Any, cuda: list[Any] | None) -> bool:
+    if not torch.equal(cpu, torch.get_rng_state()):
+        return False
+    now = torch.cuda.get_rng_state_all()
+    return cuda is None or (len(cuda) == len(now) and all(torch.equal(a, b) for a, b in zip(cuda, now, strict=True)))
+
+
+def _hf_logprobs(model: Any, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        x = torch.tensor([prompt_ids + token_ids], device="cuda")
+        logits = model(x).logits[0, len(prompt_ids) - 1 : -1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(1, torch.tensor(token_ids, device="cuda")[:, None])[:, 0].tolist()
+
+
+def _mean_diff(results: list[GenerationResult], model: Any) -> float:
+    diffs = []
+    for r in results:
+        out = r.outputs[0]
+        ref = _hf_logprobs(model, r.prompt_token_ids, out.token_ids)
+        diffs += [abs(a - b) for a, b in zip(out.logprobs or [], ref, strict=True)]
+    return sum(diffs) / len(diffs)
+
+
+class TestVLLMConformance(EngineConformance):
+    greedy_matches_hf = False  # bf16 on the GPU vs float32 transformers on the CPU
+    logprob_tolerance = 0.03
+    supports_images = False  # the tiny Qwen2 is text-only
+
+    def make_engine(self, model_dir: str, **options: Any) -> GenerationEngine:
+        main = model_dir == str(tiny_model_dir(**self.model_kwargs))
+        options.setdefault("disable_cuda_graph", True)
+        options.setdefault("max_model_len", 1024)
+        if not main:
+            options.setdefault("enable_sleep", False)  # the fresh reference engine; sleep mode is one per process
+        if main:  # the setting with which vLLM's sleep frees nothing: the engine must take it out
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        rng_cpu = torch.get_rng_state()
+        rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        free_before = _free()
+        engine: GenerationEngine = create_engine(backend="vllm", model=model_dir, mem_util=MEM_UTIL, **options)
+        if main:
+            _RECORD.update(
+                free_before=free_before,
+                free_awake=_free(),
+                alloc_conf_alive=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                rng_kept=_rng_kept(rng_cpu, rng_cuda),
+            )
+        _RECORD["engines"].append(engine)
+        return engine
+
+    # ---- beyond the suite ----------------------------------------------------------------------------------
+    def test_engine_start_keeps_the_trainers_rng_and_allocator_setting(self, engine: GenerationEngine) -> None:
+        assert _RECORD["rng_kept"], "creating the engine changed the trainer's torch RNG state"
+        assert "expandable_segments:True" not in (_RECORD["alloc_conf_alive"] or "")
+        assert engine.settings.tp_size == 1 and engine.topology is not None  # type: ignore[attr-defined]
+
+    @pytest.mark.parametrize("level", [1, 2])
+    def test_sleep_frees_what_the_engine_holds(
+        self, engine: Any, baseline: list[GenerationResult], original_weights: dict[str, Any], level: int
+    ) -> None:
+        held = _RECORD["free_before"] - _free()
+        assert held > GIB, f"the engine holds only {held / GIB:.2f} GiB?"
+        with self.restoring(engine, original_weights):
+            awake = _free()
+            engine.sleep(level)
+            freed = _free() - awake
+            share = freed / held
+            assert share >= 0.99, f"level {level}: freed {freed / GIB:.2f} of {held / GIB:.2f} GiB ({share:.1%})"
+            engine.wake()
+            assert _free() <= awake + 256 * (1 << 20), "wake did not take the memory back"
+        self.assert_baseline(engine, baseline)
+
+    def test_wake_kv_cache_before_weights_after_level_2(
+        self, engine: Any, baseline: list[GenerationResult], original_weights: dict[str, Any]
+    ) -> None:
+        """vLLM restores the model's buffers on the first wake_up: with the weights still unmapped it must wait."""
+        with self.restoring(engine, original_weights):
+            engine.sleep(2)
+            engine.wake(["kv_cache"])
+            engine.wake(["weights"])
+            engine.load_weights(original_weights.items())
+            self.assert_baseline(engine, baseline)
+
+    def test_per_param_mode_loads_the_same(
+        self,
+        engine: Any,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        other_record: dict[str, Any],
+    ) -> None:
+        reference = [[o.token_ids for o in r.outputs] for r in other_record["results"]]
+        with self.restoring(engine, original_weights):
+            engine.weight_sync_mode = "per_param"
+            try:
+                report = engine.load_weights(other_weights.items())
+                assert report.num_tensors == len(other_weights)
+                results = engine.generate(PROMPTS, GREEDY)
+                assert [[o.token_ids for o in r.outputs] for r in results] == reference
+            finally:
+                engine.weight_sync_mode = "bucketed"
+        self.assert_baseline(engine, baseline)
+
+    def test_load_from_cuda_tensors_and_logprob_parity_over_20_syncs(
+        self, engine: Any, original_weights: dict[str, Any], model_dir: str, baseline: list[GenerationResult]
+    ) -> None:
+        """Trainer-style: 20 steps of changed weights, sent from CUDA tensors; logprobs stay at HF parity.
+
+        The reference is transformers' forward on the same weights (bf16 values, computed in float32 on
+        the GPU), so the difference is the engine's bf16 arithmetic only; it must not grow with the syncs.
+        """
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        cuda_weights = {n: t.cuda() for n, t in original_weights.items()}
+        noise = {
+            n: torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float32) for n, t in cuda_weights.items()
+        }
+        diffs = []
+        try:
+            for step in range(21):
+                weights = {
+                    n: (t.float() + 0.002 * step * noise[n]).to(t.dtype) if t.dim() >= 2 else t
+                    for n, t in cuda_weights.items()
+                }
+                if step:
+                    engine.load_weights(weights.items())
+                with torch.no_grad():
+                    hf.load_state_dict({n: t.float() for n, t in weights.items()}, strict=False)
+                diffs.append(_mean_diff(engine.generate(PROMPTS, GREEDY), hf))
+                del weights
+            report = ", ".join(f"{d:.4f}" for d in diffs)
+            assert max(diffs) <= 0.01, f"mean |Δlogprob| per sync: {report}"
+            assert sum(diffs[-5:]) / 5 <= sum(diffs[:5]) / 5 + 0.003, f"drift grows with syncs: {report}"
+        finally:
+            engine.load_weights(original_weights.items())
+            del hf, cuda_weights, noise
+            torch.cuda.empty_cache()
+        self.assert_baseline(engine, baseline)
+
+    def test_second_sleep_engine_refused_before_taking_memory(self, engine: Any, model_dir: str) -> None:
+        from genengine_vllm import get_vllm_engine
+
+        before = _free()
+        with pytest.raises(EngineStateError, match="one engine per process"):
+            get_vllm_engine(model_dir, 0.1)
+        assert abs(_free() - before) < 64 * (1 << 20)
+
+    def test_unseeded_sampling_ignores_the_global_rngs(self, engine: Any) -> None:
+        """No request reaches vLLM without a seed: the trainer's numpy/torch RNG use cannot split TP ranks."""
+        import numpy as np
+
+        params = SamplingParams(temperature=1.0, max_new_tokens=8)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        first = engine.generate(PROMPTS, params)
+        np.random.seed(0)
+        torch.manual_seed(0)
+        second = engine.generate(PROMPTS, params)
+        tokens = [[o.token_ids for o in r.outputs] for r in (*first, *second)]
+        assert tokens[: len(PROMPTS)] != tokens[len(PROMPTS) :], "each call must draw new seeds"
+
+
+def test_shutdown_keeps_the_trainer_world_and_frees_memory(trainer_world: Any) -> None:
+    """Runs after the suite's class engine was shut down (vLLM's teardown would destroy the default group)."""
+    import torch.distributed as dist
+
+    engines = _RECORD["engines"]
+    if len(engines) < 2:
+        pytest.skip("the conformance class did not run in this session")
+    assert all(e.state.closed for e in engines)
+    assert dist.is_initialized() and dist.group.WORLD is trainer_world
+    total = torch.ones(1, device="cuda")
+    dist.all_reduce(total)
+    assert total.item() == 1.0
+    left = _RECORD["free_before"] - _free()
+    assert left < GIB // 2, f"{left / GIB:.2f} GiB still held after shutdown"
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True"  # restored for the trainer
