@@ -1,0 +1,141 @@
+"""The plugin author's kit works for a third party: examples/genengine-backend-template, installed into a
+fresh virtual environment next to a wheel of this checkout, passes its own tests there.
+
+The environment is really fresh (no ``--system-site-packages``), so a dependency the template forgets to
+declare fails here. Dependencies are pinned to the versions this interpreter runs (the suite's tested
+set, and for torch the local CPU wheel rather than a multi-GB CUDA build); pip uses the machine's own
+configuration (index, find-links, cache). If the pinned set cannot be had (an offline machine whose local
+index lacks one of those versions), the install is retried with only torch pinned. It takes about a minute
+on two cores: most of it is pip unpacking torch.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TEMPLATE = ROOT / "examples" / "genengine-backend-template"
+_SKIP = shutil.ignore_patterns(
+    ".venv", ".git", "build", "dist", "site", "*.egg-info", "__pycache__", ".*_cache", "out", ".gpu", ".whl",
+    ".models", "examples", "tests", "docs", "benchmarks",
+)  # fmt: skip
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: int = 600) -> str:
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        )
+    return proc.stdout
+
+
+def _requirement_names() -> list[str]:
+    """genengine's own runtime requirements, the template's, and pytest: what the fresh venv needs."""
+    names = ["pytest"]
+    for req in md.requires("genengine") or []:
+        if "extra ==" not in req:
+            names.append(re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0])
+    return sorted(set(names) | {"torch", "transformers"})
+
+
+def _pins(names: list[str]) -> list[str]:
+    pins = []
+    for name in names:
+        try:
+            pins.append(f"{name}=={md.version(name)}")
+        except md.PackageNotFoundError:
+            continue
+    return pins
+
+
+class FreshVenv:
+    def __init__(self, python: Path, template: Path, env: dict[str, str]) -> None:
+        self.python = python
+        self.template = template
+        self.env = env
+        self.timings: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> FreshVenv:
+    tmp = tmp_path_factory.mktemp("template")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+    start = time.perf_counter()
+    venv = tmp / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], env=env)
+    fresh = FreshVenv(venv / "bin" / "python", tmp / "genengine-backend-template", env)
+    fresh.timings["venv"] = time.perf_counter() - start
+
+    # Copies, so that pip's in-tree builds leave nothing behind in the checkout.
+    src = tmp / "genengine-src"
+    shutil.copytree(ROOT, src, ignore=_SKIP)
+    shutil.copytree(TEMPLATE, fresh.template, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+
+    py = str(fresh.python)
+    start = time.perf_counter()
+    _run([py, "-m", "pip", "install", "-q", "--no-deps", str(src)], env=env)
+    names = _requirement_names()
+    constraints = tmp / "constraints.txt"
+    install = [py, "-m", "pip", "install", "-q", "-c", str(constraints), *names, f"{fresh.template}[test]"]
+    constraints.write_text("\n".join(_pins(names)) + "\n")
+    try:
+        _run(install, env=env)
+    except AssertionError:
+        constraints.write_text("\n".join(_pins(["torch"])) + "\n")
+        _run(install, env=env)
+    fresh.timings["install"] = time.perf_counter() - start
+    return fresh
+
+
+def test_fresh_venv_holds_no_checkout_code(fresh_venv: FreshVenv) -> None:
+    """genengine comes from a wheel of this checkout, the template from its own distribution."""
+    code = (
+        "import json, genengine, genengine_template, importlib.metadata as md\n"
+        "print(json.dumps([genengine.__file__, genengine_template.__file__,"
+        " md.version('genengine'), md.version('genengine-backend-template')]))"
+    )
+    gen_file, tpl_file, gen_version, tpl_version = json.loads(
+        _run([str(fresh_venv.python), "-c", code], cwd=fresh_venv.template.parent, env=fresh_venv.env)
+    )
+    site = str(fresh_venv.python.parents[1])
+    assert gen_file.startswith(site) and tpl_file.startswith(site)
+    assert gen_version == md.version("genengine") and tpl_version == "0.1.0"
+
+
+def test_installed_template_is_listed_as_a_backend(fresh_venv: FreshVenv) -> None:
+    genengine = str(fresh_venv.python.parent / "genengine")
+    rows = json.loads(_run([genengine, "backends", "--json"], env=fresh_venv.env))
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["template"]["distribution"] == "genengine-backend-template"
+    assert by_name["template"]["status"] == "loadable"
+    assert by_name["transformers"]["status"] == "loadable"
+
+
+def test_template_passes_its_own_tests_in_the_fresh_venv(fresh_venv: FreshVenv) -> None:
+    start = time.perf_counter()
+    out = _run(
+        [str(fresh_venv.python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=fresh_venv.template,
+        env=fresh_venv.env,
+    )
+    fresh_venv.timings["template tests"] = time.perf_counter() - start
+    summary = out.strip().splitlines()[-1]
+    assert re.search(r"\b\d+ passed\b", summary) and "failed" not in summary and "error" not in summary, out[-3000:]
+    # The conformance suite really ran through the installed entry point (not skipped wholesale).
+    assert int(re.search(r"(\d+) passed", summary).group(1)) >= 50, summary  # type: ignore[union-attr]
+    print("fresh-venv timings (s):", {k: round(v, 1) for k, v in fresh_venv.timings.items()})
