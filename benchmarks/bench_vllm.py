@@ -1,0 +1,501 @@
+"""The vllm backend at 7B scale on one GPU, with a raw ``vllm.LLM`` measured beside it in the same run.
+
+    PYTHONPATH=/tmp/site-proj:/tmp/site-vllm python3 benchmarks/bench_vllm.py [--json PATH] [--strict]
+
+Model: Qwen2-7B shapes (config.json only, ``load_format="dummy"``: random bf16 weights, 15.2 GB), memory
+fraction 0.6, eager, no prefix cache, no tokenizer (token-id prompts), as shared/gpu/anchor_bench.py. The
+raw engine runs first, in a child process (vLLM's sleep allocator serves one engine per process), with
+exactly the ``vllm.LLM`` arguments genengine would pass; then ours in this process.
+
+  P1  generate: 64 prompts x 128 random ids, 128 new tokens, greedy, ignore_eos; output tokens/s,
+      median of 3 after a warm-up. Target: ours / raw >= 0.99.
+  P2  load_weights of all 339 tensors from trainer-held CUDA tensors, timed until the copies are done
+      (torch.cuda.synchronize: the engine is in-process, so the next generate sees them; checked once by
+      loading a zeroed final norm and reading uniform logprobs). Bucketed (512 MiB, genengine's default)
+      vs per-parameter (one load per tensor, the baseline), plus 1 GiB and one-bucket variants; the raw
+      engine's one-call and per-parameter ``apply_model`` beside them. Target: bucketed <= 0.03 s with
+      <= 1 GiB extra GPU memory (peak of the caching allocator over the load).
+  P3  sleep: share of the engine's memory (free memory before it started minus free memory awake) that
+      level 1 and level 2 give back; wake times. RL cycle: sleep(2) + wake(weights) + load_weights +
+      wake(kv_cache), median of 3 after a warm-up. Targets: >= 99% at both levels; cycle <= 0.5 s.
+
+Prints a table and ``BENCH_VLLM_RESULT {json}``; ``--json`` writes the same JSON to a file (and ``$OUT``
+is used when set). ``--strict`` exits 1 if a target is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+for _key, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_NO_USAGE_STATS": "1",
+}.items():
+    os.environ.setdefault(_key, _value)
+if importlib.util.find_spec("flashinfer") is None:  # a setting of the GPU kit (flashinfer is not carried)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+GIB = 1 << 30
+CFG = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+}
+MEM_UTIL = 0.6
+CONTEXT = 2048
+N_PROMPTS, PROMPT_LEN, NEW_TOKENS = 64, 128, 128
+OPTIONS = {
+    "load_format": "dummy",
+    "skip_tokenizer_init": True,
+    "disable_cuda_graph": True,
+    "max_model_len": CONTEXT,
+    "enable_prefix_caching": False,
+}
+TARGETS = {"p1_ratio": 0.99, "p2_seconds": 0.03, "p2_extra_gib": 1.0, "p3_share": 0.99, "cycle_seconds": 0.5}
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[bench-vllm {time.time() - T0:7.1f}s] {msg}", flush=True)
+
+
+def make_model_dir(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        **CFG,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "max_window_layers": 28,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "torch_dtype": "bfloat16",
+        "dtype": "bfloat16",
+    }
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(config, fh, indent=1)
+    return path
+
+
+def engine_config(model: str) -> Any:
+    from genengine.config import EngineConfig
+
+    return EngineConfig(backend="vllm", model=model, mem_util=MEM_UTIL, dtype="bfloat16", seed=0, options=OPTIONS)
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(1, CFG["vocab_size"]) for _ in range(PROMPT_LEN)] for _ in range(N_PROMPTS)]
+
+
+def free_bytes() -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def timed(fn: Callable[[], Any], reps: int = 3, warmup: int = 1) -> list[float]:
+    """Seconds of each timed call (CUDA synchronized around it), after ``warmup`` untimed ones."""
+    import torch
+
+    times = []
+    for i in range(warmup + reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def trainer_state(model: str) -> list[tuple[str, Any]]:
+    """The HF-named tensors a trainer would send: every weight the engine requires, random bf16 on the GPU."""
+    import torch
+
+    from genengine_vllm.spec import weight_spec
+
+    with open(os.path.join(model, "config.json")) as fh:
+        config = json.load(fh)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    items = []
+    for name, info in sorted(weight_spec(model, config, "bfloat16").items()):
+        if not info.required:
+            continue
+        t = torch.empty(info.shape, dtype=torch.bfloat16, device="cuda")
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, 0.02, generator=gen)
+        items.append((name, t))
+    torch.cuda.synchronize()
+    return items
+
+
+def tokens_per_s(gen: Callable[[], int]) -> dict[str, Any]:
+    n = gen()  # warm-up
+    runs = []
+    for _ in range(3):
+        start = time.perf_counter()
+        n = gen()
+        runs.append(n / (time.perf_counter() - start))
+    return {"tokens": n, "tok_per_s": statistics.median(runs), "runs": [round(r, 1) for r in runs]}
+
+
+# ---- the raw engine (child process) -------------------------------------------------------------------------
+def raw_main(model: str, out: str) -> None:
+    import torch
+    import vllm
+
+    from genengine_vllm.options import build_llm_kwargs, resolve_settings
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as ours: the model lives in this process
+    settings = resolve_settings(engine_config(model))
+    kwargs = build_llm_kwargs(settings, external_launcher=False, group_seed=settings.seed)
+    result: dict[str, Any] = {"llm_kwargs": {k: v for k, v in kwargs.items() if k != "model"}}
+    free0 = free_bytes()
+    start = time.perf_counter()
+    llm = vllm.LLM(**kwargs)
+    result["start_s"] = time.perf_counter() - start
+    result["engine_gib"] = (free0 - free_bytes()) / GIB
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False, seed=0)
+    batch = [{"prompt_token_ids": p} for p in prompts(1)]
+
+    def gen() -> int:
+        outs = llm.generate(batch, params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    result["p1"] = tokens_per_s(gen)
+    log(f"raw P1: {result['p1']['tok_per_s']:.1f} tok/s")
+    items = trainer_state(model)
+
+    def one_call() -> None:
+        llm.apply_model(lambda m: m.load_weights(iter(items)))
+
+    def per_param() -> None:
+        for name, t in items:
+            llm.apply_model(lambda m, name=name, t=t: m.load_weights([(name, t)]))
+
+    result["p2_one_call_s"] = statistics.median(timed(one_call))
+    result["p2_per_param_s"] = statistics.median(timed(per_param))
+    log(f"raw P2: one call {result['p2_one_call_s']:.4f} s, per param {result['p2_per_param_s']:.4f} s")
+    with open(out, "w") as fh:
+        json.dump(result, fh)
+    sys.stdout.flush()
+    items.clear()
+    torch.cuda.synchronize()
+    os._exit(0)  # the process ends here: no teardown to time or to fail
+
+
+# ---- ours ----------------------------------------------------------------------------------------------------
+def ours(model: str, report: dict[str, Any]) -> None:
+    import torch
+
+    from genengine.protocol import SamplingParams
+    from genengine_vllm.engine import VLLMEngine
+
+    free0 = free_bytes()
+    start = time.perf_counter()
+    engine = VLLMEngine.from_config(engine_config(model))
+    report["start_s"] = time.perf_counter() - start
+    try:
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        batch = prompts(1)
+
+        def gen() -> int:
+            results = engine.generate(prompt_token_ids=batch, sampling_params=greedy)
+            return sum(len(r.outputs[0].token_ids) for r in results)
+
+        report["p1"] = tokens_per_s(gen)
+        log(f"ours P1: {report['p1']['tok_per_s']:.1f} tok/s")
+        probe = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        probe_prompts = prompts(7)[:4]
+        reference = [
+            r.outputs[0].token_ids for r in engine.generate(prompt_token_ids=probe_prompts, sampling_params=probe)
+        ]
+        free_awake = free_bytes()
+        held = free0 - free_awake
+        report["engine_gib"] = held / GIB
+
+        items = trainer_state(model)
+        report["trainer_tensors"] = len(items)
+        report["trainer_gb"] = sum(t.numel() * t.element_size() for _, t in items) / 1e9
+
+        # P2: a generate sees the loaded weights (a zeroed final norm makes every logprob -ln(vocab)).
+        zeroed = [(n, torch.zeros_like(t) if n == "model.norm.weight" else t) for n, t in items]
+        engine.load_weights(zeroed)
+        lp = engine.generate(
+            prompt_token_ids=probe_prompts[:1],
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0, "logprobs": True},
+        )
+        got = lp[0].outputs[0].logprobs or [0.0]
+        report["p2_generate_sees_weights"] = abs(got[0] + math.log(CFG["vocab_size"])) < 1e-2
+        del zeroed
+
+        def load(bucket: int | None = None) -> Callable[[], Any]:
+            return lambda: engine.load_weights(items, bucket_bytes=bucket)
+
+        def extra_gib(fn: Callable[[], Any]) -> float:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            fn()
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated() - before) / GIB
+
+        p2: dict[str, Any] = {}
+        for label, bucket in (("bucketed_512MiB", None), ("bucketed_1GiB", GIB), ("one_bucket", 1 << 40)):
+            p2[label] = {"s": statistics.median(timed(load(bucket), reps=5)), "extra_gib": extra_gib(load(bucket))}
+        engine.weight_sync_mode = "per_param"
+        p2["per_param"] = {"s": statistics.median(timed(load())), "extra_gib": extra_gib(load())}
+        engine.weight_sync_mode = "bucketed"
+        p2["until_generate_s"] = statistics.median(
+            timed(
+                lambda: (
+                    engine.load_weights(items),
+                    engine.generate(
+                        prompt_token_ids=probe_prompts[:1], sampling_params={"max_new_tokens": 1, "temperature": 0.0}
+                    ),
+                )
+            )
+        )
+        report["p2"] = p2
+        log(f"ours P2: {json.dumps(p2)}")
+        tokens_ok = [
+            r.outputs[0].token_ids for r in engine.generate(prompt_token_ids=probe_prompts, sampling_params=probe)
+        ]
+        report["p2_outputs_unchanged"] = tokens_ok == reference
+
+        # P3: sleep levels, then the RL cycle.
+        p3: dict[str, Any] = {}
+        for level in (1, 2):
+            awake = free_bytes()
+            t = time.perf_counter()
+            engine.sleep(level)
+            sleep_s = time.perf_counter() - t
+            freed = free_bytes() - awake
+            t = time.perf_counter()
+            engine.wake(["weights"])
+            wake_w = time.perf_counter() - t
+            if level == 2:
+                engine.load_weights(items)
+            t = time.perf_counter()
+            engine.wake(["kv_cache"])
+            wake_kv = time.perf_counter() - t
+            after = [
+                r.outputs[0].token_ids for r in engine.generate(prompt_token_ids=probe_prompts, sampling_params=probe)
+            ]
+            p3[f"level{level}"] = {
+                "freed_gib": freed / GIB,
+                "share": freed / held,
+                "sleep_s": sleep_s,
+                "wake_weights_s": wake_w,
+                "wake_kv_cache_s": wake_kv,
+                "outputs_unchanged": after == reference,
+            }
+            log(f"ours P3 level {level}: {json.dumps(p3[f'level{level}'])}")
+        parts: dict[str, list[float]] = {"sleep": [], "wake_weights": [], "load_weights": [], "wake_kv_cache": []}
+
+        def cycle() -> None:
+            for name, step in (
+                ("sleep", lambda: engine.sleep(2)),
+                ("wake_weights", lambda: engine.wake(["weights"])),
+                ("load_weights", lambda: engine.load_weights(items)),
+                ("wake_kv_cache", lambda: engine.wake(["kv_cache"])),
+            ):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                parts[name].append(time.perf_counter() - t)
+
+        totals = timed(cycle)
+        p3["cycle_s"] = statistics.median(totals)
+        p3["cycle_parts_s"] = {k: statistics.median(v[1:]) for k, v in parts.items()}
+        after = [r.outputs[0].token_ids for r in engine.generate(prompt_token_ids=probe_prompts, sampling_params=probe)]
+        p3["cycle_outputs_unchanged"] = after == reference
+        report["p3"] = p3
+        log(f"ours RL cycle: {p3['cycle_s']:.3f} s {json.dumps(p3['cycle_parts_s'])}")
+        items.clear()
+    finally:
+        t = time.perf_counter()
+        engine.shutdown()
+        report["shutdown_s"] = time.perf_counter() - t
+        gc.collect()
+        torch.cuda.empty_cache()
+        report["left_after_shutdown_gib"] = (free0 - free_bytes()) / GIB
+
+
+def table(r: dict[str, Any]) -> str:
+    raw, ours_ = r.get("raw", {}), r.get("ours", {})
+    rows: list[tuple[str, str, str, str]] = []
+
+    def add(name: str, value: str, raw_value: str = "", target: str = "") -> None:
+        rows.append((name, value, raw_value, target))
+
+    p1o, p1r = ours_.get("p1", {}).get("tok_per_s"), raw.get("p1", {}).get("tok_per_s")
+    ratio = p1o / p1r if p1o and p1r else None
+    add("P1 generate tok/s", f"{p1o:.1f}" if p1o else "-", f"{p1r:.1f}" if p1r else "-")
+    add("P1 ours / raw", f"{ratio:.3f}" if ratio else "-", "", f">= {TARGETS['p1_ratio']}")
+    p2 = ours_.get("p2", {})
+    for label in ("bucketed_512MiB", "bucketed_1GiB", "one_bucket", "per_param"):
+        if label in p2:
+            raw_v = {"one_bucket": raw.get("p2_one_call_s"), "per_param": raw.get("p2_per_param_s")}.get(label)
+            target = f"<= {TARGETS['p2_seconds']} s, <= 1 GiB" if label == "bucketed_512MiB" else ""
+            add(
+                f"P2 load_weights {label}",
+                f"{p2[label]['s']:.4f} s, +{p2[label]['extra_gib']:.2f} GiB",
+                f"{raw_v:.4f} s" if raw_v else "",
+                target,
+            )
+    if "until_generate_s" in p2:
+        add("P2 load + 1-token generate", f"{p2['until_generate_s']:.4f} s")
+    p3 = ours_.get("p3", {})
+    for level in (1, 2):
+        d = p3.get(f"level{level}")
+        if d:
+            add(
+                f"P3 level {level} frees",
+                f"{d['share']:.1%} ({d['freed_gib']:.1f} GiB)",
+                "",
+                f">= {TARGETS['p3_share']:.0%}",
+            )
+            add(
+                f"P3 level {level} sleep / wake w / wake kv",
+                f"{d['sleep_s']:.3f} / {d['wake_weights_s']:.3f} / {d['wake_kv_cache_s']:.3f} s",
+            )
+    if "cycle_s" in p3:
+        add(
+            "P3 RL cycle (sleep 2 + wake w + load + wake kv)",
+            f"{p3['cycle_s']:.3f} s",
+            "",
+            f"<= {TARGETS['cycle_seconds']} s",
+        )
+    widths = [max(len(row[i]) for row in [("metric", "genengine", "raw vllm.LLM", "target"), *rows]) for i in range(4)]
+    lines = [
+        "  ".join(h.ljust(w) for h, w in zip(("metric", "genengine", "raw vllm.LLM", "target"), widths, strict=True))
+    ]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+def verdicts(r: dict[str, Any]) -> dict[str, bool | None]:
+    ours_, raw = r.get("ours", {}), r.get("raw", {})
+    p1o, p1r = ours_.get("p1", {}).get("tok_per_s"), raw.get("p1", {}).get("tok_per_s")
+    p2 = ours_.get("p2", {}).get("bucketed_512MiB")
+    p3 = ours_.get("p3", {})
+    return {
+        "p1_ratio": (p1o / p1r >= TARGETS["p1_ratio"]) if p1o and p1r else None,
+        "p2_seconds": (p2["s"] <= TARGETS["p2_seconds"]) if p2 else None,
+        "p2_extra_memory": (p2["extra_gib"] <= TARGETS["p2_extra_gib"]) if p2 else None,
+        "p2_generate_sees_weights": ours_.get("p2_generate_sees_weights"),
+        "p3_level1": (p3["level1"]["share"] >= TARGETS["p3_share"]) if "level1" in p3 else None,
+        "p3_level2": (p3["level2"]["share"] >= TARGETS["p3_share"]) if "level2" in p3 else None,
+        "cycle_seconds": (p3["cycle_s"] <= TARGETS["cycle_seconds"]) if "cycle_s" in p3 else None,
+        "outputs_unchanged": all(
+            bool(v)
+            for v in (
+                ours_.get("p2_outputs_unchanged"),
+                p3.get("level1", {}).get("outputs_unchanged"),
+                p3.get("level2", {}).get("outputs_unchanged"),
+                p3.get("cycle_outputs_unchanged"),
+            )
+        )
+        if p3
+        else None,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "genengine-qwen2-7b-shape"))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
+    ap.add_argument("--raw-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--skip-raw", action="store_true", help="measure ours only")
+    args = ap.parse_args()
+    if args.raw_child:
+        raw_main(args.model, args.raw_child)
+        return 0
+    import torch
+    import vllm
+
+    make_model_dir(args.model)
+    report: dict[str, Any] = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "settings": {
+            **CFG,
+            "mem_util": MEM_UTIL,
+            "context": CONTEXT,
+            "options": OPTIONS,
+            "gen": f"{N_PROMPTS} x {PROMPT_LEN} ids, {NEW_TOKENS} new, greedy, ignore_eos",
+        },
+        "targets": TARGETS,
+        "errors": {},
+    }
+    if not args.skip_raw:
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
+            out = fh.name
+        log("raw vllm.LLM in a child process ...")
+        proc = subprocess.run([sys.executable, __file__, "--model", args.model, "--raw-child", out], check=False)
+        try:
+            with open(out) as fh:
+                report["raw"] = json.load(fh)
+        except (OSError, ValueError) as exc:
+            report["errors"]["raw"] = f"child exited {proc.returncode}: {exc}"
+    log("genengine's VLLMEngine in this process ...")
+    report["ours"] = {}
+    try:
+        ours(args.model, report["ours"])
+    except Exception as exc:
+        import traceback
+
+        report["errors"]["ours"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+        log(report["errors"]["ours"])
+    report["verdicts"] = verdicts(report)
+    print(table(report), flush=True)
+    print("verdicts: " + json.dumps(report["verdicts"]), flush=True)
+    line = json.dumps(report, default=str)
+    print("BENCH_VLLM_RESULT " + line, flush=True)
+    paths = [args.json] if args.json else []
+    if os.environ.get("OUT") and os.path.isdir(os.environ["OUT"]):
+        paths.append(os.path.join(os.environ["OUT"], "bench_vllm.json"))
+    for path in paths:
+        with open(path, "w") as fh:
+            fh.write(json.dumps(report, indent=1, default=str) + "\n")
+    failed = report["errors"] or any(v is False for v in report["verdicts"].values())
+    return 1 if args.strict and failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
