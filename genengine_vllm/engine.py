@@ -7,9 +7,10 @@ How it maps (every choice checked against vLLM 0.26.0's source):
   ``model.load_weights``): no IPC, no second copy. With ``torch.distributed`` initialised (the trainer's
   world), every rank holds one engine rank (``distributed_executor_backend="external_launcher"``) and the
   TP groups are the contiguous ranks of :mod:`genengine.distributed`, which is how vLLM builds them too.
-  ``tp_size=1`` also works without ``torch.distributed`` (one GPU, a notebook): vLLM then makes a private
-  one-rank group. ``tp_size > 1`` needs the trainer's group (``DistributedSetupError``, an AssertionError
-  as in the reference).
+  ``create_engine(backend="vllm", tp_size=1)`` also works without ``torch.distributed`` (one GPU, a
+  notebook): vLLM then makes a private one-rank group. ``tp_size > 1``, and ``get_vllm_engine`` whatever
+  its ``tp_size`` (it keeps the reference's contract, as ``get_sglang_engine`` does), need the trainer's
+  group (``DistributedSetupError``, an AssertionError as in the reference).
 * **Identical ranks.** external_launcher is deterministic only if every rank of a TP group gets the same
   requests with the same seeds. Each call's inputs *and* engine state are compared across the group first
   (``InconsistentInputsError`` names the odd rank; a rank that never arrives is a ``CollectiveTimeoutError``,
@@ -32,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import random
 import sys
@@ -44,17 +46,18 @@ from genengine.base import EngineBase
 from genengine.config import EngineConfig
 from genengine.errors import (
     BackendImportError,
-    ConfigError,
     DistributedSetupError,
     EngineStateError,
     InvalidArgumentError,
 )
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, EngineState, GenerationResult, LoadReport
 from genengine_vllm.options import (
+    DTYPES,
     WEIGHT_SYNC_MODES,
     VLLMSettings,
     build_llm_kwargs,
     convert_request_output,
+    resolve_model_dir,
     resolve_settings,
     split_greedy_n,
     strip_expandable_segments,
@@ -206,14 +209,20 @@ def _import_vllm() -> Any:
     return vllm
 
 
-def _trainer_world(tp_size: int) -> Topology | None:
-    """This rank's place in the trainer's world, or None when there is no trainer world (tp_size 1 only)."""
+def _trainer_world(tp_size: int, *, require: bool = False) -> Topology | None:
+    """This rank's place in the trainer's world, or None when there is none (tp_size 1 only, unless ``require``)."""
     import torch.distributed as dist
 
     initialised = dist.is_available() and dist.is_initialized()
     if initialised and _STATE.vllm_world is not None and dist.group.WORLD is _STATE.vllm_world:
         initialised = False  # the one-rank group an earlier engine of this process made: not a trainer's
     if not initialised:
+        if require:
+            raise DistributedSetupError(
+                "torch.distributed is not initialised: the trainer owns the process group and must call "
+                "torch.distributed.init_process_group() before get_vllm_engine (as the reference requires; "
+                "genengine.create_engine(backend='vllm', tp_size=1) runs without it)"
+            )
         if tp_size > 1:
             raise DistributedSetupError(
                 f"tp_size={tp_size} needs torch.distributed initialised by the trainer (launch one process per "
@@ -332,10 +341,16 @@ class VLLMEngine(EngineBase):
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: EngineConfig) -> VLLMEngine:
-        """Validate everything, then start vLLM; bad input fails before vLLM is imported or memory is taken."""
-        config = EngineConfig.from_any(config)
+        """Validate everything, then start vLLM; bad input fails before vLLM is imported or memory is taken.
+
+        ``tp_size=1`` runs without ``torch.distributed`` too (vLLM then makes a private one-rank group).
+        """
+        return cls._create(EngineConfig.from_any(config), require_distributed=False)
+
+    @classmethod
+    def _create(cls, config: EngineConfig, *, require_distributed: bool) -> VLLMEngine:
         settings = resolve_settings(config)
-        topology = _trainer_world(settings.tp_size)
+        topology = _trainer_world(settings.tp_size, require=require_distributed)
         if settings.enable_sleep:
             with _STATE.lock:
                 check_sleep_slot(None, f"VLLMEngine({settings.model!r})")
@@ -598,32 +613,44 @@ def get_vllm_engine(
 ) -> VLLMEngine:
     """The reference's ``get_sglang_engine`` arguments, for vLLM; extra keywords go to ``vllm.LLM``.
 
-    ``disable_cuda_graph`` maps to vLLM's ``enforce_eager``; ``seed`` (default 0) is the base seed of the
-    TP groups. Bad values raise ``ConfigError`` naming the argument, a world the TP groups cannot split
-    raises ``DistributedSetupError`` (an ``AssertionError``, as in the reference), all before vLLM starts.
-    Unlike the reference, ``tp_size=1`` also runs without ``torch.distributed`` (single-GPU use).
+    Collective: every rank of the trainer's initialised ``torch.distributed`` world calls it; each rank
+    holds one rank of its TP group's engine (contiguous ranks, external_launcher). ``disable_cuda_graph``
+    maps to vLLM's ``enforce_eager``; ``seed`` (default 0) is the base seed of the TP groups.
+
+    Raises:
+        AssertionError: ``torch.distributed`` is not initialised, or its world size is not divisible by
+            ``tp_size`` (``DistributedSetupError``, raised explicitly so ``python -O`` keeps it), as in the
+            reference. ``genengine.create_engine(backend="vllm")`` also runs ``tp_size=1`` without it.
+        ValueError: any other bad argument (``InvalidArgumentError``; ``ConfigError`` for ``vllm_options``),
+            before vLLM is imported or any GPU memory is taken.
+        EngineStateError: another sleep-mode vLLM engine lives in this process (vLLM allows one).
     """
-    if (
-        isinstance(engine_mem_util, bool)
-        or not isinstance(engine_mem_util, (int, float))
-        or not (0 < engine_mem_util <= 1)
+    mem = engine_mem_util
+    if isinstance(mem, bool) or not isinstance(mem, (int, float)) or not math.isfinite(mem) or not 0 < mem <= 1:
+        raise InvalidArgumentError(f"engine_mem_util={engine_mem_util!r} must be a number in (0, 1]")
+    for name, value in (
+        ("enable_engine_sleep", enable_engine_sleep),
+        ("skip_tokenizer_init", skip_tokenizer_init),
+        ("disable_cuda_graph", disable_cuda_graph),
     ):
-        raise ConfigError(f"engine_mem_util={engine_mem_util!r} must be a number in (0, 1]")
-    if not isinstance(enable_engine_sleep, bool):
-        raise ConfigError(f"enable_engine_sleep={enable_engine_sleep!r} must be True or False")
+        if not isinstance(value, bool):
+            raise InvalidArgumentError(f"{name}={value!r} must be True or False")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise ConfigError(f"tp_size={tp_size!r} must be an integer >= 1")
+        raise InvalidArgumentError(f"tp_size={tp_size!r} must be an integer >= 1 that divides the world size")
+    if dtype not in DTYPES:
+        raise InvalidArgumentError(f"dtype={dtype!r} is not supported: allowed are 'bfloat16' and 'float16'")
+    model_dir = resolve_model_dir(model_name_or_path, what="model_name_or_path", error=InvalidArgumentError)
     seed = vllm_options.pop("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"seed={seed!r} must be an integer")
+        raise InvalidArgumentError(f"seed={seed!r} must be an integer")
     config = EngineConfig(
         backend="vllm",
-        model=model_name_or_path,
+        model=model_dir,
         tp_size=tp_size,
-        mem_util=engine_mem_util,
+        mem_util=float(mem),
         dtype=dtype,
         enable_sleep=enable_engine_sleep,
         seed=seed,
         options={"skip_tokenizer_init": skip_tokenizer_init, "disable_cuda_graph": disable_cuda_graph, **vllm_options},
     )
-    return VLLMEngine.from_config(config)
+    return VLLMEngine._create(config, require_distributed=True)

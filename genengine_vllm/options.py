@@ -30,6 +30,7 @@ __all__ = [
     "build_llm_kwargs",
     "convert_request_output",
     "read_model_config",
+    "resolve_model_dir",
     "resolve_settings",
     "sampled_logprobs",
     "strip_expandable_segments",
@@ -143,19 +144,49 @@ class VLLMSettings:
     model_config: Mapping[str, Any] = field(default_factory=dict)
 
 
-def read_model_config(model: Any) -> dict[str, Any]:
-    """``config.json`` of a local model directory; genengine never downloads (colocated RL runs offline)."""
+def _from_hf_cache(model_id: str) -> str | None:
+    """The snapshot directory of a Hugging Face id already in the local cache (nothing is downloaded)."""
+    if model_id.count("/") != 1 or model_id.startswith(("/", ".")):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(model_id, "config.json")
+    except Exception:
+        return None
+    return os.path.dirname(found) if isinstance(found, str) else None
+
+
+def resolve_model_dir(model: Any, *, what: str = "model", error: type[Exception] = ConfigError) -> str:
+    """The model's local directory (absolute); raises ``error`` unless it holds a ``config.json``.
+
+    A Hugging Face id is accepted when the model is already in the local cache: colocated RL runs offline,
+    so a typo fails here instead of in vLLM waiting on the network.
+    """
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
     if not isinstance(model, str) or not model:
-        raise ConfigError(f"model={model!r} must be a path to a local model directory")
-    path = Path(model)
-    if not path.is_dir():
-        raise ConfigError(
-            f"model={model!r} is not a directory: the vllm backend needs a local HF model directory "
-            "(config.json, *.safetensors, tokenizer files); nothing is downloaded"
-        )
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"model={model!r} has no config.json: not an HF model directory")
+        raise error(f"{what}={model!r} must be a non-empty path to a model directory")
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise error(f"{what}={model!r} has no config.json: it is not a Hugging Face model directory")
+        return os.path.abspath(model)
+    if os.path.exists(model):
+        raise error(f"{what}={model!r} is a file; give the model's directory")
+    cached = _from_hf_cache(model)
+    if cached is not None:
+        return cached
+    raise error(
+        f"{what}={model!r} does not exist: give a local model directory (with config.json) or the id of a "
+        "model already in the Hugging Face cache (nothing is downloaded)"
+    )
+
+
+def read_model_config(model_dir: str) -> dict[str, Any]:
+    """``config.json`` of a model directory found by :func:`resolve_model_dir`."""
+    cfg_path = Path(model_dir) / "config.json"
     try:
         data = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -188,10 +219,10 @@ def resolve_settings(config: EngineConfig) -> VLLMSettings:
     bucket = options.pop("bucket_bytes", DEFAULT_BUCKET_BYTES)
     if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
         raise ConfigError(f"bucket_bytes={bucket!r} must be a positive integer (bytes per load_weights bucket)")
-    model_config = read_model_config(config.model)
-    assert config.model is not None  # read_model_config rejected None
+    model_dir = resolve_model_dir(config.model)
+    model_config = read_model_config(model_dir)
     return VLLMSettings(
-        model=os.path.abspath(config.model),
+        model=model_dir,
         tp_size=config.tp_size,
         mem_util=float(config.mem_util),
         dtype=config.dtype,

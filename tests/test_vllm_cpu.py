@@ -103,22 +103,23 @@ def test_registry_factory_and_raw_runner_resolve() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "needles"),
     [
-        ({"engine_mem_util": 0}, ConfigError, ["engine_mem_util=0", "(0, 1]"]),
-        ({"engine_mem_util": 1.5}, ConfigError, ["engine_mem_util=1.5"]),
-        ({"engine_mem_util": -0.2}, ConfigError, ["engine_mem_util=-0.2"]),
-        ({"engine_mem_util": True}, ConfigError, ["engine_mem_util=True"]),
-        ({"engine_mem_util": "0.5"}, ConfigError, ["engine_mem_util='0.5'"]),
-        ({"tp_size": 0}, ConfigError, ["tp_size=0", ">= 1"]),
-        ({"tp_size": -2}, ConfigError, ["tp_size=-2"]),
-        ({"tp_size": 1.0}, ConfigError, ["tp_size=1.0"]),
-        ({"dtype": "float32"}, ConfigError, ["dtype='float32'", "bfloat16", "float16"]),
-        ({"dtype": "int8"}, ConfigError, ["dtype='int8'"]),
-        ({"dtype": "auto"}, ConfigError, ["dtype='auto'", "bfloat16, float16"]),
-        ({"disable_cuda_graph": "yes"}, ConfigError, ["disable_cuda_graph='yes'", "True or False"]),
-        ({"disable_cuda_graph": 1}, ConfigError, ["disable_cuda_graph=1"]),
-        ({"skip_tokenizer_init": None}, ConfigError, ["skip_tokenizer_init=None"]),
-        ({"enable_engine_sleep": "true"}, ConfigError, ["enable_engine_sleep='true'"]),
-        ({"seed": 1.5}, ConfigError, ["seed=1.5"]),
+        ({"engine_mem_util": 0}, InvalidArgumentError, ["engine_mem_util=0", "(0, 1]"]),
+        ({"engine_mem_util": 1.5}, InvalidArgumentError, ["engine_mem_util=1.5"]),
+        ({"engine_mem_util": -0.2}, InvalidArgumentError, ["engine_mem_util=-0.2"]),
+        ({"engine_mem_util": math.nan}, InvalidArgumentError, ["engine_mem_util=nan"]),
+        ({"engine_mem_util": True}, InvalidArgumentError, ["engine_mem_util=True"]),
+        ({"engine_mem_util": "0.5"}, InvalidArgumentError, ["engine_mem_util='0.5'"]),
+        ({"tp_size": 0}, InvalidArgumentError, ["tp_size=0", ">= 1"]),
+        ({"tp_size": -2}, InvalidArgumentError, ["tp_size=-2"]),
+        ({"tp_size": 1.0}, InvalidArgumentError, ["tp_size=1.0"]),
+        ({"tp_size": True}, InvalidArgumentError, ["tp_size=True"]),
+        ({"dtype": "float32"}, InvalidArgumentError, ["dtype='float32'", "'bfloat16' and 'float16'"]),
+        ({"dtype": "auto"}, InvalidArgumentError, ["dtype='auto'"]),
+        ({"disable_cuda_graph": "yes"}, InvalidArgumentError, ["disable_cuda_graph='yes'", "True or False"]),
+        ({"disable_cuda_graph": 1}, InvalidArgumentError, ["disable_cuda_graph=1"]),
+        ({"skip_tokenizer_init": None}, InvalidArgumentError, ["skip_tokenizer_init=None"]),
+        ({"enable_engine_sleep": "true"}, InvalidArgumentError, ["enable_engine_sleep='true'"]),
+        ({"seed": 1.5}, InvalidArgumentError, ["seed=1.5"]),
         ({"max_model_length": 512}, ConfigError, ["'max_model_length'", "did you mean 'max_model_len'"]),
         ({"tensor_parallel_size": 2}, ConfigError, ["'tensor_parallel_size'", "use tp_size"]),
         ({"gpu_memory_utilization": 0.5}, ConfigError, ["engine_mem_util"]),
@@ -127,7 +128,9 @@ def test_registry_factory_and_raw_runner_resolve() -> None:
         ({"distributed_executor_backend": "mp"}, ConfigError, ["external_launcher"]),
         ({"weight_sync_mode": "fast"}, ConfigError, ["weight_sync_mode='fast'", "bucketed, per_param"]),
         ({"bucket_bytes": 0}, ConfigError, ["bucket_bytes=0"]),
-        ({"tp_size": 2}, DistributedSetupError, ["tp_size=2", "torch.distributed", "tp_size=1"]),
+        # Everything valid, but the reference's function needs the trainer's torch.distributed.
+        ({}, DistributedSetupError, ["torch.distributed is not initialised", "init_process_group"]),
+        ({"tp_size": 2}, DistributedSetupError, ["torch.distributed is not initialised"]),
     ],
 )
 def test_bad_arguments_fail_first(model_dir: Path, kwargs: dict[str, Any], error: type, needles: list[str]) -> None:
@@ -136,15 +139,39 @@ def test_bad_arguments_fail_first(model_dir: Path, kwargs: dict[str, Any], error
         get_vllm_engine(**args)
     for needle in needles:
         assert needle in str(info.value)
+    assert isinstance(info.value, (ValueError, AssertionError))
     assert "vllm" not in sys.modules or HAS_VLLM
+
+
+@pytest.mark.parametrize(
+    ("fields", "options", "error", "needles"),
+    [
+        ({"dtype": "float32"}, {}, ConfigError, ["dtype='float32'", "bfloat16, float16"]),
+        ({"mem_util": 0}, {}, ConfigError, ["mem_util=0"]),
+        ({}, {"disable_cuda_graph": "no"}, ConfigError, ["disable_cuda_graph='no'"]),
+        ({}, {"enable_prefix_cache": False}, ConfigError, ["did you mean 'enable_prefix_caching'"]),
+        ({}, {"seed": 3}, ConfigError, ["EngineConfig.seed"]),
+        ({"tp_size": 2}, {}, DistributedSetupError, ["tp_size=2 needs torch.distributed", "tp_size=1"]),
+    ],
+)
+def test_bad_config_fails_first(
+    model_dir: Path, fields: dict[str, Any], options: dict[str, Any], error: type, needles: list[str]
+) -> None:
+    with pytest.raises(error) as info:
+        config = EngineConfig(backend="vllm", model=str(model_dir), options=options, **{"mem_util": 0.3, **fields})
+        VLLMEngine.from_config(config)
+    for needle in needles:
+        assert needle in str(info.value)
 
 
 def test_distributed_errors_are_assertion_errors(model_dir: Path) -> None:
     with pytest.raises(AssertionError):
         get_vllm_engine(str(model_dir), 0.3, tp_size=4)
+    with pytest.raises(AssertionError):
+        VLLMEngine.from_config(EngineConfig(backend="vllm", model=str(model_dir), tp_size=4))
 
 
-@pytest.mark.parametrize("where", ["missing", "file", "no_config", "bad_config"])
+@pytest.mark.parametrize("where", ["missing", "file", "no_config", "bad_config", "hub_id"])
 def test_bad_model_path(tmp_path: Path, where: str) -> None:
     target = tmp_path / "model"
     if where == "file":
@@ -154,9 +181,14 @@ def test_bad_model_path(tmp_path: Path, where: str) -> None:
     elif where == "bad_config":
         target.mkdir()
         (target / "config.json").write_text("{not json")
+    name = "no-such-org/no-such-model" if where == "hub_id" else str(target)
+    error = ConfigError if where == "bad_config" else InvalidArgumentError
+    with pytest.raises(error) as info:
+        get_vllm_engine(name, 0.5)
+    assert name in str(info.value)
     with pytest.raises(ConfigError) as info:
-        get_vllm_engine(str(target), 0.5)
-    assert str(target) in str(info.value)
+        VLLMEngine.from_config(EngineConfig(backend="vllm", model=name))
+    assert name in str(info.value)
 
 
 def test_model_must_be_given(model_dir: Path) -> None:
@@ -164,17 +196,16 @@ def test_model_must_be_given(model_dir: Path) -> None:
         VLLMEngine.from_config(EngineConfig(backend="vllm", mem_util=0.3))
 
 
-def test_create_engine_with_the_class_validates(model_dir: Path) -> None:
-    from genengine.registry import create_engine
-
-    with pytest.raises(ConfigError, match="did you mean 'enable_prefix_caching'"):
-        create_engine(backend=VLLMEngine, model=str(model_dir), enable_prefix_cache=False)
-
-
 @needs_no_vllm
 def test_valid_arguments_reach_the_import(model_dir: Path, fresh_slot: Any) -> None:
-    with pytest.raises(BackendImportError, match=r"genengine\[vllm\]"):
-        get_vllm_engine(str(model_dir), 0.3, max_model_len=512, weight_sync_mode="per_param")
+    from genengine.registry import create_engine
+
+    with pytest.raises(BackendImportError, match=r"genengine\[vllm\]"):  # tp_size 1 needs no torch.distributed
+        create_engine(backend=VLLMEngine, model=str(model_dir), max_model_len=512, weight_sync_mode="per_param")
+
+
+def _from_config(model_dir: Path, **fields: Any) -> Any:
+    return VLLMEngine.from_config(EngineConfig(backend="vllm", model=str(model_dir), mem_util=0.3, **fields))
 
 
 @needs_no_vllm
@@ -189,21 +220,21 @@ def test_second_sleep_engine_is_refused_before_anything(model_dir: Path, fresh_s
     vengine.claim_sleep_slot(holder, "test")
     vengine.claim_sleep_slot(holder, "test")  # the owner may claim again
     with pytest.raises(EngineStateError) as info:
-        get_vllm_engine(str(model_dir), 0.3)
+        _from_config(model_dir)
     assert "HolderEngine" in str(info.value) and "one engine per process" in str(info.value)
     assert "enable_engine_sleep=False" in str(info.value)
     with pytest.raises(EngineStateError):
         vengine.claim_sleep_slot(object(), "another")
     # An engine without sleep does not need the allocator: it gets as far as importing vLLM.
     with pytest.raises(BackendImportError):
-        get_vllm_engine(str(model_dir), 0.3, enable_engine_sleep=False)
+        _from_config(model_dir, enable_sleep=False)
     holder._closed = True  # a shut-down engine no longer holds the slot
     with pytest.raises(BackendImportError):
-        get_vllm_engine(str(model_dir), 0.3)
+        _from_config(model_dir)
     holder._closed = False
     vengine.release_sleep_slot(holder)
     with pytest.raises(BackendImportError):
-        get_vllm_engine(str(model_dir), 0.3)
+        _from_config(model_dir)
 
 
 def test_sleep_slot_frees_with_its_owner(fresh_slot: Any) -> None:
