@@ -1,0 +1,144 @@
+"""Our requests → SGLang's request fields, and SGLang's output dicts → ``GenerationResult``.
+
+Pure Python: SGLang's formats are those of ``sglang/srt/managers/io_struct.py`` (``GenerateReqInput``) and
+``tokenizer_manager.py`` (output dicts: ``text``, ``output_ids``, ``prompt_token_ids``, ``meta_info`` with
+``finish_reason`` and ``output_token_logprobs`` as ``(logprob, token_id, text)`` triples).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from genengine.errors import InvalidArgumentError
+from genengine.protocol import GenerationOutput, GenerationResult, SamplingParams
+from genengine.requests import Request
+from genengine_sglang._options import LOGIT_PROCESSOR_PARAM
+from genengine_sglang.errors import SGLangEngineError
+
+__all__ = ["SglEntry", "build_entries", "output_from_sglang", "results_from_sglang", "sampling_to_sglang"]
+
+
+
+def sampling_to_sglang(params: SamplingParams, *, deterministic: bool, sample: int = 0) -> tuple[dict[str, Any], bool]:
+    """SGLang's ``sampling_params`` dict for one sample of a request, and whether it needs our filter.
+
+    ``n`` is expanded by the caller (one SGLang request per sample, all the same prompt), so sample ``j``
+    of a seeded request uses seed ``seed + j``: reproducible, and the samples differ. SGLang honours seeds
+    only in deterministic mode (``enable_deterministic_inference``); otherwise they are dropped (the engine
+    warns once). Top-k/top-p with a
+    temperature go through our logit filter (SGLang's own stay off), which makes the returned logprobs the
+    processed ones.
+    """
+    out: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": float(params.temperature),
+        "ignore_eos": params.ignore_eos,
+        "n": 1,
+    }
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None and deterministic:
+        out["sampling_seed"] = params.seed + sample
+    top_k = params.top_k_or_none
+    use_filter = not params.greedy and (top_k is not None or params.top_p < 1.0)
+    if use_filter:
+        out["custom_params"] = {LOGIT_PROCESSOR_PARAM: {"t": float(params.temperature), "k": top_k, "p": params.top_p}}
+    return out, use_filter
+
+
+@dataclass(frozen=True)
+class SglEntry:
+    """One SGLang request: sample ``sample`` of request ``request``."""
+
+    request: int
+    sample: int
+    params: dict[str, Any]
+    use_filter: bool
+    logprobs: bool
+
+
+def build_entries(requests: Sequence[Request], *, deterministic: bool, has_tokenizer: bool) -> list[SglEntry]:
+    """One entry per (request, sample), in request order; checks what SGLang cannot do in this setup."""
+    entries = []
+    for req in requests:
+        if not has_tokenizer:
+            if req.prompt is not None:
+                raise InvalidArgumentError(
+                    "text prompts need the tokenizer, but the engine was created with skip_tokenizer_init=True: "
+                    "pass prompt_token_ids, or create the engine with skip_tokenizer_init=False"
+                )
+            if req.params.stop:
+                raise InvalidArgumentError(
+                    f"stop={list(req.params.stop)!r}: stop strings need the tokenizer (skip_tokenizer_init=True); "
+                    "use stop_token_ids"
+                )
+        for j in range(req.params.n):
+            sgl, use_filter = sampling_to_sglang(req.params, deterministic=deterministic, sample=j)
+            entries.append(SglEntry(req.index, j, sgl, use_filter, req.params.logprobs))
+    return entries
+
+
+def output_from_sglang(out: Mapping[str, Any], params: SamplingParams) -> GenerationOutput:
+    meta = out.get("meta_info") or {}
+    reason = meta.get("finish_reason")
+    token_ids = [int(t) for t in out.get("output_ids") or []]
+    if not isinstance(reason, Mapping):
+        raise SGLangEngineError(f"SGLang returned no finish reason for a finished request: {meta!r}")
+    kind = reason.get("type")
+    stop_reason: str | int | None = None
+    if kind == "length":
+        finish = "length"
+    elif kind == "stop":
+        finish = "stop"
+        matched = reason.get("matched")
+        if isinstance(matched, str):
+            stop_reason = matched
+        elif isinstance(matched, int) and matched in params.stop_token_ids:
+            stop_reason = matched  # EOS (not asked for by the caller) reports None
+    elif kind == "abort":
+        message = reason.get("message") or "aborted"
+        raise SGLangEngineError(f"SGLang aborted the request: {message}")
+    else:
+        raise SGLangEngineError(f"SGLang returned an unknown finish reason {reason!r}")
+    logprobs = None
+    if params.logprobs:
+        triples = meta.get("output_token_logprobs")
+        if triples is None or len(triples) != len(token_ids):
+            raise SGLangEngineError(
+                f"SGLang returned {0 if triples is None else len(triples)} logprobs for {len(token_ids)} tokens"
+            )
+        for (_, tok, _), want in zip(triples, token_ids, strict=True):
+            if tok != want:
+                raise SGLangEngineError(f"SGLang's logprob entries name token {tok} where the output has {want}")
+        logprobs = [float(lp) for lp, _, _ in triples]
+    return GenerationOutput(
+        token_ids=token_ids,
+        text=out.get("text"),
+        finish_reason=finish,  # type: ignore[arg-type]
+        logprobs=logprobs,
+        stop_reason=stop_reason,
+    )
+
+
+def results_from_sglang(
+    requests: Sequence[Request], entries: Sequence[SglEntry], outputs: Sequence[Mapping[str, Any]]
+) -> list[GenerationResult]:
+    if len(outputs) != len(entries):
+        raise SGLangEngineError(f"SGLang returned {len(outputs)} outputs for {len(entries)} requests")
+    by_request: dict[int, list[GenerationOutput]] = {req.index: [] for req in requests}
+    prompt_ids: dict[int, list[int]] = {}
+    params = {req.index: req.params for req in requests}
+    for entry, out in zip(entries, outputs, strict=True):
+        by_request[entry.request].append(output_from_sglang(out, params[entry.request]))
+        if entry.request not in prompt_ids:
+            ids = out.get("prompt_token_ids")
+            prompt_ids[entry.request] = [int(t) for t in ids] if ids is not None else []
+    results = []
+    for req in requests:
+        ids = prompt_ids.get(req.index) or (list(req.prompt_token_ids) if req.prompt_token_ids is not None else [])
+        results.append(GenerationResult(prompt_token_ids=ids, outputs=by_request[req.index]))
+    return results

@@ -1,0 +1,330 @@
+"""Settings of one SGLang engine: validated options and the ``sglang.Engine`` keyword arguments they become.
+
+Pure Python (no torch, no sglang), so every check runs, and is tested, on machines without a GPU or SGLang:
+bad input fails here, before any process or GPU memory is taken.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from genengine.config import EngineConfig, check_options
+from genengine.errors import ConfigError, InvalidArgumentError
+
+__all__ = [
+    "BACKEND",
+    "DEFAULT_BUCKET_BYTES",
+    "LOGIT_PROCESSOR_PARAM",
+    "OPTIONS_ENV",
+    "OUR_OPTIONS",
+    "SGLANG_OPTIONS",
+    "SYNC_LOADER",
+    "WEIGHT_SYNC_MODES",
+    "EngineSettings",
+    "check_model_dir",
+    "options_from_env",
+    "read_model_config",
+    "server_kwargs",
+    "settings_from_config",
+    "strip_expandable_segments",
+]
+
+BACKEND = "sglang"
+
+OPTIONS_ENV = "GENENGINE_SGLANG_OPTIONS"
+"""JSON object of engine options applied to every SGLang engine of this process (explicit options win).
+
+For machine settings that ``get_sglang_engine``'s fixed signature cannot carry, e.g.
+``{"attention_backend": "triton", "sampling_backend": "pytorch"}`` where FlashAttention 3 is not installed.
+"""
+
+WEIGHT_SYNC_MODES = ("handles", "flattened", "per_param")
+"""How ``load_weights`` hands tensors to SGLang (all through CUDA IPC, gathered to the TP leader):
+
+``handles``: one call per bucket carrying every tensor's IPC handle (no copy on our side);
+``flattened``: one flat buffer per bucket, SGLang's ``load_format="flattened_bucket"`` (one copy);
+``per_param``: one call per tensor, as LightRFT does (the benchmark baseline).
+"""
+
+DEFAULT_BUCKET_BYTES = {"handles": 1 << 30, "flattened": 512 << 20, "per_param": 512 << 20}
+"""Handles cost no memory, so their buckets only bound the payload; flattened buckets are copies."""
+
+SYNC_LOADER = "genengine_sglang._scheduler_hooks.load_weights_and_sync"
+"""Registered as SGLang's ``custom_weight_loader``: loads, then synchronises the scheduler's GPU, so the
+reply to an ``update_weights_from_tensor`` call means the trainer's tensors have been read."""
+
+LOGIT_PROCESSOR_PARAM = "genengine_filter"
+"""Key of our per-request parameters (temperature, top-k, top-p) in SGLang's ``custom_params``."""
+
+OUR_OPTIONS: dict[str, Any] = {
+    "weight_sync_mode": "handles",
+    "bucket_bytes": None,
+    "weight_sync_barrier": "loader",
+    "enable_weights_cpu_backup": False,
+    "release_timeout_s": 10.0,
+    "base_port": 40000,
+    "base_gpu_id": None,
+    "collective_timeout_s": None,
+    "check_inputs": True,
+    "server_args": {},
+}
+"""genengine's own options, with defaults."""
+
+SGLANG_OPTIONS = (
+    "attention_backend",
+    "sampling_backend",
+    "disable_radix_cache",
+    "port",
+    "disable_cuda_graph",
+    "skip_tokenizer_init",
+    "context_length",
+    "max_running_requests",
+    "max_total_tokens",
+    "chunked_prefill_size",
+    "max_prefill_tokens",
+    "grammar_backend",
+    "log_level",
+    "trust_remote_code",
+    "load_format",
+    "enable_deterministic_inference",
+    "tokenizer_path",
+    "revision",
+    "kv_cache_dtype",
+    "quantization",
+    "schedule_policy",
+    "enable_torch_compile",
+    "stream_interval",
+)
+"""SGLang server arguments accepted as options and passed through unchanged; anything else SGLang knows
+goes under ``server_args`` (checked against ``sglang.srt.server_args.ServerArgs`` at start)."""
+
+_RESERVED_SERVER_ARGS = {
+    "model_path": "model",
+    "tp_size": "tp_size",
+    "mem_fraction_static": "mem_util",
+    "dtype": "dtype",
+    "enable_memory_saver": "enable_sleep",
+    "random_seed": "seed",
+    "base_gpu_id": "options['base_gpu_id']",
+    "custom_weight_loader": "(set by genengine)",
+    "enable_custom_logit_processor": "(set by genengine)",
+    "nnodes": "(single-node engines only)",
+    "node_rank": "(single-node engines only)",
+}
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything needed to start and drive one engine, validated."""
+
+    model_path: str
+    tp_size: int = 1
+    mem_util: float = 0.8
+    dtype: str = "bfloat16"
+    enable_sleep: bool = True
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    disable_cuda_graph: bool = False
+    trust_remote_code: bool = True
+    weight_sync_mode: str = "handles"
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES["handles"]
+    weight_sync_barrier: str = "loader"
+    weights_cpu_backup: bool = False
+    release_timeout_s: float = 10.0
+    base_port: int = 40000
+    base_gpu_id: int | None = None
+    collective_timeout_s: float | None = None
+    check_inputs: bool = True
+    deterministic: bool = False
+    server_overrides: Mapping[str, Any] = field(default_factory=dict)
+    """SGLang server arguments from options (passthrough names and ``server_args``)."""
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"option {name}={value!r} must be true or false")
+    return value
+
+
+def _positive_number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"option {name}={value!r} must be a finite number > 0")
+    return float(value)
+
+
+def _int_in(name: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(f"option {name}={value!r} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The options in ``$GENENGINE_SGLANG_OPTIONS`` (a JSON object), or {} when unset."""
+    raw = (os.environ if environ is None else environ).get(OPTIONS_ENV, "").strip()
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{OPTIONS_ENV}={raw!r} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{OPTIONS_ENV} must hold a JSON object of engine options, got {type(value).__name__}")
+    return value
+
+
+def check_model_dir(model: Any, *, what: str = "model") -> str:
+    """The model's local directory; raises unless it holds a ``config.json``.
+
+    A Hugging Face id is accepted when the model is already in the local cache: nothing is downloaded, so
+    a typo fails here instead of in an engine process that waits on the network.
+    """
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    if not isinstance(model, str) or not model:
+        raise InvalidArgumentError(f"{what}={model!r} must be a non-empty path to a model directory")
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise InvalidArgumentError(f"{what}={model!r} has no config.json: it is not a Hugging Face model directory")
+        return os.path.abspath(model)
+    if os.path.exists(model):
+        raise InvalidArgumentError(f"{what}={model!r} is a file; give the model's directory")
+    cached = _from_hf_cache(model)
+    if cached is not None:
+        return cached
+    raise InvalidArgumentError(
+        f"{what}={model!r} does not exist: give a local model directory (with config.json) or the id of a "
+        "model already in the Hugging Face cache (nothing is downloaded)"
+    )
+
+
+def _from_hf_cache(model_id: str) -> str | None:
+    if model_id.count("/") != 1 or model_id.startswith(("/", ".")):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(model_id, "config.json")
+    except Exception:
+        return None
+    return os.path.dirname(found) if isinstance(found, str) else None
+
+
+def read_model_config(model_dir: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InvalidArgumentError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidArgumentError(f"{path} does not hold a JSON object")
+    return data
+
+
+def settings_from_config(config: EngineConfig, *, environ: Mapping[str, str] | None = None) -> EngineSettings:
+    """Validate an ``EngineConfig`` (and ``$GENENGINE_SGLANG_OPTIONS``) into ``EngineSettings``."""
+    if config.model is None:
+        raise ConfigError("the sglang backend needs a model: pass model=PATH")
+    model_path = check_model_dir(config.model)
+    options = {**options_from_env(environ), **dict(config.options)}
+    allowed = [*OUR_OPTIONS, *SGLANG_OPTIONS]
+    check_options(BACKEND, options, allowed)
+
+    mode = options.get("weight_sync_mode", OUR_OPTIONS["weight_sync_mode"])
+    if mode not in WEIGHT_SYNC_MODES:
+        raise ConfigError(f"option weight_sync_mode={mode!r}: allowed are {', '.join(WEIGHT_SYNC_MODES)}")
+    bucket = options.get("bucket_bytes")
+    if bucket is None:
+        bucket = DEFAULT_BUCKET_BYTES[mode]
+    bucket = _int_in("bucket_bytes", bucket, 1, 1 << 50)
+    barrier = options.get("weight_sync_barrier", "loader")
+    if barrier not in ("loader", "none"):
+        raise ConfigError(
+            f"option weight_sync_barrier={barrier!r}: allowed are 'loader' (the scheduler synchronises before "
+            "it answers, so the trainer may reuse its tensors) and 'none' (trust CUDA-IPC release alone)"
+        )
+    base_gpu_id = options.get("base_gpu_id")
+    if base_gpu_id is not None:
+        base_gpu_id = _int_in("base_gpu_id", base_gpu_id, 0, 1023)
+    timeout = options.get("collective_timeout_s")
+    if timeout is not None:
+        timeout = _positive_number("collective_timeout_s", timeout)
+    server_args = options.get("server_args", {})
+    if not isinstance(server_args, Mapping):
+        raise ConfigError(f"option server_args={server_args!r} must be a mapping of SGLang server arguments")
+    overrides = {k: v for k, v in options.items() if k in SGLANG_OPTIONS}
+    overrides.update(server_args)
+    for key in overrides:
+        if key in _RESERVED_SERVER_ARGS:
+            raise ConfigError(f"server argument {key!r} is set by genengine; use {_RESERVED_SERVER_ARGS[key]} instead")
+    for key in ("disable_cuda_graph", "skip_tokenizer_init", "trust_remote_code", "enable_deterministic_inference"):
+        if key in overrides:
+            _bool(key, overrides[key])
+
+    return EngineSettings(
+        model_path=model_path,
+        tp_size=config.tp_size,
+        mem_util=float(config.mem_util),
+        dtype=config.dtype,
+        enable_sleep=config.enable_sleep,
+        seed=config.seed,
+        skip_tokenizer_init=bool(overrides.pop("skip_tokenizer_init", False)),
+        disable_cuda_graph=bool(overrides.pop("disable_cuda_graph", False)),
+        trust_remote_code=bool(overrides.pop("trust_remote_code", True)),
+        weight_sync_mode=mode,
+        bucket_bytes=bucket,
+        weight_sync_barrier=barrier,
+        weights_cpu_backup=_bool("enable_weights_cpu_backup", options.get("enable_weights_cpu_backup", False)),
+        release_timeout_s=_positive_number("release_timeout_s", options.get("release_timeout_s", 10.0)),
+        base_port=_int_in("base_port", options.get("base_port", 40000), 1, 65535),
+        base_gpu_id=base_gpu_id,
+        collective_timeout_s=timeout,
+        check_inputs=_bool("check_inputs", options.get("check_inputs", True)),
+        deterministic=bool(overrides.get("enable_deterministic_inference", False)),
+        server_overrides=overrides,
+    )
+
+
+def server_kwargs(settings: EngineSettings, *, base_gpu_id: int, port: int) -> dict[str, Any]:
+    """``sglang.Engine(**kwargs)`` for these settings: the reference's arguments plus what genengine needs."""
+    kwargs: dict[str, Any] = {
+        "model_path": settings.model_path,
+        "tp_size": settings.tp_size,
+        "mem_fraction_static": settings.mem_util,
+        "dtype": settings.dtype,
+        "base_gpu_id": base_gpu_id,
+        "gpu_id_step": 1,
+        "port": port,
+        "skip_tokenizer_init": settings.skip_tokenizer_init,
+        "trust_remote_code": settings.trust_remote_code,
+        "disable_cuda_graph": settings.disable_cuda_graph,
+        "random_seed": settings.seed,
+        # Sleep: the memory saver makes release_memory_occupation free memory at all (without it, nothing).
+        "enable_memory_saver": settings.enable_sleep,
+        "enable_weights_cpu_backup": settings.weights_cpu_backup,
+        # Ours, run inside the scheduler: the synchronising weight loader, and the top-k/top-p filter that
+        # makes SGLang's logprobs the processed kind.
+        "custom_weight_loader": [SYNC_LOADER],
+        "enable_custom_logit_processor": True,
+    }
+    kwargs.update(settings.server_overrides)
+    return kwargs
+
+
+def strip_expandable_segments(conf: str | None) -> str | None:
+    """``PYTORCH_CUDA_ALLOC_CONF`` without ``expandable_segments`` (None when nothing is left).
+
+    The memory saver refuses to run with expandable segments (torch_memory_saver's sanity check), and
+    memory allocated that way could not be released: the engine processes must not inherit it.
+    """
+    if conf is None:
+        return None
+    kept = [part for part in conf.split(",") if part.strip() and part.split(":")[0].strip() != "expandable_segments"]
+    return ",".join(kept) or None

@@ -1,0 +1,46 @@
+"""The raw ``sglang.Engine``, for ``genengine bench``'s comparison: same settings, no genengine in the loop."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+__all__ = ["raw_tokens_per_second", "start_raw_engine", "stop_raw_engine"]
+
+
+def start_raw_engine(config: Any, **overrides: Any) -> Any:
+    """An ``sglang.Engine`` with the server arguments genengine would use for ``config`` (minus its hooks)."""
+    from genengine.config import EngineConfig
+    from genengine_sglang._options import server_kwargs, settings_from_config
+    from genengine_sglang.engine import _current_gpu, _engine_environment
+
+    settings = settings_from_config(EngineConfig.from_any(config))
+    gpu = settings.base_gpu_id if settings.base_gpu_id is not None else (_current_gpu() or 0)
+    kwargs = server_kwargs(settings, base_gpu_id=gpu, port=settings.base_port)
+    for ours in ("custom_weight_loader", "enable_custom_logit_processor"):
+        kwargs.pop(ours)
+    kwargs.update(overrides)
+    from sglang.srt.entrypoints.engine import Engine
+
+    with _engine_environment(settings.enable_sleep):
+        return Engine(**kwargs)
+
+
+def stop_raw_engine(engine: Any) -> None:
+    from genengine_sglang.engine import _stop_sglang
+
+    _stop_sglang(engine)
+
+
+def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_new_tokens: int) -> float:
+    """Greedy output tokens per second of the raw engine on ``prompt_token_ids`` (after one warm-up)."""
+    engine = start_raw_engine(config)
+    try:
+        params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+        engine.generate(input_ids=[list(p) for p in prompt_token_ids], sampling_params=params)
+        start = time.perf_counter()
+        outs = engine.generate(input_ids=[list(p) for p in prompt_token_ids], sampling_params=params)
+        seconds = time.perf_counter() - start
+        return sum(int(o["meta_info"]["completion_tokens"]) for o in outs) / seconds
+    finally:
+        stop_raw_engine(engine)

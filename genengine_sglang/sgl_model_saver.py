@@ -1,0 +1,54 @@
+"""The reference's memory saver (``lightrft.strategy.sglang_utils.sgl_model_saver``), on genengine's engine.
+
+In LightRFT these two functions are SGLang ``Scheduler`` methods, monkey-patched in for SGLang releases that
+lacked them: *release* stashes the model's weights and static state to CPU memory, pauses the memory saver
+and flushes the cache; *resume* maps the memory back and restores weights and state. SGLang 0.5.17 has
+both built in (``managers/scheduler_components/weight_updater.py``, with CPU backup of the weights under
+``enable_weights_cpu_backup``), and its ``Scheduler`` no longer has those attributes, so LightRFT's patch
+would attach methods nothing calls. Here the same meaning is kept at the level users call: release the GPU
+memory of an engine with its weights kept (a level-1 ``sleep``: in host memory with the engine option
+``enable_weights_cpu_backup``, else left on the GPU), and take it back.
+
+Both act on one ``RLGenerationEngine``, or, without an argument, on every live engine of this process.
+Collective like the engine's own methods: every rank of a TP group calls them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from genengine.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from genengine_sglang.engine import RLGenerationEngine
+
+__all__ = ["release_memory_occupation", "resume_memory_occupation"]
+
+
+def _engines(engine: Any) -> list[RLGenerationEngine]:
+    from genengine_sglang.engine import RLGenerationEngine, live_engines
+
+    if engine is None:
+        return live_engines()
+    if not isinstance(engine, RLGenerationEngine):
+        raise InvalidArgumentError(
+            f"expected a genengine_sglang RLGenerationEngine (or None for every live engine), got "
+            f"{type(engine).__name__}"
+        )
+    return [engine]
+
+
+def release_memory_occupation(engine: RLGenerationEngine | None = None) -> None:
+    """Release GPU memory while keeping the weights (a level-1 sleep); returns once the memory is free.
+
+    A no-op for engines already asleep.
+    """
+    for each in _engines(engine):
+        each.sleep(1)
+
+
+def resume_memory_occupation(engine: RLGenerationEngine | None = None, tags: Sequence[str] | None = None) -> None:
+    """Take the released memory back: all of it, or ``tags`` (``"weights"``, ``"kv_cache"``, ``"cuda_graph"``)."""
+    for each in _engines(engine):
+        each.wake(tags)

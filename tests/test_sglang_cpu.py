@@ -1,0 +1,563 @@
+"""The sglang backend on a CPU machine without SGLang: validation, argument mapping, weight spec, the logit
+filter that makes logprobs processed, and the distributed guards (real gloo groups, two processes).
+
+The parts that need a GPU and SGLang are in tests/gpu/test_sglang_gpu.py and tests/gpu/tp2_sglang.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from genengine.config import EngineConfig
+from genengine.errors import (
+    BackendImportError,
+    ConfigError,
+    DistributedSetupError,
+    GenEngineError,
+    InvalidArgumentError,
+)
+from genengine.protocol import SamplingParams
+from genengine.requests import normalize_requests
+from genengine.testing.tiny_model import tiny_model_dir
+from genengine_sglang import _options
+from genengine_sglang._mapping import build_entries, output_from_sglang, results_from_sglang, sampling_to_sglang
+from genengine_sglang._options import (
+    OPTIONS_ENV,
+    SYNC_LOADER,
+    server_kwargs,
+    settings_from_config,
+    strip_expandable_segments,
+)
+from genengine_sglang._spec import checkpoint_weight_spec, read_safetensors_header
+from genengine_sglang.engine import RLGenerationEngine, _engine_environment, get_sglang_engine
+from genengine_sglang.errors import SGLangEngineError
+
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+needs_no_sglang = pytest.mark.skipif(HAS_SGLANG, reason="checks what happens when SGLang is missing")
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return tiny_model_dir()
+
+
+@pytest.fixture(autouse=True)
+def _no_env_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(OPTIONS_ENV, raising=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ---- the package stays light ---------------------------------------------------------------------------------
+def test_imports_load_neither_torch_nor_sglang() -> None:
+    code = (
+        "import genengine_sglang, genengine_sglang.plugin, genengine_sglang.engine, genengine_sglang.sgl_model_saver\n"
+        "import genengine_sglang.raw, genengine_sglang._weightsync\n"
+        "import sys; print(sorted(m for m in ('torch', 'sglang', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_lazy_exports() -> None:
+    import genengine_sglang
+    from genengine_sglang import engine
+
+    assert genengine_sglang.get_sglang_engine is engine.get_sglang_engine
+    assert genengine_sglang.RLGenerationEngine is engine.RLGenerationEngine
+    with pytest.raises(AttributeError):
+        genengine_sglang.no_such_thing  # noqa: B018
+
+
+def test_plugin_targets_resolve() -> None:
+    """The strings the plugin registers name real attributes (imported lazily by the registry)."""
+    from genengine_sglang import plugin
+
+    seen: dict[str, Any] = {}
+    plugin.register_backends(register=lambda name, factory, **kw: seen.update(name=name, factory=factory, **kw))
+    assert seen["name"] == "sglang" and seen["requires"] == ("sglang",)
+    for ref in (seen["factory"], seen["raw_runner"]):
+        module, _, attr = ref.partition(":")
+        obj: Any = importlib.import_module(module)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+        assert callable(obj), ref
+    assert inspect.ismethod(RLGenerationEngine.from_config)
+
+
+def test_get_sglang_engine_has_the_reference_signature() -> None:
+    params = inspect.signature(get_sglang_engine).parameters
+    assert [(p.name, p.default) for p in params.values()] == [
+        ("model_name_or_path", inspect.Parameter.empty),
+        ("engine_mem_util", inspect.Parameter.empty),
+        ("enable_engine_sleep", True),
+        ("tp_size", 1),
+        ("skip_tokenizer_init", False),
+        ("dtype", "bfloat16"),
+        ("disable_cuda_graph", False),
+    ]
+
+
+def test_both_faces_on_one_class() -> None:
+    gen = inspect.signature(RLGenerationEngine.generate).parameters
+    for name in ("prompts", "sampling_params", "prompt_token_ids", "image_data"):
+        assert name in gen
+    for name in ("prompt", "input_ids", "return_logprob", "logprob_start_len", "top_logprobs_num", "gather_inputs"):
+        assert gen[name].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "release_weights" in inspect.signature(RLGenerationEngine.sleep).parameters
+    ref = inspect.signature(RLGenerationEngine.update_weights_from_tensor).parameters
+    assert list(ref)[1:] == ["name", "tensor", "flush_cache", "load_format"]
+    assert RLGenerationEngine.supported_tags == ("weights", "kv_cache", "cuda_graph")
+
+
+# ---- bad input, before any process or memory --------------------------------------------------------------------
+BAD_ARGS: list[tuple[dict[str, Any], str]] = [
+    ({"engine_mem_util": 0}, "engine_mem_util"),
+    ({"engine_mem_util": 0.0}, "engine_mem_util"),
+    ({"engine_mem_util": 1.5}, "engine_mem_util"),
+    ({"engine_mem_util": -0.1}, "engine_mem_util"),
+    ({"engine_mem_util": math.nan}, "engine_mem_util"),
+    ({"engine_mem_util": "0.5"}, "engine_mem_util"),
+    ({"engine_mem_util": True}, "engine_mem_util"),
+    ({"tp_size": 0}, "tp_size"),
+    ({"tp_size": -2}, "tp_size"),
+    ({"tp_size": 1.0}, "tp_size"),
+    ({"tp_size": True}, "tp_size"),
+    ({"dtype": "float32"}, "dtype"),
+    ({"dtype": "bf16"}, "dtype"),
+    ({"disable_cuda_graph": "yes"}, "disable_cuda_graph"),
+    ({"disable_cuda_graph": 1}, "disable_cuda_graph"),
+    ({"enable_engine_sleep": None}, "enable_engine_sleep"),
+    ({"skip_tokenizer_init": 0}, "skip_tokenizer_init"),
+]
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"), BAD_ARGS, ids=[f"{next(iter(b))}={next(iter(b.values()))!r}" for b, _ in BAD_ARGS]
+)
+def test_bad_arguments(model_dir: Path, bad: dict[str, Any], needle: str) -> None:
+    kwargs = {"model_name_or_path": str(model_dir), "engine_mem_util": 0.5, **bad}
+    with pytest.raises(InvalidArgumentError) as info:
+        get_sglang_engine(**kwargs)
+    assert isinstance(info.value, ValueError)
+    assert needle in str(info.value) and repr(next(iter(bad.values()))) in str(info.value)
+
+
+def test_bad_model_paths(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgumentError, match="does not exist"):
+        get_sglang_engine(str(tmp_path / "nope"), 0.5)
+    with pytest.raises(InvalidArgumentError, match=r"no config\.json"):
+        get_sglang_engine(str(tmp_path), 0.5)
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(InvalidArgumentError, match="is a file"):
+        get_sglang_engine(str(tmp_path / "weights.bin"), 0.5)
+    with pytest.raises(InvalidArgumentError, match="non-empty"):
+        get_sglang_engine("", 0.5)
+    with pytest.raises(InvalidArgumentError, match="does not exist"):
+        get_sglang_engine("no-such-org/no-such-model", 0.5)  # not in the HF cache: nothing is downloaded
+
+
+def test_not_initialised_is_an_assertion_error(model_dir: Path) -> None:
+    with pytest.raises(DistributedSetupError) as info:
+        get_sglang_engine(str(model_dir), 0.5)
+    assert isinstance(info.value, AssertionError)
+    assert "torch.distributed is not initialised" in str(info.value)
+    assert not mp.active_children()
+
+
+def test_not_initialised_survives_python_O(model_dir: Path) -> None:
+    code = (
+        "from genengine_sglang import get_sglang_engine\n"
+        "try:\n"
+        f"    get_sglang_engine({str(model_dir)!r}, 0.5)\n"
+        "except AssertionError as e:\n"
+        "    print('raised', type(e).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120)
+    assert "raised DistributedSetupError" in out.stdout, out.stderr
+
+
+def test_tp_above_one_needs_distributed(model_dir: Path) -> None:
+    with pytest.raises(DistributedSetupError, match="tp_size=2"):
+        RLGenerationEngine.from_config(EngineConfig(backend="sglang", model=str(model_dir), tp_size=2))
+
+
+@needs_no_sglang
+def test_missing_sglang_is_a_backend_import_error(model_dir: Path) -> None:
+    config = EngineConfig(backend="sglang", model=str(model_dir), options={"base_port": _free_port()})
+    with pytest.raises(BackendImportError, match="genengine\\[sglang\\]"):
+        RLGenerationEngine.from_config(config)
+    assert not mp.active_children()
+    with pytest.raises(BackendImportError):
+        RLGenerationEngine(model_path=str(model_dir), base_port=_free_port())
+
+
+@needs_no_sglang
+def test_create_engine_names_the_missing_engine(model_dir: Path) -> None:
+    import genengine
+
+    with pytest.raises(BackendImportError, match="sglang"):
+        genengine.create_engine(backend="sglang", model=str(model_dir))
+
+
+# ---- options and settings ---------------------------------------------------------------------------------------
+def _settings(model_dir: Path, **options: Any) -> Any:
+    return settings_from_config(EngineConfig(backend="sglang", model=str(model_dir), options=options), environ={})
+
+
+@pytest.mark.parametrize(
+    ("options", "needle"),
+    [
+        ({"attention_backen": "triton"}, "did you mean 'attention_backend'"),
+        ({"weight_sync_mode": "fast"}, "weight_sync_mode='fast'"),
+        ({"bucket_bytes": 0}, "bucket_bytes=0"),
+        ({"bucket_bytes": 1.5}, "bucket_bytes=1.5"),
+        ({"weight_sync_barrier": "generate"}, "weight_sync_barrier='generate'"),
+        ({"release_timeout_s": -1}, "release_timeout_s=-1"),
+        ({"base_port": 70000}, "base_port=70000"),
+        ({"base_gpu_id": -1}, "base_gpu_id=-1"),
+        ({"check_inputs": "yes"}, "check_inputs='yes'"),
+        ({"enable_weights_cpu_backup": 1}, "enable_weights_cpu_backup=1"),
+        ({"server_args": ["x"]}, "server_args"),
+        ({"server_args": {"tp_size": 2}}, "'tp_size' is set by genengine"),
+        ({"server_args": {"mem_fraction_static": 0.2}}, "use mem_util"),
+        ({"disable_cuda_graph": "no"}, "disable_cuda_graph='no'"),
+    ],
+)
+def test_bad_options(model_dir: Path, options: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _settings(model_dir, **options)
+    assert needle in str(info.value)
+
+
+def test_options_from_the_environment(model_dir: Path) -> None:
+    env = {OPTIONS_ENV: json.dumps({"attention_backend": "triton", "sampling_backend": "pytorch"})}
+    config = EngineConfig(backend="sglang", model=str(model_dir), options={"sampling_backend": "flashinfer"})
+    settings = settings_from_config(config, environ=env)
+    assert settings.server_overrides == {"attention_backend": "triton", "sampling_backend": "flashinfer"}
+    for raw, needle in (("{not json", "not valid JSON"), ("[1, 2]", "JSON object"), ('{"bogus": 1}', "'bogus'")):
+        with pytest.raises(ConfigError, match=needle):
+            settings_from_config(config, environ={OPTIONS_ENV: raw})
+
+
+def test_server_kwargs_keep_the_reference_arguments(model_dir: Path) -> None:
+    config = EngineConfig(
+        backend="sglang",
+        model=str(model_dir),
+        tp_size=2,
+        mem_util=0.6,
+        enable_sleep=True,
+        seed=7,
+        options={"attention_backend": "triton", "disable_cuda_graph": True, "server_args": {"log_level": "info"}},
+    )
+    settings = settings_from_config(config, environ={})
+    kwargs = server_kwargs(settings, base_gpu_id=2, port=40002)
+    assert kwargs["model_path"] == str(model_dir)
+    assert kwargs["mem_fraction_static"] == 0.6 and kwargs["tp_size"] == 2
+    assert kwargs["base_gpu_id"] == 2 and kwargs["gpu_id_step"] == 1 and kwargs["port"] == 40002
+    assert kwargs["enable_memory_saver"] is True and kwargs["enable_weights_cpu_backup"] is False
+    assert kwargs["trust_remote_code"] is True and kwargs["dtype"] == "bfloat16" and kwargs["random_seed"] == 7
+    assert kwargs["skip_tokenizer_init"] is False and kwargs["disable_cuda_graph"] is True
+    assert kwargs["attention_backend"] == "triton" and kwargs["log_level"] == "info"
+    assert kwargs["custom_weight_loader"] == [SYNC_LOADER] and kwargs["enable_custom_logit_processor"] is True
+    assert settings.weight_sync_mode == "handles" and settings.bucket_bytes == _options.DEFAULT_BUCKET_BYTES["handles"]
+    assert _settings(model_dir, weight_sync_mode="flattened").bucket_bytes == 512 << 20
+
+
+def test_sync_loader_is_importable_by_name() -> None:
+    module, _, attr = SYNC_LOADER.rpartition(".")
+    assert callable(getattr(importlib.import_module(module), attr))
+
+
+# ---- the engine processes' environment --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("conf", "want"),
+    [
+        ("expandable_segments:True", None),
+        ("expandable_segments:True,max_split_size_mb:128", "max_split_size_mb:128"),
+        ("max_split_size_mb:128, expandable_segments:False", "max_split_size_mb:128"),
+        ("garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6"),
+        (None, None),
+    ],
+)
+def test_strip_expandable_segments(conf: str | None, want: str | None) -> None:
+    assert strip_expandable_segments(conf) == want
+
+
+def test_engine_environment_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    method = mp.get_start_method(allow_none=True)
+    with _engine_environment(enable_sleep=True):
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+        assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
+        os.environ["NCCL_CUMEM_ENABLE"] = "0"  # what SGLang's start-up does to this process
+        mp.set_start_method("spawn", force=True)
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert "NCCL_CUMEM_ENABLE" not in os.environ
+    assert mp.get_start_method(allow_none=True) == method
+    with _engine_environment(enable_sleep=False):
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
+
+
+# ---- the weight spec --------------------------------------------------------------------------------------------
+def test_weight_spec_from_safetensors_headers(model_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    spec = checkpoint_weight_spec(str(model_dir), "bfloat16", config)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    assert set(spec) == set(tensors)
+    for name, tensor in tensors.items():
+        assert spec[name].shape == tuple(tensor.shape) and spec[name].dtype == "bfloat16" and spec[name].required
+    header = read_safetensors_header(str(model_dir / "model.safetensors"))
+    assert {n: s for n, (s, _) in header.items()} == {n: tuple(t.shape) for n, t in tensors.items()}
+
+
+def test_weight_spec_without_weight_files_matches(model_dir: Path, tmp_path: Path) -> None:
+    """A config-only directory (SGLang's load_format="dummy") gets the same spec from the meta device."""
+    shutil.copy(model_dir / "config.json", tmp_path / "config.json")
+    config = json.loads((model_dir / "config.json").read_text())
+    full = checkpoint_weight_spec(str(model_dir), "float16", config)
+    meta = checkpoint_weight_spec(str(tmp_path), "float16", config)
+    assert meta == full
+
+
+def test_weight_spec_sharded_and_tied(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    shutil.copy(tiny_model_dir() / "config.json", tmp_path / "config.json")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    embed = torch.zeros(config["vocab_size"], config["hidden_size"], dtype=torch.bfloat16)
+    save_file({"model.embed_tokens.weight": embed}, str(tmp_path / "a.safetensors"))
+    save_file(
+        {"model.norm.weight": torch.ones(config["hidden_size"]), "model.rotary_emb.inv_freq": torch.ones(4)},
+        str(tmp_path / "b.safetensors"),
+    )
+    index = {"a.safetensors", "b.safetensors"}
+    weight_map = {"model.embed_tokens.weight": "a.safetensors", "model.norm.weight": "b.safetensors"}
+    weight_map["model.rotary_emb.inv_freq"] = "b.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    spec = checkpoint_weight_spec(str(tmp_path), "auto", config)
+    assert set(spec) == {*weight_map, "lm_head.weight"} and len(index) == 2
+    assert spec["lm_head.weight"].shape == tuple(embed.shape) and not spec["lm_head.weight"].required
+    assert not spec["model.rotary_emb.inv_freq"].required and spec["model.norm.weight"].required
+    assert spec["model.norm.weight"].dtype == "bfloat16"  # "auto" follows the config's dtype
+
+
+def test_bad_safetensors_header(tmp_path: Path) -> None:
+    (tmp_path / "x.safetensors").write_bytes(b"\x05\x00")
+    with pytest.raises(InvalidArgumentError, match=r"x\.safetensors"):
+        read_safetensors_header(str(tmp_path / "x.safetensors"))
+
+
+# ---- sampling parameters and outputs ----------------------------------------------------------------------------
+def test_sampling_mapping() -> None:
+    greedy, filt = sampling_to_sglang(SamplingParams(temperature=0.0, max_new_tokens=5), deterministic=False)
+    assert greedy == {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": False, "n": 1} and not filt
+    plain, filt = sampling_to_sglang(
+        SamplingParams(temperature=0.7, stop=("a", "bc"), stop_token_ids=(3,)), deterministic=False
+    )
+    assert plain["stop"] == ["a", "bc"] and plain["stop_token_ids"] == [3] and not filt
+    assert "top_k" not in plain and "top_p" not in plain and "custom_params" not in plain
+    top, filt = sampling_to_sglang(SamplingParams(temperature=1.3, top_k=20, top_p=0.9), deterministic=False)
+    assert filt and top["custom_params"] == {"genengine_filter": {"t": 1.3, "k": 20, "p": 0.9}}
+    assert "top_k" not in top and "top_p" not in top  # SGLang's own filter stays off: ours replaces it
+    off, filt = sampling_to_sglang(SamplingParams(temperature=1.0, top_k=-1, top_p=1.0), deterministic=False)
+    assert not filt and "custom_params" not in off
+    _, filt = sampling_to_sglang(SamplingParams(temperature=0.0, top_k=5), deterministic=False)
+    assert not filt  # greedy ignores top-k/top-p
+    seeded = SamplingParams(temperature=1.0, seed=11)
+    assert "sampling_seed" not in sampling_to_sglang(seeded, deterministic=False)[0]
+    assert sampling_to_sglang(seeded, deterministic=True, sample=2)[0]["sampling_seed"] == 13
+
+
+def test_entries_expand_n_and_check_tokenizer_needs() -> None:
+    requests = normalize_requests(["a", "b"], [{"n": 3, "temperature": 1.0}, {"max_new_tokens": 2}])
+    entries = build_entries(requests, deterministic=False, has_tokenizer=True)
+    assert [(e.request, e.sample) for e in entries] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    with pytest.raises(InvalidArgumentError, match="skip_tokenizer_init"):
+        build_entries(requests, deterministic=False, has_tokenizer=False)
+    ids = normalize_requests(None, {"stop": ["x"]}, prompt_token_ids=[[1, 2]])
+    with pytest.raises(InvalidArgumentError, match="stop_token_ids"):
+        build_entries(ids, deterministic=False, has_tokenizer=False)
+
+
+def _out(ids: list[int], reason: dict[str, Any], logprobs: bool = True, text: str | None = "t") -> dict[str, Any]:
+    meta: dict[str, Any] = {"finish_reason": reason}
+    if logprobs:
+        meta["output_token_logprobs"] = [(-0.25 * (i + 1), t, None) for i, t in enumerate(ids)]
+    return {"text": text, "output_ids": ids, "meta_info": meta, "prompt_token_ids": [9, 9]}
+
+
+def test_outputs_mapping() -> None:
+    p = SamplingParams(logprobs=True, stop_token_ids=(7,))
+    out = output_from_sglang(_out([1, 2], {"type": "length", "length": 2}), p)
+    assert out.finish_reason == "length" and out.stop_reason is None and out.logprobs == [-0.25, -0.5]
+    assert output_from_sglang(_out([1, 7], {"type": "stop", "matched": 7}), p).stop_reason == 7
+    eos = output_from_sglang(_out([1, 0], {"type": "stop", "matched": 0}), p)
+    assert eos.finish_reason == "stop" and eos.stop_reason is None and eos.token_ids == [1, 0]
+    assert output_from_sglang(_out([1, 2], {"type": "stop", "matched": "ab"}), p).stop_reason == "ab"
+    assert output_from_sglang(_out([1], {"type": "length"}, logprobs=False), SamplingParams()).logprobs is None
+    with pytest.raises(SGLangEngineError, match="too long"):
+        output_from_sglang(_out([], {"type": "abort", "message": "prompt too long"}), p)
+    broken = _out([1, 2], {"type": "length"})
+    broken["meta_info"]["output_token_logprobs"] = broken["meta_info"]["output_token_logprobs"][:1]
+    with pytest.raises(SGLangEngineError, match="1 logprobs for 2 tokens"):
+        output_from_sglang(broken, p)
+    with pytest.raises(SGLangEngineError):
+        output_from_sglang({"output_ids": [1], "meta_info": {}}, p)
+
+
+def test_results_group_samples_in_prompt_order() -> None:
+    requests = normalize_requests(None, [{"n": 2, "temperature": 1.0}, {}], prompt_token_ids=[[5], [6, 6]])
+    entries = build_entries(requests, deterministic=False, has_tokenizer=True)
+    outs = [
+        _out([1], {"type": "length"}, False),
+        _out([2], {"type": "length"}, False),
+        _out([3], {"type": "length"}, False),
+    ]
+    outs[2]["prompt_token_ids"] = [6, 6]
+    results = results_from_sglang(requests, entries, outs)
+    assert [[o.token_ids for o in r.outputs] for r in results] == [[[1], [2]], [[3]]]
+    assert results[1].prompt_token_ids == [6, 6]
+    with pytest.raises(SGLangEngineError, match="2 outputs for 3"):
+        results_from_sglang(requests, entries, outs[:2])
+
+
+# ---- the logit filter makes SGLang's logprobs the processed ones ------------------------------------------------
+@pytest.mark.parametrize(
+    ("temp", "top_k", "top_p"), [(1.0, 8, 1.0), (0.7, None, 0.8), (1.3, 20, 0.9), (1.0, 1, 1.0), (2.0, None, 1e-6)]
+)
+def test_filter_equals_transformers_warpers(temp: float, top_k: int | None, top_p: float) -> None:
+    """log_softmax(masked / T) is what SGLang computes after our filter: it must equal transformers'
+    temperature → top-k → top-p processed distribution, with the same tokens removed."""
+    import torch
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from genengine_sglang._filter import mask_top_k_top_p
+
+    torch.manual_seed(0)
+    vocab = 300
+    logits = torch.randn(6, vocab) * 3
+    masked = mask_top_k_top_p(
+        logits.clone(),
+        torch.full((6,), temp),
+        torch.full((6,), top_k or vocab),
+        torch.full((6,), top_p),
+    )
+    got = torch.log_softmax(masked / temp, dim=-1)
+    dummy = torch.zeros((6, 1), dtype=torch.long)
+    ref = TemperatureLogitsWarper(temp)(dummy, logits.clone())
+    if top_k is not None:
+        ref = TopKLogitsWarper(top_k)(dummy, ref)
+    if top_p < 1:
+        ref = TopPLogitsWarper(top_p)(dummy, ref)
+    want = torch.log_softmax(ref, dim=-1)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    kept = ~torch.isinf(want)
+    assert torch.allclose(got[kept], want[kept], atol=1e-5)
+    assert torch.equal(masked[kept], logits[kept])  # kept logits untouched: SGLang applies the temperature
+
+
+# ---- sgl_model_saver ----------------------------------------------------------------------------------------------
+def test_model_saver_arguments() -> None:
+    from genengine_sglang import sgl_model_saver
+
+    with pytest.raises(InvalidArgumentError, match="RLGenerationEngine"):
+        sgl_model_saver.release_memory_occupation(object())  # type: ignore[arg-type]
+    sgl_model_saver.release_memory_occupation()  # no live engine in this process: nothing to do
+    sgl_model_saver.resume_memory_occupation()
+
+
+# ---- real process groups ------------------------------------------------------------------------------------------
+def _scenario(rank: int, world: int, port: int, model: str, out: Any) -> None:
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+    )
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "GENENGINE_COLLECTIVE_TIMEOUT_S": "60"})
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    results: dict[str, Any] = {}
+    try:
+        import torch.distributed as dist
+
+        from genengine_sglang import get_sglang_engine
+        from genengine_sglang.engine import RLGenerationEngine
+
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        base = 30000 + (port % 5000) * 2  # the engine port check must find these free
+
+        def attempt(name: str, fn: Any) -> None:
+            try:
+                fn()
+                results[name] = ("ok", "", [])
+            except BaseException as exc:
+                results[name] = (type(exc).__name__, str(exc), [c.__name__ for c in type(exc).__mro__])
+
+        os.environ["GENENGINE_SGLANG_OPTIONS"] = json.dumps({"base_port": base})
+        attempt("tp3", lambda: get_sglang_engine(model, 0.5, tp_size=3))
+        attempt("tp2", lambda: get_sglang_engine(model, 0.5, tp_size=2))
+        attempt("tp1", lambda: get_sglang_engine(model, 0.5, tp_size=1))
+        attempt("bad_mem", lambda: get_sglang_engine(model, 2.0, tp_size=2))
+        group = dist.new_group([0, 1], backend="gloo")
+        attempt("reference_ctor", lambda: RLGenerationEngine(group, model_path=model, base_port=base))
+        attempt("after", lambda: dist.barrier())  # the trainer's group still works after all of it
+        results["children"] = len(mp.active_children())
+        dist.destroy_process_group()
+    except BaseException:
+        results["crash"] = traceback.format_exc()
+    out.put((rank, results))
+
+
+@needs_no_sglang
+def test_distributed_errors_reach_every_rank(model_dir: Path) -> None:
+    """Two real ranks over gloo: the reference's AssertionErrors, and the leader's failure on both ranks."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_scenario, args=(r, 2, port, str(model_dir), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    for rank in (0, 1):
+        res = got[rank]
+        assert "crash" not in res, res.get("crash")
+        kind, message, mro = res["tp3"]
+        assert kind == "DistributedSetupError" and "AssertionError" in mro and "tp_size 3" in message
+        kind, message, _ = res["tp2"]
+        assert kind == "BackendImportError", res["tp2"]  # the leader's import error, broadcast to rank 1
+        if rank == 1:
+            assert "TP leader (rank 0)" in message or "genengine[sglang]" in message
+        assert res["tp1"][0] == "BackendImportError"  # each rank is its own leader
+        assert res["bad_mem"][0] == "InvalidArgumentError"
+        assert res["reference_ctor"][0] == "BackendImportError"
+        assert res["after"][0] == "ok" and res["children"] == 0
+
+
+def test_errors_are_genengine_errors() -> None:
+    assert issubclass(SGLangEngineError, GenEngineError) and issubclass(SGLangEngineError, RuntimeError)
