@@ -1,0 +1,828 @@
+"""Turn a trainer's ``torch.distributed`` world into generation engines.
+
+The reference (LightRFT's ``lightrft.strategy.sglang_utils``) splits the world into tensor-parallel (TP)
+groups of contiguous ranks; the first rank of each group (its *leader*) owns the engine, drives the
+GPUs ``local_rank .. local_rank + tp_size - 1`` of its node and listens on ``base_port + local_rank``.
+This module is that mapping, engine-neutral, in two layers:
+
+* :func:`compute_topology` is a pure function (no torch, no processes), so every layout can be checked
+  exhaustively and printed by ``genengine topology``; :func:`topology_from_env` feeds it from the
+  environment and the initialised default group.
+* :func:`engine_group` builds (once per ``tp_size``) the TP process groups and returns an
+  :class:`EngineGroup` whose helpers move data inside a group: outputs broadcast from the leader, weight
+  handles gathered to it, inputs checked for equality, all with a deadline so that a dead or diverged
+  rank raises :class:`~genengine.errors.CollectiveTimeoutError` instead of hanging the job.
+
+Every check that can fail is a function of values all ranks share, so all ranks raise together rather
+than some raising and the rest hanging in the next collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import hashlib
+import math
+import os
+import pickle
+import socket
+import struct
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from genengine.errors import (
+    CollectiveTimeoutError,
+    DistributedSetupError,
+    InconsistentInputsError,
+    InvalidArgumentError,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup, Work
+
+__all__ = [
+    "DEFAULT_BASE_PORT",
+    "DEFAULT_COLLECTIVE_TIMEOUT_S",
+    "TIMEOUT_ENV",
+    "EngineGroup",
+    "Topology",
+    "check_port_free",
+    "clear_group_cache",
+    "compute_topology",
+    "default_collective_timeout_s",
+    "engine_group",
+    "input_digest",
+    "parse_cuda_visible_devices",
+    "topology_from_env",
+]
+
+T = TypeVar("T")
+
+#: The reference's engine port base (``40000 + local_rank``).
+DEFAULT_BASE_PORT = 40000
+#: torch's own default for gloo groups: long, because non-leaders wait in a broadcast while the leader
+#: generates, and a rollout can take minutes.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+TIMEOUT_ENV = "GENENGINE_COLLECTIVE_TIMEOUT_S"
+
+_MAX_PORT = 65535
+# Status codes of the roll call (see EngineGroup._roll_call).
+_OK, _MISSING, _DIFFERS, _OUT_OF_STEP = 0, 1, 2, 3
+_ROLL_CALL_TAG = 0x67656E  # p2p tags live in their own gloo slot space, apart from collectives'
+
+
+# --- topology (pure) ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where one rank sits: its TP group, the group's engine, and the GPUs and port that engine uses.
+
+    GPU numbers come in two kinds. ``gpu_id``/``base_gpu_id``/``gpu_ids`` are CUDA ordinals as this
+    process sees them (what ``torch.cuda.set_device`` and SGLang's ``base_gpu_id`` take);
+    ``physical_gpu_ids`` are the same GPUs as ``CUDA_VISIBLE_DEVICES`` names them (what CUDA-IPC handles
+    and ``nvidia-smi`` need when processes see different device lists).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    tp_size: int
+    dp_size: int
+    #: This rank's index inside its TP group.
+    tp_rank: int
+    #: Index of this rank's TP group (= of its engine) in the world.
+    dp_rank: int
+    tp_group_ranks: tuple[int, ...]
+    #: The group's first rank; the only one that creates an engine.
+    leader_rank: int
+    node_rank: int
+    num_nodes: int
+    #: Nodes one engine spans: 1 unless the backend allows multi-node engines.
+    engine_num_nodes: int
+    #: This rank's own CUDA ordinal (one GPU per rank, as torchrun lays them out).
+    gpu_id: int
+    #: First CUDA ordinal of the engine on this rank's node.
+    base_gpu_id: int
+    #: CUDA ordinals of the engine's GPUs on this rank's node.
+    gpu_ids: tuple[int, ...]
+    #: ``gpu_ids`` remapped through ``CUDA_VISIBLE_DEVICES`` (indices, UUIDs or MIG ids, as written there).
+    physical_gpu_ids: tuple[str, ...]
+    #: The engine's port on its leader's node: ``base_port + leader's local_rank``, unique per node.
+    port: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader_rank
+
+    @property
+    def leader_local_rank(self) -> int:
+        return self.leader_rank % self.local_world_size
+
+    def all_tp_group_ranks(self) -> list[list[int]]:
+        """Every TP group of the world, in the order ``new_subgroups_by_enumeration`` must see them."""
+        return [list(range(s, s + self.tp_size)) for s in range(0, self.world_size, self.tp_size)]
+
+
+def parse_cuda_visible_devices(value: str | None) -> tuple[str, ...] | None:
+    """``CUDA_VISIBLE_DEVICES`` as a tuple; None when unset (every GPU visible, ordinal = id).
+
+    Like CUDA, an empty string hides every GPU and a negative entry ends the list.
+    """
+    if value is None:
+        return None
+    ids: list[str] = []
+    for item in value.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item.startswith("-"):
+            break
+        ids.append(item)
+    return tuple(ids)
+
+
+def _check_int(name: str, value: object, minimum: int, allowed: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an int ({allowed}); got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be {allowed}; got {value}")
+    return value
+
+
+def _fmt_ranks(ranks: Sequence[int]) -> str:
+    return "[" + ", ".join(str(r) for r in ranks) + "]"
+
+
+def compute_topology(
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    local_world_size: int,
+    tp_size: int,
+    cuda_visible_devices: Sequence[str] | None = None,
+    base_port: int = DEFAULT_BASE_PORT,
+    *,
+    allow_multi_node: bool = False,
+) -> Topology:
+    """The topology of ``rank``; raises if the layout cannot host engines of ``tp_size``.
+
+    Ranks are assumed placed as torchrun places them: node ``n`` holds ranks
+    ``n * local_world_size .. (n + 1) * local_world_size - 1`` and rank ``r`` drives CUDA ordinal
+    ``r % local_world_size``. The errors depend only on values every rank shares, never on ``rank``,
+    so a whole world fails together.
+
+    Raises:
+        InvalidArgumentError: ``tp_size`` or ``base_port`` is not an int in range.
+        DistributedSetupError: the world cannot be split into such engines (an ``AssertionError``,
+            as in the reference, raised explicitly so ``python -O`` keeps it).
+    """
+    tp_size = _check_int("tp_size", tp_size, 1, "an int >= 1 that divides the world size")
+    for name, value in (("world_size", world_size), ("local_world_size", local_world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise DistributedSetupError(f"{name} must be an int >= 1; got {value!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise DistributedSetupError(f"rank must be an int in [0, {world_size}); got {rank!r}")
+    if isinstance(local_rank, bool) or not isinstance(local_rank, int) or not 0 <= local_rank < local_world_size:
+        raise DistributedSetupError(f"local_rank must be an int in [0, {local_world_size}); got {local_rank!r}")
+    if (
+        isinstance(base_port, bool)
+        or not isinstance(base_port, int)
+        or not (base_port >= 1 and base_port + local_world_size - 1 <= _MAX_PORT)
+    ):
+        raise InvalidArgumentError(
+            f"base_port must be an int with base_port + local_world_size - 1 <= {_MAX_PORT} "
+            f"(one port per local rank); got base_port={base_port!r}, local_world_size={local_world_size}"
+        )
+
+    # The reference's check.
+    if world_size % tp_size != 0:
+        raise DistributedSetupError(
+            f"world size {world_size} is not divisible by tp_size {tp_size}: every rank must belong to "
+            f"exactly one tensor-parallel group (choose a tp_size that divides {world_size})"
+        )
+    if world_size % local_world_size != 0:
+        raise DistributedSetupError(
+            f"world size {world_size} is not a multiple of local world size {local_world_size}: "
+            "every node must run the same number of ranks"
+        )
+    if rank % local_world_size != local_rank:
+        raise DistributedSetupError(
+            f"rank {rank} has local_rank {local_rank}, expected {rank % local_world_size} "
+            f"(= rank % local_world_size {local_world_size}): ranks must be placed on nodes in contiguous "
+            "blocks, as torchrun does, for a TP group of contiguous ranks to share a node"
+        )
+
+    visible = None if cuda_visible_devices is None else tuple(str(d) for d in cuda_visible_devices)
+    gpus_per_node = local_world_size if visible is None else len(visible)
+    where = "LOCAL_WORLD_SIZE" if visible is None else f"CUDA_VISIBLE_DEVICES={','.join(visible)!r}"
+    if tp_size > local_world_size:
+        if not allow_multi_node:
+            raise DistributedSetupError(
+                f"tp_size {tp_size} is larger than the {local_world_size} ranks (GPUs) of a node "
+                f"(local world size {local_world_size}): the TP group would cross a node boundary and this "
+                "backend cannot span nodes; use tp_size <= local world size"
+            )
+        if tp_size % local_world_size != 0:
+            raise DistributedSetupError(
+                f"tp_size {tp_size} is not a multiple of local world size {local_world_size}: a multi-node "
+                "engine must take whole nodes"
+            )
+    elif local_world_size % tp_size != 0:
+        first = next(
+            s for s in range(0, world_size, tp_size) if s // local_world_size != (s + tp_size - 1) // local_world_size
+        )
+        raise DistributedSetupError(
+            f"TP group {_fmt_ranks(range(first, first + tp_size))} crosses the boundary between node "
+            f"{first // local_world_size} and node {first // local_world_size + 1}: tp_size {tp_size} does "
+            f"not divide local world size {local_world_size}"
+            + ("" if allow_multi_node else " (and this backend cannot span nodes)")
+        )
+    engine_gpus_per_node = min(tp_size, local_world_size)
+    if engine_gpus_per_node > gpus_per_node:
+        raise DistributedSetupError(
+            f"tp_size {tp_size} needs {engine_gpus_per_node} GPUs on a node but only {gpus_per_node} "
+            f"are visible ({where})"
+        )
+    if local_world_size > gpus_per_node:
+        raise DistributedSetupError(
+            f"GPU ids {_fmt_ranks(range(gpus_per_node, local_world_size))} (of local ranks "
+            f"{gpus_per_node}..{local_world_size - 1}) are outside {where}: each of the "
+            f"{local_world_size} ranks of a node needs its own visible GPU, and an engine's leader must "
+            "see every GPU of its group"
+        )
+
+    dp_rank, tp_rank = divmod(rank, tp_size)
+    leader = dp_rank * tp_size
+    group = tuple(range(leader, leader + tp_size))
+    node_rank = rank // local_world_size
+    on_node = [r % local_world_size for r in group if r // local_world_size == node_rank]
+    gpu_ids = tuple(on_node)
+    physical = tuple(str(g) for g in gpu_ids) if visible is None else tuple(visible[g] for g in gpu_ids)
+    return Topology(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        tp_size=tp_size,
+        dp_size=world_size // tp_size,
+        tp_rank=tp_rank,
+        dp_rank=dp_rank,
+        tp_group_ranks=group,
+        leader_rank=leader,
+        node_rank=node_rank,
+        num_nodes=world_size // local_world_size,
+        engine_num_nodes=max(1, tp_size // local_world_size),
+        gpu_id=local_rank,
+        base_gpu_id=gpu_ids[0],
+        gpu_ids=gpu_ids,
+        physical_gpu_ids=physical,
+        port=base_port + leader % local_world_size,
+    )
+
+
+# --- topology (from the environment) ---------------------------------------------------------------------
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def _require_initialized() -> Any:
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DistributedSetupError(
+            "torch.distributed is not initialised: the trainer owns the process group and must call "
+            "torch.distributed.init_process_group() before an engine is created"
+        )
+    return dist
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise DistributedSetupError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def topology_from_env(
+    tp_size: int,
+    *,
+    allow_multi_node: bool = False,
+    base_port: int = DEFAULT_BASE_PORT,
+) -> Topology:
+    """This rank's topology from the initialised default group and torchrun's variables.
+
+    ``RANK``/``WORLD_SIZE``, when set, must agree with the group. ``LOCAL_WORLD_SIZE`` defaults to the
+    world size (one node) and ``LOCAL_RANK`` to ``rank % LOCAL_WORLD_SIZE``: set both on several nodes.
+    """
+    dist = _require_initialized()
+    rank, world_size = int(dist.get_rank()), int(dist.get_world_size())
+    for name, actual in (("RANK", rank), ("WORLD_SIZE", world_size)):
+        env = _env_int(name)
+        if env is not None and env != actual:
+            raise DistributedSetupError(
+                f"environment variable {name}={env} disagrees with the initialised default group ({actual})"
+            )
+    local_world_size = _env_int("LOCAL_WORLD_SIZE") or world_size
+    local_rank = _env_int("LOCAL_RANK")
+    if local_rank is None:
+        local_rank = rank % local_world_size
+    return compute_topology(
+        rank,
+        world_size,
+        local_rank,
+        local_world_size,
+        tp_size,
+        parse_cuda_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")),
+        base_port,
+        allow_multi_node=allow_multi_node,
+    )
+
+
+def check_port_free(port: int, host: str = "") -> None:
+    """Raise if nothing can listen on ``port`` here (an engine or the rendezvous already does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # As servers do, so that a port in TIME_WAIT counts as free; a listening socket still blocks.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise DistributedSetupError(
+                f"engine port {port} is already in use on this node ({exc.strerror}); pass another "
+                "base_port (ports base_port .. base_port + local world size - 1 must be free)"
+            ) from None
+
+
+def _port_problem(topo: Topology) -> str | None:
+    """Why the leader cannot use its port, or None. Only meaningful on the leader."""
+    master_port = _env_int("MASTER_PORT")
+    if master_port is not None and topo.node_rank == 0 and topo.port == master_port:
+        return (
+            f"engine port {topo.port} (base_port {topo.port - topo.leader_local_rank} + local_rank "
+            f"{topo.leader_local_rank}) is MASTER_PORT, the rendezvous of torch.distributed; pass another "
+            "base_port"
+        )
+    try:
+        check_port_free(topo.port)
+    except DistributedSetupError as exc:
+        return str(exc)
+    return None
+
+
+# --- timeouts --------------------------------------------------------------------------------------------
+def _check_timeout(value: object, source: str) -> float:
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{source} must be a number of seconds > 0; got {value!r}") from None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise InvalidArgumentError(f"{source} must be a finite number of seconds > 0; got {value!r}")
+    return seconds
+
+
+def default_collective_timeout_s() -> float:
+    """``$GENENGINE_COLLECTIVE_TIMEOUT_S`` if set, else :data:`DEFAULT_COLLECTIVE_TIMEOUT_S`."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_COLLECTIVE_TIMEOUT_S
+    return _check_timeout(raw, TIMEOUT_ENV)
+
+
+# --- input digests ---------------------------------------------------------------------------------------
+def _feed(h: Any, value: object) -> None:
+    """Hash ``value`` by content, not by identity or insertion order, so equal inputs match on every rank."""
+    if value is None:
+        h.update(b"N")
+    elif isinstance(value, bool):
+        h.update(b"B1" if value else b"B0")
+    elif isinstance(value, enum.Enum):
+        h.update(b"E" + type(value).__qualname__.encode() + b"." + value.name.encode())
+    elif isinstance(value, int):
+        h.update(b"I" + str(value).encode() + b";")
+    elif isinstance(value, float):
+        h.update(b"F" + value.hex().encode() + b";")
+    elif isinstance(value, str):
+        data = value.encode("utf-8", "surrogatepass")
+        h.update(b"S" + struct.pack("<Q", len(data)) + data)
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        h.update(b"Y" + struct.pack("<Q", len(data)) + data)
+    elif isinstance(value, (list, tuple)):
+        h.update((b"L" if isinstance(value, list) else b"T") + struct.pack("<Q", len(value)))
+        for item in value:
+            _feed(h, item)
+    elif isinstance(value, Mapping):
+        items = sorted((input_digest(k), v) for k, v in value.items())
+        h.update(b"D" + struct.pack("<Q", len(items)))
+        for key_digest, item in items:
+            h.update(key_digest)
+            _feed(h, item)
+    elif isinstance(value, (set, frozenset)):
+        digests = sorted(input_digest(v) for v in value)
+        h.update(b"Z" + struct.pack("<Q", len(digests)) + b"".join(digests))
+    elif type(value).__module__.startswith("torch") and hasattr(value, "untyped_storage"):
+        t: Any = value
+        t = t.detach().to("cpu").contiguous()
+        h.update(b"X" + str(t.dtype).encode() + repr(tuple(t.shape)).encode())
+        if t.numel():
+            h.update(t.reshape(-1).view(_torch_uint8()).numpy().tobytes())
+    elif type(value).__module__ == "numpy" and hasattr(value, "tobytes"):
+        arr: Any = value
+        h.update(b"A" + str(arr.dtype).encode() + repr(arr.shape).encode() + arr.tobytes())
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        h.update(b"C" + type(value).__qualname__.encode())
+        for f in dataclasses.fields(value):
+            h.update(f.name.encode() + b"=")
+            _feed(h, getattr(value, f.name))
+    else:
+        h.update(b"P" + pickle.dumps(value, protocol=4))
+
+
+def _torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def input_digest(value: object) -> bytes:
+    """SHA-256 of ``value`` by content: dicts in any order, tensors by dtype, shape and bytes."""
+    h = hashlib.sha256()
+    _feed(h, value)
+    return h.digest()
+
+
+# --- process groups --------------------------------------------------------------------------------------
+# Built once per tp_size for the current default group; replaced when the trainer re-initialises
+# torch.distributed (vLLM's external_launcher destroys the default group at shutdown).
+_GROUP_CACHE: dict[str, Any] = {"world": None, "by_tp": {}}
+
+
+def clear_group_cache() -> None:
+    """Forget cached TP groups (``destroy_process_group`` already freed them); the next call rebuilds."""
+    _GROUP_CACHE["world"] = None
+    _GROUP_CACHE["by_tp"] = {}
+
+
+def _device_backend() -> str:
+    """NCCL when the trainer's default group uses it (e.g. ``"nccl"``, ``"cpu:gloo,cuda:nccl"``), else gloo.
+
+    Following the trainer rather than ``torch.cuda.is_available()`` keeps a gloo world gloo on a GPU host.
+    """
+    return "nccl" if "nccl" in str(_dist().get_backend()).lower() else "gloo"
+
+
+def _tp_groups(topo: Topology, timeout_s: float) -> tuple[Any, Any, str]:
+    dist = _dist()
+    world = dist.group.WORLD
+    if _GROUP_CACHE["world"] is not world:
+        _GROUP_CACHE["world"] = world
+        _GROUP_CACHE["by_tp"] = {}
+    cached = _GROUP_CACHE["by_tp"].get(topo.tp_size)
+    if cached is not None:
+        return tuple(cached)  # type: ignore[return-value]
+    enumeration = topo.all_tp_group_ranks()
+    # The group timeout is gloo's per-operation bound; our own deadlines are shorter or equal.
+    pg_timeout = timedelta(seconds=max(timeout_s, DEFAULT_COLLECTIVE_TIMEOUT_S))
+    backend = _device_backend()
+    device_group, _ = dist.new_subgroups_by_enumeration(enumeration, timeout=pg_timeout, backend=backend)
+    if backend == "gloo":
+        cpu_group = device_group
+    else:
+        cpu_group, _ = dist.new_subgroups_by_enumeration(enumeration, timeout=pg_timeout, backend="gloo")
+        # NCCL creates a communicator lazily, inside the first collective and outside Work.wait's
+        # timeout: create it now, while every rank is known to be here.
+        import torch
+
+        probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(probe, group=device_group)
+    entry = (device_group, cpu_group, backend)
+    _GROUP_CACHE["by_tp"][topo.tp_size] = entry
+    return entry
+
+
+def engine_group(
+    tp_size: int,
+    *,
+    allow_multi_node: bool = False,
+    base_port: int = DEFAULT_BASE_PORT,
+    check_port: bool = True,
+    timeout_s: float | None = None,
+) -> EngineGroup:
+    """This rank's :class:`EngineGroup`, building the TP groups on the first call for ``tp_size``.
+
+    Collective: every rank of the world must call it, in the same order, with the same arguments
+    (``new_subgroups_by_enumeration`` creates every group on every rank). With ``check_port``, the
+    leader checks its engine port is free and the verdict is broadcast, so the whole group raises.
+
+    ``timeout_s`` (default ``$GENENGINE_COLLECTIVE_TIMEOUT_S``, else 1800 s) bounds each helper call.
+    The groups' own timeout, gloo's hard per-operation bound, is fixed when they are first built:
+    ``max(timeout_s, 1800 s)``.
+    """
+    if timeout_s is None:
+        timeout_s = default_collective_timeout_s()
+    timeout_s = _check_timeout(timeout_s, "timeout_s")
+    topo = topology_from_env(tp_size, allow_multi_node=allow_multi_node, base_port=base_port)
+    device_group, cpu_group, backend = _tp_groups(topo, timeout_s)
+    group = EngineGroup(topo, device_group, cpu_group, backend, timeout_s)
+    if check_port:
+        problem = _port_problem(topo) if topo.is_leader else None
+        problem = group.broadcast_object(problem, op="engine port check")
+        if problem is not None:
+            raise DistributedSetupError(f"TP group {_fmt_ranks(topo.tp_group_ranks)}: {problem}")
+    return group
+
+
+class EngineGroup:
+    """One TP group and the ways data moves inside it.
+
+    ``device_group`` (NCCL if the trainer's default group uses it, else gloo) carries tensors;
+    ``cpu_group`` (always gloo, the same object on a gloo world) carries pickled Python objects, as the
+    reference hands SGLang a gloo copy of its group.
+    Every method is collective over the group and waits at most ``timeout_s`` (the group's default, or
+    the argument). After a :class:`~genengine.errors.CollectiveTimeoutError` the group is out of step
+    and must not be used again: as with a NCCL timeout, the job should stop.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        device_group: ProcessGroup,
+        cpu_group: ProcessGroup,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
+        self.topology = topology
+        self.device_group = device_group
+        self.cpu_group = cpu_group
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._calls = 0  # methods called on this group: ranks out of step show at the next roll call
+
+    def __repr__(self) -> str:
+        t = self.topology
+        return (
+            f"EngineGroup(rank={t.rank}, tp_group={_fmt_ranks(t.tp_group_ranks)}, leader={t.leader_rank}, "
+            f"backend={self.backend!r}, timeout_s={self.timeout_s})"
+        )
+
+    @property
+    def is_leader(self) -> bool:
+        return self.topology.is_leader
+
+    @property
+    def device(self) -> torch.device:
+        """Where ``broadcast_tensor`` puts tensors: this rank's GPU under NCCL, else the CPU."""
+        import torch
+
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    # -- plumbing ---------------------------------------------------------------------------------------
+    def _start(self, timeout_s: float | None) -> tuple[float, float]:
+        """(timeout in seconds, deadline) of a call; counts the call for the roll call's step check."""
+        seconds = self.timeout_s if timeout_s is None else _check_timeout(timeout_s, "timeout_s")
+        self._calls += 1
+        return seconds, time.monotonic() + seconds
+
+    def _describe(self, op: str, seconds: float) -> str:
+        t = self.topology
+        return (
+            f"{op} in TP group {_fmt_ranks(t.tp_group_ranks)} (leader rank {t.leader_rank}, "
+            f"this rank {t.rank}, timeout {seconds:g} s)"
+        )
+
+    def _wait(self, work: Work, deadline: float, op: str, seconds: float) -> None:
+        # gloo and NCCL both honour Work.wait(timeout). 0 would mean "the group's timeout", hence the
+        # floor, which also lets a peer that did arrive be counted after another one's deadline passed.
+        remaining = max(deadline - time.monotonic(), 0.05)
+        try:
+            done = work.wait(timeout=timedelta(seconds=remaining))
+        except RuntimeError as exc:
+            text = str(exc)
+            if "timed out" in text.lower() or "timeout" in text.lower():  # gloo, resp. NCCL's watchdog
+                why = "a rank of the group did not join in time (it is stuck elsewhere, diverged, or dead)"
+            else:
+                why = "the operation failed, most likely because a rank of the group died"
+            raise CollectiveTimeoutError(f"{self._describe(op, seconds)}: {why}: {text.strip()}") from exc
+        if done is False:
+            raise CollectiveTimeoutError(f"{self._describe(op, seconds)}: did not finish in time")
+
+    def _broadcast_bytes(self, data: bytes | None, deadline: float, op: str, seconds: float) -> bytes:
+        import torch
+
+        dist = _dist()
+        src = self.topology.leader_rank
+        if self.is_leader:
+            assert data is not None  # internal invariant, not a user check
+            size = torch.tensor([len(data)], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self._wait(dist.broadcast(size, src=src, group=self.cpu_group, async_op=True), deadline, op, seconds)
+        if self.is_leader:
+            assert data is not None
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8)
+        self._wait(dist.broadcast(buf, src=src, group=self.cpu_group, async_op=True), deadline, op, seconds)
+        return data if data is not None else buf.numpy().tobytes()
+
+    # -- public -----------------------------------------------------------------------------------------
+    def broadcast_object(self, obj: T | None, *, timeout_s: float | None = None, op: str = "broadcast_object") -> T:
+        """The leader's ``obj`` on every rank of the group (others pass anything, e.g. None).
+
+        How the leader's engine outputs reach the ranks that hold no engine.
+        """
+        seconds, deadline = self._start(timeout_s)
+        if self.topology.tp_size == 1:
+            return obj  # type: ignore[return-value]
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.is_leader else None
+        result: T = pickle.loads(self._broadcast_bytes(data, deadline, op, seconds))
+        return result
+
+    def broadcast_tensor(self, tensor: torch.Tensor | None, *, timeout_s: float | None = None) -> torch.Tensor:
+        """The leader's ``tensor`` on every rank, on :attr:`device`; non-leaders pass None.
+
+        Shape and dtype travel first over the gloo group, so receivers need not know them; the data
+        goes over the device group (NCCL on GPUs). A leader without a tensor makes every rank raise.
+        """
+        import torch
+
+        op = "broadcast_tensor"
+        seconds, deadline = self._start(timeout_s)
+        meta: object = None
+        if self.is_leader:
+            meta = (
+                (tuple(tensor.shape), tensor.dtype)
+                if isinstance(tensor, torch.Tensor)
+                else f"the leader passed {type(tensor).__name__}, not a tensor"
+            )
+        if self.topology.tp_size > 1:
+            meta = pickle.loads(
+                self._broadcast_bytes(pickle.dumps(meta) if self.is_leader else None, deadline, op, seconds)
+            )
+        if isinstance(meta, str):
+            raise InvalidArgumentError(f"{self._describe(op, seconds)}: {meta}")
+        shape: tuple[int, ...]
+        dtype: torch.dtype
+        shape, dtype = meta  # type: ignore[misc]
+        if self.is_leader:
+            assert tensor is not None
+            buf = tensor.to(self.device).contiguous()
+        else:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+        if self.topology.tp_size > 1:
+            dist = _dist()
+            work = dist.broadcast(buf, src=self.topology.leader_rank, group=self.device_group, async_op=True)
+            self._wait(work, deadline, op, seconds)
+        return buf
+
+    def gather_object(self, obj: object, *, timeout_s: float | None = None) -> list[Any] | None:
+        """Every rank's ``obj`` on the leader, in TP-rank order; None on the other ranks.
+
+        How each rank's weight handles (e.g. CUDA-IPC handles) reach the engine's owner.
+        """
+        import torch
+
+        op = "gather_object"
+        seconds, deadline = self._start(timeout_s)
+        n = self.topology.tp_size
+        if n == 1:
+            return [obj]
+        dist = _dist()
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+        work = dist.all_gather(sizes, size, group=self.cpu_group, async_op=True)
+        self._wait(work, deadline, op, seconds)
+        lengths = [int(s.item()) for s in sizes]
+        buf = torch.zeros(max(lengths), dtype=torch.uint8)
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        gather_list = [torch.empty_like(buf) for _ in range(n)] if self.is_leader else None
+        work = dist.gather(
+            buf, gather_list=gather_list, dst=self.topology.leader_rank, group=self.cpu_group, async_op=True
+        )
+        self._wait(work, deadline, op, seconds)
+        if gather_list is None:
+            return None
+        return [pickle.loads(t[:length].numpy().tobytes()) for t, length in zip(gather_list, lengths, strict=True)]
+
+    def barrier(self, *, timeout_s: float | None = None) -> None:
+        """Wait for every rank of the group; on timeout, name the ranks that did not come.
+
+        Unlike ``monitored_barrier`` (whose non-zero ranks wait past the timeout for rank 0), every
+        rank here gives up at the deadline.
+        """
+        seconds, deadline = self._start(timeout_s)
+        self._roll_call(bytes(32), deadline, "barrier", seconds, what="")
+
+    def check_consistent(self, value: object, *, what: str = "inputs", timeout_s: float | None = None) -> None:
+        """Raise on every rank unless all ranks of the group passed equal ``value``.
+
+        For engines that run one process per rank (vLLM's external_launcher) and hang or return
+        garbage when TP ranks see different prompts or seeds. Also a barrier: a missing rank is named.
+
+        Raises:
+            InconsistentInputsError: naming the ranks whose ``value`` differs from the majority (the
+                leader's on a tie).
+            CollectiveTimeoutError: naming the ranks that did not arrive.
+        """
+        seconds, deadline = self._start(timeout_s)
+        self._roll_call(input_digest(value), deadline, "check_consistent", seconds, what=what)
+
+    def _roll_call(self, digest: bytes, deadline: float, op: str, seconds: float, what: str) -> None:
+        """Non-leaders send (call count, digest) to the leader; it answers each with every rank's status.
+
+        Point-to-point with per-peer deadlines, so the leader learns exactly who is missing, who is out
+        of step and who differs, and every rank that came raises the same error.
+        """
+        import torch
+
+        t = self.topology
+        n = t.tp_size
+        if n == 1:
+            return
+        dist = _dist()
+        ranks = t.tp_group_ranks
+        mine = torch.tensor([self._calls, *digest], dtype=torch.int64)
+        if not t.is_leader:
+            status = torch.full((n,), -1, dtype=torch.int64)
+            works = [dist.isend(mine, dst=t.leader_rank, group=self.cpu_group, tag=_ROLL_CALL_TAG)]
+            works.append(dist.irecv(status, src=t.leader_rank, group=self.cpu_group, tag=_ROLL_CALL_TAG))
+            try:
+                for work in works:
+                    self._wait(work, deadline, op, seconds)
+            except CollectiveTimeoutError as exc:
+                cause = str(exc.__cause__).strip()
+                raise CollectiveTimeoutError(
+                    f"{self._describe(op, seconds)}: the leader rank {t.leader_rank} did not answer (it is "
+                    f"stuck elsewhere, diverged, or dead): {cause}"
+                ) from exc.__cause__
+            self._raise_for(status.tolist(), op, seconds, what)
+            return
+        received = [torch.zeros_like(mine) for _ in range(n - 1)]
+        works = [
+            dist.irecv(buf, src=r, group=self.cpu_group, tag=_ROLL_CALL_TAG)
+            for buf, r in zip(received, ranks[1:], strict=True)
+        ]
+        arrived: list[bool] = []
+        for work in works:
+            try:
+                self._wait(work, deadline, op, seconds)
+                arrived.append(True)
+            except CollectiveTimeoutError:
+                arrived.append(False)
+        rows = [mine.tolist(), *(buf.tolist() for buf in received)]
+        status_list = [_OK] * n
+        for i, ok in enumerate(arrived, start=1):
+            if not ok:
+                status_list[i] = _MISSING
+            elif rows[i][0] != rows[0][0]:
+                status_list[i] = _OUT_OF_STEP
+        present = [i for i in range(n) if status_list[i] == _OK]
+        counts: dict[tuple[int, ...], list[int]] = {}
+        for i in present:
+            counts.setdefault(tuple(rows[i][1:]), []).append(i)
+        # Majority wins; on a tie, the group holding the leader (index 0, always present).
+        reference = max(counts.values(), key=lambda idx: (len(idx), 0 in idx))
+        for i in present:
+            if i not in reference:
+                status_list[i] = _DIFFERS
+        status = torch.tensor(status_list, dtype=torch.int64)
+        sends = [
+            dist.isend(status, dst=ranks[i], group=self.cpu_group, tag=_ROLL_CALL_TAG)
+            for i in range(1, n)
+            if arrived[i - 1]
+        ]
+        for work in sends:
+            # A rank that cannot be told times out on its own; the error below already names the problem.
+            with contextlib.suppress(CollectiveTimeoutError):
+                self._wait(work, deadline + 1.0, op, seconds)
+        self._raise_for(status_list, op, seconds, what)
+
+    def _raise_for(self, status: list[int], op: str, seconds: float, what: str) -> None:
+        ranks = self.topology.tp_group_ranks
+        missing = [ranks[i] for i, s in enumerate(status) if s == _MISSING]
+        step = [ranks[i] for i, s in enumerate(status) if s == _OUT_OF_STEP]
+        differ = [ranks[i] for i, s in enumerate(status) if s == _DIFFERS]
+        if missing or step:
+            parts = []
+            if missing:
+                parts.append(f"rank(s) {_fmt_ranks(missing)} did not arrive (stuck elsewhere, diverged, or dead)")
+            if step:
+                parts.append(f"rank(s) {_fmt_ranks(step)} arrived from a different call of this group (out of step)")
+            raise CollectiveTimeoutError(f"{self._describe(op, seconds)}: " + "; ".join(parts))
+        if differ:
+            agree = [ranks[i] for i, s in enumerate(status) if s == _OK]
+            raise InconsistentInputsError(
+                f"rank(s) {_fmt_ranks(differ)} of TP group {_fmt_ranks(ranks)} passed different {what} "
+                f"than rank(s) {_fmt_ranks(agree)}; every rank of a TP group must pass identical {what} "
+                "(prompts, sampling parameters and seed)"
+            )

@@ -1,0 +1,366 @@
+"""A pool of long-lived worker processes that run real torch.distributed (gloo) scenarios for the tests.
+
+Spawning a process and importing torch costs seconds on a 2-core machine, so the workers are started
+once; each job sets torchrun's variables, initialises a fresh default group over ``env://`` on a free
+port, runs one scenario from :data:`SCENARIOS`, and destroys the group again. Results (or the
+exception's type, message and base classes) come back through a queue; a worker that dies is noticed
+and restarted on the next job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import queue
+import random
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+ENV_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "GENENGINE_COLLECTIVE_TIMEOUT_S",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def free_port_block(n: int) -> int:
+    """A base port with ``base .. base + n - 1`` all free, below Linux's ephemeral range."""
+    for _ in range(200):
+        base = random.randrange(20000, 32000 - n)
+        try:
+            for port in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free block of ports")
+
+
+@dataclass
+class Result:
+    rank: int
+    status: str  # "ok", "err" or "died"
+    value: Any = None
+    error_type: str = ""
+    message: str = ""
+    mro: list[str] = field(default_factory=list)
+    elapsed: float = 0.0
+
+    def raised(self, name: str) -> bool:
+        return self.status == "err" and name in self.mro
+
+
+# --- scenarios (run inside the workers) ------------------------------------------------------------------
+def _helpers(tp_size: int, base_port: int, allow_multi_node: bool = False) -> dict[str, Any]:
+    """Build the groups and use every helper once; report what each rank saw."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as dist
+
+    from genengine.distributed import engine_group
+
+    rank = dist.get_rank()
+    eg = engine_group(tp_size, base_port=base_port, allow_multi_node=allow_multi_node, timeout_s=30)
+    again = engine_group(tp_size, base_port=base_port, allow_multi_node=allow_multi_node, timeout_s=30)
+    out: dict[str, Any] = {"topology": dataclasses.asdict(eg.topology), "backend": eg.backend}
+    out["cached"] = again.cpu_group is eg.cpu_group and again.device_group is eg.device_group
+    out["group_ranks"] = dist.get_process_group_ranks(eg.cpu_group)
+    out["broadcast"] = eg.broadcast_object({"from": rank, "text": "héllo"} if eg.is_leader else None)
+    sent = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3) * (rank + 1) if eg.is_leader else None
+    got = eg.broadcast_tensor(sent)
+    out["tensor"] = (got.float().tolist(), str(got.dtype), tuple(got.shape))
+    out["gathered"] = eg.gather_object({"rank": rank, "handle": "ipc-" + "x" * rank})
+    eg.check_consistent(["the same prompt", {"seed": 7, "temperature": 0.7}], what="prompts")
+    eg.barrier()
+    total = torch.tensor([float(rank)], device=eg.device)
+    dist.all_reduce(total, group=eg.device_group)
+    out["sum"] = total.item()
+    return out
+
+
+def _multi_node(base_port: int) -> dict[str, Any]:
+    """tp_size 8 on 2 nodes of 4: refused unless the backend spans nodes, then a working group."""
+    from genengine.distributed import engine_group
+    from genengine.errors import DistributedSetupError
+
+    try:
+        engine_group(8, base_port=base_port)
+        refused = ""
+    except DistributedSetupError as exc:
+        refused = str(exc)
+    out = _helpers(8, base_port, allow_multi_node=True)
+    out["refused"] = refused
+    return out
+
+
+def _invalid(tp_sizes: list[Any]) -> list[tuple[str, str, bool]]:
+    """Each bad tp_size raises on every rank, and the world stays usable afterwards."""
+    import torch
+    import torch.distributed as dist
+
+    from genengine.distributed import engine_group
+
+    out = []
+    for tp in tp_sizes:
+        try:
+            engine_group(tp, check_port=False)
+            out.append(("none", "", False))
+        except Exception as exc:
+            out.append((type(exc).__name__, str(exc), isinstance(exc, AssertionError)))
+    x = torch.ones(1)
+    dist.all_reduce(x)
+    out.append(("all_reduce after errors", str(x.item()), True))
+    return out
+
+
+def _consistency(tp_size: int, odd_ranks: list[int], timeout_s: float = 30) -> str:
+    import torch
+    import torch.distributed as dist
+
+    from genengine.distributed import engine_group
+
+    rank = dist.get_rank()
+    eg = engine_group(tp_size, check_port=False, timeout_s=timeout_s)
+    prompt = "a different prompt" if rank in odd_ranks else "the prompt"
+    # Equal content built differently (dict order, tensor copies) must still match.
+    params = {"seed": 1, "max_new_tokens": 8} if rank % 2 else {"max_new_tokens": 8, "seed": 1}
+    eg.check_consistent([prompt, params, torch.tensor([1, 2, 3]).clone()], what="prompts")
+    return "consistent"
+
+
+def _absent(
+    tp_size: int,
+    plan: dict[int, str],
+    absent_for_s: float,
+    timeout_s: float | None = None,
+    linger_s: float = 0.0,
+) -> str:
+    """Ranks in ``plan`` call that helper; the others never join it (they sleep, then leave).
+
+    Ranks whose helper returns stay ``linger_s`` more, so a diverged peer is stuck, not gone.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from genengine.distributed import engine_group
+
+    rank = dist.get_rank()
+    eg = engine_group(tp_size, check_port=False, timeout_s=timeout_s)
+    op = plan.get(rank)
+    if op is None:
+        time.sleep(absent_for_s)
+        return "absent"
+    calls: dict[str, Callable[[], object]] = {
+        "broadcast_object": lambda: eg.broadcast_object("x" if eg.is_leader else None),
+        "broadcast_tensor": lambda: eg.broadcast_tensor(torch.ones(3) if eg.is_leader else None),
+        "gather_object": lambda: eg.gather_object(rank),
+        "check_consistent": lambda: eg.check_consistent("prompt"),
+        "barrier": eg.barrier,
+        # A leader that diverged: it sends what looks like broadcast_tensor's metadata, then leaves.
+        "broadcast_meta": lambda: eg.broadcast_object(((3,), torch.float32)),
+    }
+    calls[op]()
+    time.sleep(linger_s)
+    return "returned"
+
+
+def _dies(tp_size: int, plan: dict[int, str], die_after_s: float, leader_delay_s: float) -> str:
+    """Every rank enters ``plan[rank]``; ranks marked ``die:`` are killed by a timer while inside it."""
+    import torch.distributed as dist
+
+    from genengine.distributed import engine_group
+
+    rank = dist.get_rank()
+    eg = engine_group(tp_size, check_port=False, timeout_s=20)
+    eg.barrier()
+    op = plan[rank]
+    if op.startswith("die:"):
+        op = op[4:]
+        threading.Timer(die_after_s, os._exit, args=(3,)).start()
+    if eg.is_leader:
+        time.sleep(leader_delay_s)
+    if op == "broadcast_object":
+        eg.broadcast_object("outputs" if eg.is_leader else None)
+    elif op == "gather_object":
+        eg.gather_object(rank)
+    return "returned"
+
+
+def _ports(held_port: int) -> list[tuple[int, str, str]]:
+    """Engine port already taken (by a test socket, then by the rendezvous itself)."""
+    from genengine.distributed import engine_group
+
+    out = []
+    for base in (held_port, int(os.environ["MASTER_PORT"])):
+        try:
+            eg = engine_group(2, base_port=base, timeout_s=20)
+            out.append((base, "ok", str(eg.topology.port)))
+        except Exception as exc:
+            out.append((base, type(exc).__name__, str(exc)))
+    return out
+
+
+SCENARIOS: dict[str, Callable[..., Any]] = {
+    "helpers": _helpers,
+    "multi_node": _multi_node,
+    "invalid": _invalid,
+    "consistency": _consistency,
+    "absent": _absent,
+    "dies": _dies,
+    "ports": _ports,
+}
+
+
+def _serve(inbox: Any, outbox: Any) -> None:
+    import torch.distributed as dist
+
+    from genengine.distributed import clear_group_cache
+
+    outbox.put(("ready", os.getpid(), None))
+    while True:
+        job = inbox.get()
+        if job is None:
+            return
+        job_id, rank, env, backend, exit_after, scenario, kwargs = job
+        for key in ENV_KEYS:
+            os.environ.pop(key, None)
+        os.environ.update(env)
+        start = time.monotonic()
+        try:
+            if "nccl" in backend:
+                import torch
+
+                torch.cuda.set_device(int(env["LOCAL_RANK"]))
+            dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=60))
+            start = time.monotonic()
+            value = SCENARIOS[scenario](**kwargs)
+            res = Result(rank, "ok", value, elapsed=time.monotonic() - start)
+        except BaseException as exc:
+            res = Result(
+                rank,
+                "err",
+                error_type=type(exc).__name__,
+                message=str(exc),
+                mro=[c.__name__ for c in type(exc).__mro__],
+                elapsed=time.monotonic() - start,
+                value=traceback.format_exc(),
+            )
+        if exit_after:
+            # After a NCCL timeout, destroy_process_group hangs (NCCL cannot abort a pending kernel
+            # cleanly): report, flush the queue, and leave; the pool starts a fresh worker.
+            outbox.put((job_id, rank, res))
+            outbox.close()
+            outbox.join_thread()
+            os._exit(0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        clear_group_cache()
+        outbox.put((job_id, rank, res))
+
+
+class WorkerPool:
+    """``size`` spawned workers; :meth:`run` gives ranks ``0 .. world_size - 1`` one job each."""
+
+    def __init__(self, size: int) -> None:
+        self._ctx = mp.get_context("spawn")
+        self._procs: list[Any] = [None] * size
+        self._inboxes: list[Any] = [None] * size
+        self._outbox = self._ctx.Queue()
+        self._job = 0
+        for i in range(size):
+            self._start(i)
+        self._await_ready(size)
+
+    def _start(self, i: int) -> None:
+        inbox = self._ctx.Queue()
+        proc = self._ctx.Process(target=_serve, args=(inbox, self._outbox), daemon=True)
+        proc.start()
+        self._procs[i], self._inboxes[i] = proc, inbox
+
+    def _await_ready(self, n: int) -> None:
+        for _ in range(n):
+            msg = self._outbox.get(timeout=120)
+            assert msg[0] == "ready", msg
+
+    def run(
+        self,
+        scenario: str,
+        world_size: int,
+        *,
+        local_world_size: int | None = None,
+        env: dict[str, str] | None = None,
+        backend: str = "gloo",
+        exit_after: bool = False,
+        timeout: float = 60.0,
+        **kwargs: Any,
+    ) -> list[Result]:
+        """Run ``scenario(**kwargs)`` on ranks ``0 .. world_size - 1``; results in rank order."""
+        dead = [i for i in range(world_size) if not self._procs[i].is_alive()]
+        for i in dead:
+            self._start(i)
+        if dead:
+            self._await_ready(len(dead))
+        self._job += 1
+        lws = world_size if local_world_size is None else local_world_size
+        common = {
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(lws),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            **(env or {}),
+        }
+        for rank in range(world_size):
+            rank_env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank % lws)}
+            self._inboxes[rank].put((self._job, rank, rank_env, backend, exit_after, scenario, kwargs))
+        results: dict[int, Result] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < world_size:
+            try:
+                job_id, rank, res = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                for rank in range(world_size):
+                    if rank not in results and not self._procs[rank].is_alive():
+                        results[rank] = Result(rank, "died", self._procs[rank].exitcode)
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise AssertionError(
+                        f"{scenario} hung: ranks {sorted(set(range(world_size)) - set(results))} "
+                        f"did not finish in {timeout} s"
+                    ) from None
+                continue
+            if job_id == self._job:
+                results[rank] = res
+        return [results[r] for r in range(world_size)]
+
+    def close(self) -> None:
+        for proc, inbox in zip(self._procs, self._inboxes, strict=True):
+            if proc is not None and proc.is_alive():
+                with contextlib.suppress(Exception):
+                    inbox.put(None)
+        for proc in self._procs:
+            if proc is None:
+                continue
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
