@@ -382,8 +382,17 @@ class VLLMEngine(EngineBase):
                 self._expandable_off = True
         had_world = dist.is_available() and dist.is_initialized()
         kwargs = build_llm_kwargs(self.settings, external_launcher=topology is not None, group_seed=self.group_seed)
-        with preserve_rng_states():
-            llm = vllm.LLM(**kwargs)
+        try:
+            with preserve_rng_states():
+                llm = vllm.LLM(**kwargs)
+        except BaseException:
+            # A failed start (e.g. out of memory) leaves vLLM's process-global groups behind; clear them so a
+            # later engine can start, and keep the trainer's default group.
+            with contextlib.suppress(Exception), keep_default_group(topology is not None):
+                from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+                cleanup_dist_env_and_memory()
+            raise
         if not had_world and dist.is_available() and dist.is_initialized():
             _STATE.vllm_world = dist.group.WORLD
         self._llm = llm
