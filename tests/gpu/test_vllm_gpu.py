@@ -5,7 +5,7 @@ engine takes the external_launcher path and its shutdown must leave that world a
 engine serves the module (vLLM allows one per process); the suite's fresh reference engine on other
 weights runs before it, with sleep disabled.
 
-Run on the GPU machine (see tools/gpu/vllm_gpu.sh):
+Run on the GPU machine with tools/gpu/run_tests.sh vllm, which amounts to:
     PYTHONPATH=/tmp/site-proj:/tmp/site-vllm python3 -m pytest -m gpu tests/gpu/test_vllm_gpu.py
 """
 
