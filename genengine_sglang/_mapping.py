@@ -7,7 +7,7 @@ Pure Python: SGLang's formats are those of ``sglang/srt/managers/io_struct.py`` 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,16 +20,16 @@ from genengine_sglang.errors import SGLangEngineError
 __all__ = ["SglEntry", "build_entries", "output_from_sglang", "results_from_sglang", "sampling_to_sglang"]
 
 
-
 def sampling_to_sglang(params: SamplingParams, *, deterministic: bool, sample: int = 0) -> tuple[dict[str, Any], bool]:
     """SGLang's ``sampling_params`` dict for one sample of a request, and whether it needs our filter.
 
     ``n`` is expanded by the caller (one SGLang request per sample, all the same prompt), so sample ``j``
     of a seeded request uses seed ``seed + j``: reproducible, and the samples differ. SGLang honours seeds
     only in deterministic mode (``enable_deterministic_inference``); otherwise they are dropped (the engine
-    warns once). Top-k/top-p with a
-    temperature go through our logit filter (SGLang's own stay off), which makes the returned logprobs the
-    processed ones.
+    warns once). Top-k/top-p with a temperature go through our logit filter (SGLang's own stay off), which
+    makes the returned logprobs the processed ones. SGLang's ``ignore_eos`` also disables
+    ``stop_token_ids`` (``schedule_batch.py``, ``_check_token_based_finish``); the contract keeps them, so
+    with ``ignore_eos`` they are not sent and ``results_from_sglang`` cuts the output at the first one.
     """
     out: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
@@ -39,7 +39,7 @@ def sampling_to_sglang(params: SamplingParams, *, deterministic: bool, sample: i
     }
     if params.stop:
         out["stop"] = list(params.stop)
-    if params.stop_token_ids:
+    if params.stop_token_ids and not params.ignore_eos:
         out["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None and deterministic:
         out["sampling_seed"] = params.seed + sample
@@ -80,6 +80,24 @@ def build_entries(requests: Sequence[Request], *, deterministic: bool, has_token
             sgl, use_filter = sampling_to_sglang(req.params, deterministic=deterministic, sample=j)
             entries.append(SglEntry(req.index, j, sgl, use_filter, req.params.logprobs))
     return entries
+
+
+Decode = Callable[[list[int]], str]
+
+
+def _cut_at_stop_id(output: GenerationOutput, params: SamplingParams, decode: Decode | None) -> GenerationOutput:
+    """With ``ignore_eos``, the stop ids SGLang could not apply: cut after the first one, as SGLang would."""
+    for k, token in enumerate(output.token_ids):
+        if token in params.stop_token_ids:
+            kept = output.token_ids[: k + 1]
+            return GenerationOutput(
+                token_ids=kept,
+                text=decode(kept[:-1]) if decode is not None and output.text is not None else None,
+                finish_reason="stop",
+                logprobs=output.logprobs[: k + 1] if output.logprobs is not None else None,
+                stop_reason=token,
+            )
+    return output
 
 
 def output_from_sglang(out: Mapping[str, Any], params: SamplingParams) -> GenerationOutput:
@@ -125,15 +143,24 @@ def output_from_sglang(out: Mapping[str, Any], params: SamplingParams) -> Genera
 
 
 def results_from_sglang(
-    requests: Sequence[Request], entries: Sequence[SglEntry], outputs: Sequence[Mapping[str, Any]]
+    requests: Sequence[Request],
+    entries: Sequence[SglEntry],
+    outputs: Sequence[Mapping[str, Any]],
+    decode: Decode | None = None,
 ) -> list[GenerationResult]:
+    """Group SGLang's per-sample outputs back into one result per request; ``decode`` (token ids → text,
+    special tokens skipped) re-derives the text of outputs cut at a stop id under ``ignore_eos``."""
     if len(outputs) != len(entries):
         raise SGLangEngineError(f"SGLang returned {len(outputs)} outputs for {len(entries)} requests")
     by_request: dict[int, list[GenerationOutput]] = {req.index: [] for req in requests}
     prompt_ids: dict[int, list[int]] = {}
     params = {req.index: req.params for req in requests}
     for entry, out in zip(entries, outputs, strict=True):
-        by_request[entry.request].append(output_from_sglang(out, params[entry.request]))
+        p = params[entry.request]
+        output = output_from_sglang(out, p)
+        if p.ignore_eos and p.stop_token_ids:
+            output = _cut_at_stop_id(output, p, decode)
+        by_request[entry.request].append(output)
         if entry.request not in prompt_ids:
             ids = out.get("prompt_token_ids")
             prompt_ids[entry.request] = [int(t) for t in ids] if ids is not None else []

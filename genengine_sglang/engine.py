@@ -72,6 +72,7 @@ from genengine_sglang._mapping import build_entries, results_from_sglang
 from genengine_sglang._options import (
     OUR_OPTIONS,
     SGLANG_OPTIONS,
+    WEIGHT_SYNC_MODES,
     EngineSettings,
     check_model_dir,
     options_from_env,
@@ -470,6 +471,18 @@ class RLGenerationEngine(EngineBase):
         return self._settings
 
     @property
+    def weight_sync_mode(self) -> str:
+        """How ``load_weights`` hands tensors over (``handles``, ``flattened``, ``per_param``); settable, so a
+        benchmark can compare modes on one engine."""
+        return self._settings.weight_sync_mode
+
+    @weight_sync_mode.setter
+    def weight_sync_mode(self, mode: str) -> None:
+        if mode not in WEIGHT_SYNC_MODES:
+            raise InvalidArgumentError(f"weight_sync_mode={mode!r}: allowed are {', '.join(WEIGHT_SYNC_MODES)}")
+        self._settings = dataclasses.replace(self._settings, weight_sync_mode=mode)
+
+    @property
     def sglang_engine(self) -> Any:
         """The ``sglang.Engine`` (on the group leader; None on the other ranks)."""
         return self._engine
@@ -593,7 +606,9 @@ class RLGenerationEngine(EngineBase):
             if any(e.use_filter for e in entries):
                 kwargs["custom_logit_processor"] = [self._processor if e.use_filter else None for e in entries]
             outputs = self._call_sglang(GenerateReqInput(**kwargs))
-            return results_from_sglang(requests, entries, outputs)
+            tokenizer = getattr(self._engine.tokenizer_manager, "tokenizer", None)
+            decode = None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+            return results_from_sglang(requests, entries, outputs, decode)
 
         return self._on_leader("generate", run)
 

@@ -432,6 +432,21 @@ def test_outputs_mapping() -> None:
         output_from_sglang({"output_ids": [1], "meta_info": {}}, p)
 
 
+def test_stop_ids_still_apply_with_ignore_eos() -> None:
+    """SGLang's ignore_eos also disables stop_token_ids; the contract keeps them, so we cut the output."""
+    params = {"temperature": 0.0, "ignore_eos": True, "stop_token_ids": [7], "logprobs": True}
+    requests = normalize_requests(None, params, prompt_token_ids=[[5]])
+    entries = build_entries(requests, deterministic=False, has_tokenizer=True)
+    assert "stop_token_ids" not in entries[0].params and entries[0].params["ignore_eos"] is True
+    outs = [_out([3, 0, 7, 4, 7], {"type": "length", "length": 5}, text="full")]
+    (result,) = results_from_sglang(requests, entries, outs, decode=lambda ids: "-".join(map(str, ids)))
+    (out,) = result.outputs
+    assert out.token_ids == [3, 0, 7] and out.finish_reason == "stop" and out.stop_reason == 7
+    assert out.text == "3-0" and out.logprobs == [-0.25, -0.5, -0.75]
+    nothing = [_out([3, 4], {"type": "length", "length": 2})]
+    assert results_from_sglang(requests, entries, nothing)[0].outputs[0].token_ids == [3, 4]
+
+
 def test_results_group_samples_in_prompt_order() -> None:
     requests = normalize_requests(None, [{"n": 2, "temperature": 1.0}, {}], prompt_token_ids=[[5], [6, 6]])
     entries = build_entries(requests, deterministic=False, has_tokenizer=True)

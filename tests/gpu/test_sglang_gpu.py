@@ -1,0 +1,258 @@
+"""SGLang 0.5.17 on one GPU: the conformance suite, plus what only the real engine shows.
+
+Beyond the suite: logprobs against transformers' forward on the same bf16 weights on the same GPU, over 20
+weight syncs from CUDA tensors (mean |Δ| <= 0.01 and not growing: the SGLang drift users report); a
+trainer overwriting its tensors right after load_weights changes nothing (the barrier); each weight-sync mode
+(handles, flattened, per-parameter) against the fresh engine on the new weights; sleep gives back >= 99% of
+the engine's memory and wake takes it back; the reference's face (``lightrft.strategy.sglang_utils``) on the
+same engine; ``sgl_model_saver``.
+
+Machine settings (not product defaults) come from the environment: ``$GENENGINE_SGLANG_OPTIONS`` (what
+tools/gpu/run_tests.sh sets for the H200 kit: triton attention, pytorch sampling) and the test knobs
+``GENENGINE_SGLANG_TEST_CUDA_GRAPH=1`` (default: CUDA graphs off, for a fast start),
+``GENENGINE_SGLANG_TEST_DETERMINISTIC=0`` (default on: seeds are honoured only in SGLang's deterministic
+mode), ``GENENGINE_SGLANG_TEST_MEM`` (default 0.6, the memory fraction of the engine under test).
+
+Run on the GPU machine:  bash tools/gpu/run_tests.sh sglang tests/gpu/test_sglang_gpu.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("sglang")
+
+from genengine import create_engine  # noqa: E402
+from genengine.errors import EngineSleepingError, WeightLoadError, WeightsNotLoadedError  # noqa: E402
+from genengine.protocol import GenerationEngine, GenerationResult  # noqa: E402
+from genengine.testing.conformance import GREEDY, PROMPTS, EngineConformance  # noqa: E402
+from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_key, _value)
+
+GIB = 1 << 30
+MEM_UTIL = float(os.environ.get("GENENGINE_SGLANG_TEST_MEM", "0.6"))
+DETERMINISTIC = os.environ.get("GENENGINE_SGLANG_TEST_DETERMINISTIC", "1") == "1"
+TEST_OPTIONS: dict[str, Any] = {
+    "disable_cuda_graph": os.environ.get("GENENGINE_SGLANG_TEST_CUDA_GRAPH", "0") != "1",
+    "enable_deterministic_inference": DETERMINISTIC,
+    "log_level": "warning",
+}
+_MEMORY: dict[str, int] = {}
+
+
+def _free() -> int:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def _hf_logprobs(model: Any, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        x = torch.tensor([prompt_ids + token_ids], device="cuda")
+        logits = model(x).logits[0, len(prompt_ids) - 1 : -1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(1, torch.tensor(token_ids, device="cuda")[:, None])[:, 0].tolist()
+
+
+def _tokens(results: list[GenerationResult]) -> list[list[list[int]]]:
+    return [[o.token_ids for o in r.outputs] for r in results]
+
+
+def _mean_diff(results: list[GenerationResult], model: Any) -> float:
+    diffs: list[float] = []
+    for r in results:
+        out = r.outputs[0]
+        ref = _hf_logprobs(model, r.prompt_token_ids, out.token_ids)
+        diffs += [abs(a - b) for a, b in zip(out.logprobs or [], ref, strict=True)]
+    return sum(diffs) / len(diffs)
+
+
+class TestSGLangConformance(EngineConformance):
+    greedy_matches_hf = False  # bf16 on the GPU vs float32 transformers on the CPU
+    logprob_tolerance = 0.03
+    supports_images = False  # the tiny Qwen2 is text-only
+    supports_seed = DETERMINISTIC
+    seeded_batch_invariant = DETERMINISTIC
+
+    def make_engine(self, model_dir: str, **options: Any) -> GenerationEngine:
+        main = model_dir == str(tiny_model_dir(**self.model_kwargs))
+        options = {**TEST_OPTIONS, **options}
+        # A trainer's allocator setting that would make the memory saver refuse to start (or free nothing):
+        # the engine must keep it out of its processes, and this process's environment must stay as it was.
+        saved = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        try:
+            before = _free()
+            engine = create_engine(backend="sglang", model=model_dir, mem_util=MEM_UTIL if main else 0.3, **options)
+            assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+        finally:
+            if saved is None:
+                os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+            else:
+                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = saved
+        if main:
+            _MEMORY["before_start"] = before
+            _MEMORY["engine"] = before - _free()
+        return engine
+
+    # ---- logprobs and weight syncs -------------------------------------------------------------------------
+    def test_logprobs_match_transformers_over_20_weight_syncs(
+        self, engine: GenerationEngine, original_weights: dict[str, Any], model_dir: str
+    ) -> None:
+        """A trainer's loop: step the weights, send them (bf16 CUDA tensors), roll out, compare with the
+        trainer's own forward on the same bf16 values (computed in float32, so the difference is the
+        engine's bf16 arithmetic alone). Mean |Δlogprob| <= 0.01 at every step, and it must not grow."""
+        import transformers
+
+        hf: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        hf = hf.to("cuda").eval()
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        diffs = []
+        with self.restoring(engine, original_weights):
+            for _ in range(20):
+                with torch.no_grad():
+                    for p in hf.parameters():
+                        if p.dim() == 2:
+                            p.add_(torch.randn(p.shape, generator=gen, device="cuda") * 2e-3)
+                            p.copy_(p.to(torch.bfloat16).float())  # both sides hold the same bf16 values
+                sent = {n: t.detach().to(torch.bfloat16) for n, t in hf.state_dict().items()}
+                engine.load_weights(sent.items())
+                diffs.append(_mean_diff(engine.generate(PROMPTS, GREEDY), hf))
+        del hf
+        print("mean |logprob(sglang) - logprob(transformers)| per sync:", [round(d, 4) for d in diffs])
+        assert max(diffs) <= 0.01, diffs
+        assert statistics.mean(diffs[-5:]) <= statistics.mean(diffs[:5]) + 0.003, f"drift grows: {diffs}"
+
+    @pytest.mark.parametrize("mode", ["handles", "flattened", "per_param"])
+    def test_each_weight_sync_mode_equals_a_fresh_engine(
+        self,
+        engine: Any,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        other_record: dict[str, Any],
+        mode: str,
+    ) -> None:
+        """From CUDA tensors (the trainer's case), in small buckets so a load takes several calls."""
+        cuda_weights = {n: t.cuda() for n, t in other_weights.items()}
+        largest = max(t.numel() * t.element_size() for t in cuda_weights.values())
+        previous = engine.weight_sync_mode
+        engine.weight_sync_mode = mode
+        try:
+            with self.restoring(engine, original_weights):
+                report = engine.load_weights(cuda_weights.items(), bucket_bytes=2 * largest)
+                assert report.num_tensors == len(cuda_weights) and report.num_buckets > 1
+                results = engine.generate(PROMPTS, GREEDY)
+                assert _tokens(results) == _tokens(other_record["results"]), mode
+        finally:
+            engine.weight_sync_mode = previous
+        self.assert_baseline(engine, baseline)
+
+    def test_weights_changed_right_after_load_are_not_seen(
+        self, engine: GenerationEngine, baseline: list[GenerationResult], original_weights: dict[str, Any]
+    ) -> None:
+        """load_weights returns only once SGLang has read the tensors: overwriting them then changes nothing."""
+        cuda_weights = {n: t.cuda() for n, t in original_weights.items()}
+        with self.restoring(engine, original_weights):
+            engine.load_weights(cuda_weights.items())
+            for t in cuda_weights.values():
+                t.fill_(float("nan"))
+            torch.cuda.synchronize()
+            self.assert_baseline(engine, baseline)
+
+    # ---- memory --------------------------------------------------------------------------------------------
+    @pytest.mark.parametrize("level", [1, 2])
+    def test_sleep_frees_99_percent_and_wake_takes_it_back(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        level: int,
+    ) -> None:
+        held = _MEMORY["engine"]
+        assert held > GIB, f"the engine holds only {held / GIB:.2f} GiB"
+        awake = _free()
+        with self.restoring(engine, original_weights):
+            engine.sleep(level)
+            asleep = _free()
+            share = (asleep - awake) / held
+            print(f"level {level}: engine held {held / GIB:.2f} GiB, sleep freed {(asleep - awake) / GIB:.2f} GiB")
+            assert share >= 0.99, f"level {level} sleep freed {share:.1%} of the engine's {held / GIB:.1f} GiB"
+            engine.wake()
+            woke = _free()
+            assert abs(woke - awake) <= 0.01 * held, f"wake took back {(asleep - woke) / GIB:.2f} GiB"
+        self.assert_baseline(engine, baseline)
+
+    # ---- the reference's face ------------------------------------------------------------------------------
+    def test_reference_face(
+        self,
+        engine: Any,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        other_record: dict[str, Any],
+    ) -> None:
+        """LightRFT's calls on the same engine: generate(input_ids=...) → SGLang dicts; sleep(release_weights=
+        True) → wake_up → per-parameter update_weights_from_tensor (flushing at the last) → the new model."""
+        ids = [r.prompt_token_ids for r in baseline]
+        outs = engine.generate(
+            sampling_params={"temperature": 0.0, "max_new_tokens": GREEDY.max_new_tokens},
+            input_ids=ids,
+            return_logprob=True,
+        )
+        assert [o["output_ids"] for o in outs] == [r.outputs[0].token_ids for r in baseline]
+        assert all("output_token_logprobs" in o["meta_info"] for o in outs)
+        single = engine.generate(prompt=PROMPTS[0], sampling_params={"temperature": 0.0, "max_new_tokens": 4})
+        assert isinstance(single, dict) and single["output_ids"] == baseline[0].outputs[0].token_ids[:4]
+        with self.restoring(engine, original_weights):
+            engine.sleep(release_weights=True)
+            engine.wake_up(release_weights=True)
+            with pytest.raises(WeightsNotLoadedError):
+                engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2})
+            items = list(other_weights.items())
+            with pytest.raises(WeightLoadError, match="did you mean"):
+                engine.update_weights_from_tensor("model.norm.weigth", items[0][1])
+            for i, (name, tensor) in enumerate(items):
+                engine.update_weights_from_tensor(name, tensor.cuda(), flush_cache=i == len(items) - 1)
+            results = engine.generate(PROMPTS, GREEDY)
+            assert _tokens(results) == _tokens(other_record["results"])
+        engine.sleep(release_weights=False)
+        with pytest.raises(EngineSleepingError):
+            engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2})
+        engine.wake_up()
+        self.assert_baseline(engine, baseline)
+
+    def test_sgl_model_saver(self, engine: Any, baseline: list[GenerationResult]) -> None:
+        from genengine_sglang import sgl_model_saver
+
+        sgl_model_saver.release_memory_occupation(engine)
+        assert engine.is_sleeping and engine.state.sleep_level == 1
+        sgl_model_saver.resume_memory_occupation()  # every live engine of the process
+        assert not engine.is_sleeping
+        self.assert_baseline(engine, baseline)
+
+    def test_engine_facts(self, engine: Any) -> None:
+        """What the run used, printed for the record (and the processes belong to the engine alone)."""
+        sgl = engine.sglang_engine
+        assert sgl is not None and len(sgl.get_all_child_pids()) >= 2
+        facts = {
+            "engine_memory_gib": round(_MEMORY["engine"] / GIB, 2),
+            "weight_sync_mode": engine.weight_sync_mode,
+            "options": {k: v for k, v in engine.settings.server_overrides.items()},
+            "deterministic": DETERMINISTIC,
+            "uniform_logprob": -math.log(512),
+        }
+        print("SGLANG_GPU_FACTS " + json.dumps(facts, default=str))

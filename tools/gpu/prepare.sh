@@ -1,0 +1,156 @@
+#!/bin/bash
+# prepare.sh ENGINE OUTDIR   (ENGINE = vllm | sglang)
+#
+# Runs on a CPU dev machine with pip access. Downloads the pinned wheels that the
+# GPU machine lacks, drops the parts that are not needed on an H200 (Hopper, sm90),
+# packs the result as one xz-compressed tar split into chunk folders OUTDIR/ENGINE/cNN
+# (each small enough for one GPU-runner call) and prints the call sequence.
+# OUTDIR must be a git-ignored folder inside the repo whose tree the GPU runner sends.
+#
+# Env: CHUNK_MB (default: 63 MiB minus what the repo itself sends), XZ_LEVEL (default 6),
+#      WHEEL_CACHE (default ~/.cache/gpu-kit-wheels), KEEP_FA2=1 (vLLM: keep the FA2 library),
+#      JIT_CACHE=a.tar.xz[:b.tar.xz...] (compiled kernels of earlier runs, unpacked into $HOME),
+#      TEST_PINS (what genengine and its GPU tests import that the image lacks; "" to carry none).
+#
+# Copy of shared/gpu/prepare.sh, adapted for this repo: carries genengine's test pins, several JIT
+# caches, and only the kit files present in this folder (install.sh, smoke.py).
+set -euo pipefail
+die() { echo "prepare.sh: ERROR: $*" >&2; exit 1; }
+[ $# -eq 2 ] || die "usage: prepare.sh vllm|sglang OUTDIR"
+ENGINE=$1; OUTDIR=$2
+KIT=$(cd "$(dirname "$0")" && pwd)
+for t in python3 tar xz split sha256sum git; do command -v $t >/dev/null || die "missing tool: $t"; done
+
+# --- pins: what the GPU image (python 3.12, torch 2.11.0+cu130, transformers 5.17.0) lacks ---
+COMMON="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+ msgspec==0.23.0 pyzmq==27.3.0 pybase64==1.5.1 jiter==0.19.0 sniffio==1.3.1
+ distro==1.9.0 partial-json-parser==0.2.1.1.post7 xgrammar==0.2.1 fastapi==0.136.3 starlette==1.10.0"
+case "$ENGINE" in
+  vllm) PINS="vllm==0.26.0 openai==2.54.0 apache-tvm-ffi==0.1.10 cachetools==8.0.2 cbor2==6.3.0
+ openai-harmony==0.0.8 llguidance==1.7.6 $COMMON" ;;
+  # sglang 0.5.17 registers configs that transformers 5.17 already has ('qwen3_asr'),
+  # so it gets its own pinned transformers 5.12.1 (which needs tokenizers<=0.23.0).
+  sglang) PINS="sglang==0.5.17 openai==2.6.1 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1
+ torch-memory-saver==0.0.10 sgl-deep-gemm==0.1.5.post1 transformers==5.12.1 tokenizers==0.22.2
+ apache-tvm-ffi==0.1.11 orjson==3.13.0 setproctitle==1.3.8 dill==0.4.1 compressed-tensors==0.20.1
+ loguru==0.7.3 gguf==0.19.0 uvicorn==0.54.0 ipython==9.18.1 asttokens==3.0.2 executing==2.3.0
+ ipython-pygments-lexers==1.1.1 jedi==0.20.1 matplotlib-inline==0.2.2 parso==0.8.7 pexpect==4.9.0
+ prompt-toolkit==3.0.53 ptyprocess==0.7.0 pure-eval==0.2.4 stack-data==0.6.3 traitlets==5.16.1
+ wcwidth==0.9.4 $COMMON" ;;
+  *) die "ENGINE must be vllm or sglang" ;;
+esac
+# genengine imports pluggy; its GPU tests run under pytest (tools/gpu/run_tests.sh). Pure-Python wheels.
+PINS="$PINS ${TEST_PINS-pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pygments==2.21.0}"
+
+# --- files dropped (see README.md "What is dropped and why") ---
+DROP='^xgrammar/lib/libxgrammar\.a$'                                  # static lib, only for C++ linking
+if [ "$ENGINE" = vllm ]; then
+  DROP="$DROP|^vllm/vllm-rs$"                                         # Rust API-server frontend binary
+  DROP="$DROP|^vllm/third_party/deep_gemm/_C\.cpython-31[0134]-"      # builds for other Pythons
+  DROP="$DROP|^vllm/third_party/fmha_sm100/"                          # Blackwell-only sources
+  [ "${KEEP_FA2:-0}" = 1 ] || DROP="$DROP|^vllm/vllm_flash_attn/_vllm_fa2_C\.abi3\.so$"  # FA2; sm90 uses FA3
+else
+  DROP="$DROP|^sgl_kernel/flash_ops\.abi3\.so$"                       # FA3 for attention_backend=fa3 only
+  DROP="$DROP|^sgl_kernel/sm100/"                                     # loaded only when capability != 9.0
+  DROP="$DROP|^sgl_kernel/infllm_ops"                                 # InfLLM-V2 sparse attention only
+fi
+
+# --- output location: inside a git repo, ignored ---
+mkdir -p "$OUTDIR"; OUTDIR=$(cd "$OUTDIR" && pwd)
+ROOT=$(git -C "$OUTDIR" rev-parse --show-toplevel 2>/dev/null) || die "$OUTDIR is not inside a git repo"
+git -C "$ROOT" check-ignore -q "$OUTDIR" || die "$OUTDIR is not git-ignored (add it to .git/info/exclude)"
+REL=$(python3 -c 'import os,sys; print(os.path.relpath(sys.argv[1], sys.argv[2]))' "$OUTDIR" "$ROOT")
+MiB=1048576
+if [ -n "${CHUNK_MB:-}" ]; then CHUNK_B=$((CHUNK_MB * MiB))
+else   # a call sends at most 64 MiB: keep 1 MiB spare, minus what the repo sends anyway
+  repo_b=$(cd "$ROOT" && git ls-files -z -co --exclude-standard | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1) || true
+  CHUNK_B=$((63 * MiB - ${repo_b:-0}))
+fi
+JIT_FILES=()
+if [ -n "${JIT_CACHE:-}" ]; then   # optional caches of compiled kernels, travel in the last chunk
+  IFS=: read -r -a JIT_FILES <<< "$JIT_CACHE"
+  for f in "${JIT_FILES[@]}"; do
+    [ -f "$f" ] || die "JIT_CACHE file $f not found"
+    CHUNK_B=$((CHUNK_B - $(stat -c %s "$f")))
+  done
+fi
+[ "$CHUNK_B" -ge $((8 * MiB)) ] || die "repo too large to leave room for chunks ($CHUNK_B bytes)"
+
+# --- download ---
+CACHE=${WHEEL_CACHE:-$HOME/.cache/gpu-kit-wheels}; mkdir -p "$CACHE"
+PLAT="--platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+ --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+ --platform manylinux1_x86_64"
+echo "== downloading $(echo $PINS | wc -w) wheels into $CACHE"
+# shellcheck disable=SC2086
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  $PLAT -d "$CACHE" $PINS || die "pip download failed"
+
+# --- stage: unpack the wheels (like pip install --target), minus DROP ---
+WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
+python3 - "$CACHE" "$WORK/site" "$DROP" $PINS <<'EOF' || die "staging failed"
+import re, sys, zipfile, glob, os
+cache, site, drop, pins = sys.argv[1], sys.argv[2], re.compile(sys.argv[3]), sys.argv[4:]
+norm = lambda s: re.sub(r"[-_.]+", "_", s).lower()
+files = glob.glob(os.path.join(cache, "*.whl"))
+kept, drops = 0, {}
+for pin in pins:
+    name, ver = pin.split("==")
+    hits = [f for f in files if norm(os.path.basename(f).split("-")[0]) == norm(name)
+            and os.path.basename(f).split("-")[1] == ver]
+    if len(hits) != 1:
+        sys.exit(f"expected one wheel for {pin}, found {hits}")
+    with zipfile.ZipFile(hits[0]) as z:
+        for info in z.infolist():
+            path = info.filename
+            m = re.match(r"[^/]+\.data/(purelib|platlib)/(.*)", path)
+            if m: path = m.group(2)
+            elif re.match(r"[^/]+\.data/", path): continue    # scripts/headers/data: not needed
+            if info.is_dir(): continue
+            m = drop.search(path)
+            if m:
+                n, b = drops.get(m.group(0), (0, 0)); drops[m.group(0)] = (n + 1, b + info.file_size)
+                continue
+            dst = os.path.join(site, path)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            with z.open(info) as src, open(dst, "wb") as out: out.write(src.read())
+            if info.external_attr >> 16 & 0o111: os.chmod(dst, 0o755)
+            kept += info.file_size
+for k, (n, b) in drops.items():
+    print(f"   dropped {k}: {n} file(s), {b / 2**20:.1f} MiB")
+print(f"   staged {kept / 2**20:.0f} MiB")
+EOF
+
+# --- pack and split ---
+echo "== packing (xz -${XZ_LEVEL:-6})"
+tar -C "$WORK/site" -cf - . | xz -T0 -"${XZ_LEVEL:-6}" > "$WORK/payload.tar.xz"
+rm -rf "${OUTDIR:?}/$ENGINE"; mkdir -p "$OUTDIR/$ENGINE"
+(cd "$WORK" && split -b "$CHUNK_B" -d -a 2 payload.tar.xz part.)
+(cd "$WORK" && sha256sum part.* > SHA256SUMS)
+N=$(ls "$WORK"/part.* | wc -l)
+i=0
+for p in "$WORK"/part.*; do
+  d="$OUTDIR/$ENGINE/c$(printf %02d $i)"; mkdir -p "$d"
+  mv "$p" "$d/"; cp "$WORK/SHA256SUMS" "$KIT/install.sh" "$d/"
+  for f in smoke.py tp2_smoke.py anchor_bench.py; do [ ! -f "$KIT/$f" ] || cp "$KIT/$f" "$d/"; done
+  echo "ENGINE=$ENGINE" > "$d/MANIFEST.env"; i=$((i + 1))
+done
+j=0
+for f in "${JIT_FILES[@]}"; do cp "$f" "$d/jit-cache-$j.tar.xz"; j=$((j + 1)); done
+echo "== $ENGINE: $(du -m "$WORK/payload.tar.xz" | cut -f1) MiB in $N chunk(s) of <= $((CHUNK_B / MiB)) MiB under $OUTDIR/$ENGINE"
+echo
+echo "Make these GPU-runner calls back to back (the machine stays warm only briefly between calls):"
+for ((i = 0; i < N; i++)); do
+  c="$REL/$ENGINE/c$(printf %02d $i)"
+  if [ $i -lt $((N - 1)) ]; then
+    echo "  call $((i + 1)): carry [\"$c\"]  command: bash $c/install.sh"
+  else
+    echo "  call $((i + 1)): carry [\"$c\"]  command: bash $c/install.sh --final && PYTHONPATH=/tmp/site-$ENGINE\${PYTHONPATH:+:\$PYTHONPATH} python3 $c/smoke.py --engine $ENGINE"
+  fi
+done
+echo
+echo "Then, in the last call (or any later one on the same warm machine), run genengine's GPU tests with"
+echo "  bash tools/gpu/run_tests.sh $ENGINE [tests/gpu/...]   |   --tp2   |   --bench"
+echo "To keep the kernels compiled on the GPU machine for later runs, set SAVE_JIT=1 for run_tests.sh (or end"
+echo "the last command with ; tar -C ~ --ignore-failed-read -cJf \$OUT/jit-cache.tar.xz .cache/tvm-ffi .triton/cache .cache/flashinfer .cache/vllm)"
+echo "and rerun prepare.sh with JIT_CACHE=<that file>."
