@@ -46,7 +46,7 @@ echo "run_tests.sh: $ENGINE from $SITE_ENGINE, project from $SITE_PROJ; $(python
 case "${1:-}" in
   --tp2)
     shift
-    python3 -m torch.distributed.run --nproc-per-node 2 "tests/gpu/tp2_$ENGINE.py" "$@" ;;
+    python3 -m torch.distributed.run --nproc-per-node 2 "tests/gpu/tp2_$ENGINE.py" --json "$OUTDIR/tp2_$ENGINE.json" "$@" ;;
   --bench)
     shift
     python3 "benchmarks/bench_$ENGINE.py" --json "$OUTDIR/bench_$ENGINE.json" "$@" ;;
