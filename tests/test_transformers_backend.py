@@ -95,6 +95,27 @@ def test_small_batches_give_the_same_outputs(model_dir: str, engine: Transformer
     assert [len(r.outputs) for r in big] == [1, 3, 2, 1, 1]
 
 
+def test_eager_attention_gives_the_same_outputs(model_dir: str, engine: TransformersEngine) -> None:
+    """The decode loop hands the kernel a ready 4-D mask in its own format: check the eager one too."""
+    params = {"temperature": 0, "max_new_tokens": 10, "logprobs": True, "ignore_eos": True}
+    want = engine.generate(PROMPTS, params)
+    with TransformersEngine(model_dir, dtype="float32", attn_implementation="eager") as eager:
+        got = eager.generate(PROMPTS, params)
+    assert _tokens(got) == _tokens(want)
+    for a, b in zip(got, want, strict=True):
+        diffs = [abs(x - y) for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True)]
+        assert max(diffs) < 1e-4
+
+
+def test_sleep_disabled_is_a_state_error(model_dir: str) -> None:
+    from genengine.errors import EngineStateError
+
+    with create_engine(backend="transformers", model=model_dir, dtype="float32", enable_sleep=False) as eng:
+        with pytest.raises(EngineStateError, match="enable_sleep"):
+            eng.sleep(1)
+        assert eng.generate(["hi"], {"max_new_tokens": 2})[0].outputs
+
+
 def test_sampling_follows_the_processed_distribution(engine: TransformersEngine, hf_model: Any) -> None:
     """400 one-token samples: frequencies match transformers' processed probabilities (total variation)."""
     import torch

@@ -123,6 +123,49 @@ class _Row:
         return float(torch.rand(1, generator=self._rng).item())
 
 
+_BUFFER_LAYER: Any = None
+
+
+def _buffer_layer_class() -> Any:
+    """A transformers cache layer over preallocated buffers: decode writes in place instead of concatenating."""
+    global _BUFFER_LAYER
+    if _BUFFER_LAYER is not None:
+        return _BUFFER_LAYER
+    from transformers.cache_utils import DynamicLayer
+
+    class BufferLayer(DynamicLayer):  # type: ignore[misc]
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+            super().__init__()
+            self._k, self._v, self._n = keys, values, length
+            self.device, self.dtype = keys.device, keys.dtype
+            self.is_initialized = True
+            self._views()
+
+        def _views(self) -> None:
+            self.keys, self.values = self._k[:, :, : self._n], self._v[:, :, : self._n]
+
+        def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            new = key_states.shape[-2]
+            self._k[:, :, self._n : self._n + new] = key_states
+            self._v[:, :, self._n : self._n + new] = value_states
+            self._n += new
+            self._views()
+            return self.keys, self.values
+
+        def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+            return int(self._n)
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            self._k, self._v = self._k[indices], self._v[indices]
+            self._views()
+
+    _BUFFER_LAYER = BufferLayer
+    return BufferLayer
+
+
 class TransformersEngine(EngineBase):
     """A ``GenerationEngine`` running a transformers causal LM in this process.
 
@@ -194,6 +237,7 @@ class TransformersEngine(EngineBase):
         # transformers renamed ``past_key_values`` to ``cache`` (5.2x); the GPU images run older releases.
         forward_params = inspect.signature(self._model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self._attn = str(getattr(self._config, "_attn_implementation", None) or "")
         self._vocab = int(cfg.vocab_size)
         self._max_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
 
@@ -370,28 +414,34 @@ class TransformersEngine(EngineBase):
             self._prefix_nbytes -= old.nbytes
 
     def _decode(self, rows: list[_Row], prefixes: dict[tuple[int, ...], _Prefix]) -> None:
+        """Decode rows together: left-padded prompt KV in buffers sized for the whole run, written in place."""
         import torch
 
         width = max(len(row.prompt) for row in rows)
+        capacity = width + max(row.params.max_new_tokens for row in rows)
         batch = len(rows)
         first = prefixes[rows[0].prompt]
         cache = self._new_cache()
+        layers = []
         for layer in range(len(first.keys)):
-            shape = (batch, *first.keys[layer].shape[:1], width, first.keys[layer].shape[-1])
-            keys = first.keys[layer].new_zeros(shape)
-            values = first.values[layer].new_zeros(shape)
+            kv_heads, _, head_dim = first.keys[layer].shape
+            keys = first.keys[layer].new_zeros((batch, kv_heads, capacity, head_dim))
+            values = torch.zeros_like(keys)
             for b, row in enumerate(rows):
                 entry = prefixes[row.prompt]
-                keys[b, :, width - len(row.prompt) :] = entry.keys[layer]
-                values[b, :, width - len(row.prompt) :] = entry.values[layer]
-            cache.update(keys, values, layer)
-        mask = torch.zeros((batch, width), dtype=torch.long)
+                keys[b, :, width - len(row.prompt) : width] = entry.keys[layer]
+                values[b, :, width - len(row.prompt) : width] = entry.values[layer]
+            layers.append(_buffer_layer_class()(keys, values, width))
+        cache.layers = layers
+        # The attention mask as the attention kernel takes it ([batch, 1, 1, keys]), extended in place.
+        allowed = torch.zeros((batch, 1, 1, capacity), dtype=torch.bool)
         for b, row in enumerate(rows):
-            mask[b, width - len(row.prompt) :] = 1
-        mask = mask.to(self.device)
+            allowed[b, :, :, width - len(row.prompt) : width] = True
+        allowed = allowed.to(self.device)
         positions = torch.tensor([len(row.prompt) for row in rows], device=self.device)
         logits = torch.stack([prefixes[row.prompt].logits for row in rows])
         active = list(range(batch))
+        length = width
         while True:
             live = [rows[i] for i in active]
             tokens = self._sample(logits, live)
@@ -401,18 +451,30 @@ class TransformersEngine(EngineBase):
             if len(keep) < len(active):
                 index = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(index)
-                mask, positions, tokens = mask[index], positions[index], tokens[index]
+                allowed, positions, tokens = allowed[index], positions[index], tokens[index]
                 active = [active[j] for j in keep]
-            mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+            allowed[:, :, :, length] = True
+            length += 1
             out = self._model(
                 input_ids=tokens[:, None],
-                attention_mask=mask,
+                attention_mask=self._decode_mask(allowed[:, :, :, :length]),
                 position_ids=positions[:, None],
                 use_cache=True,
                 **{self._cache_kwarg: cache},
             )
             logits = out.logits[:, -1].float()
             positions = positions + 1
+
+    def _decode_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A ready 4-D mask (transformers passes those through untouched) where the kernel's format is known."""
+        import torch
+
+        if self._attn == "sdpa":
+            return allowed
+        if self._attn == "eager":
+            zero = torch.zeros((), dtype=self.dtype, device=allowed.device)
+            return torch.where(allowed, zero, torch.finfo(self.dtype).min)
+        return allowed[:, 0, 0].long()  # other kernels: the plain 2-D padding mask
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """Pick each row's next token and record its processed logprob; returns the tokens."""

@@ -1,0 +1,156 @@
+"""The embedded backend vs plain transformers ``generate``: same model, same prompts, same run.
+
+    .venv/bin/python benchmarks/bench_embedded.py [--model DIR] [--dtype float32] [--batch 16]
+        [--max-new-tokens 64] [--repeats 7] [--threads N] [--json PATH]
+
+Both sides load the model in this process (float32 on the CPU by default). Each repetition runs the
+engine and ``generate`` back to back, alternating which goes first, so machine noise hits both alike;
+the figure is the ratio of the medians of output tokens/s (goal: >= 1.0). Scenarios: greedy, and
+temperature-1 sampling with top-p 0.9. Every output has exactly ``--max-new-tokens`` tokens on both
+sides (EOS ignored), and the engine's prompt cache is flushed before each of its runs, so prefill is
+counted for both. Prints a table and ``BENCH_EMBEDDED_RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(_key, _value)
+
+
+def _prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(3, vocab) for _ in range(rnd.randint(8, 40))] for _ in range(batch)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model folder (default: the tiny random Qwen2 model)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the result as JSON here")
+    args = p.parse_args(argv)
+
+    import torch
+    import transformers
+
+    from genengine.backends.transformers import TransformersEngine
+    from genengine.protocol import SamplingParams
+    from genengine.testing.tiny_model import tiny_model_dir
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
+    model_dir = args.model or str(tiny_model_dir())
+    engine = TransformersEngine(model_dir, dtype=args.dtype, device=args.device, max_batch_size=max(64, args.batch))
+    hf: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+    hf.to(args.device).eval()
+    hf.generation_config.eos_token_id = None  # as ignore_eos: every row runs max_new_tokens
+    vocab = int(hf.config.vocab_size)
+    prompts = _prompts(args.batch, vocab, args.seed)
+    width = max(len(x) for x in prompts)
+    input_ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(input_ids)
+    for b, ids in enumerate(prompts):
+        input_ids[b, width - len(ids) :] = torch.tensor(ids)
+        mask[b, width - len(ids) :] = 1
+    input_ids, mask = input_ids.to(args.device), mask.to(args.device)
+    expected = len(prompts) * args.max_new_tokens
+
+    scenarios = {
+        "greedy": (
+            SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, ignore_eos=True),
+            {"do_sample": False},
+        ),
+        "sample T=1 top-p 0.9": (
+            SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=args.max_new_tokens, ignore_eos=True, seed=1),
+            {"do_sample": True, "temperature": 1.0, "top_p": 0.9, "top_k": 0},
+        ),
+    }
+
+    def sync() -> None:
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    def run_engine(params: SamplingParams) -> float:
+        engine.flush_cache()
+        sync()
+        t = time.perf_counter()
+        results = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+        sync()
+        seconds = time.perf_counter() - t
+        assert sum(len(r.outputs[0].token_ids) for r in results) == expected
+        return expected / seconds
+
+    def run_hf(kwargs: dict[str, Any]) -> float:
+        gen = transformers.GenerationConfig(
+            max_new_tokens=args.max_new_tokens, min_new_tokens=0, pad_token_id=0, **kwargs
+        )
+        sync()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(input_ids=input_ids, attention_mask=mask, generation_config=gen)
+        sync()
+        seconds = time.perf_counter() - t
+        assert (out.shape[1] - width) * out.shape[0] == expected
+        return expected / seconds
+
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch threads "
+        f"{torch.get_num_threads()}, torch {torch.__version__}, transformers {transformers.__version__}",
+        "command": "python " + " ".join([os.path.relpath(__file__), *(argv if argv is not None else sys.argv[1:])]),
+        "model": model_dir if args.model else "tiny random Qwen2 (hidden 256, 2 layers, vocab 512)",
+        "dtype": args.dtype,
+        "device": args.device,
+        "batch": args.batch,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "scenarios": {},
+    }
+    print(f"{'scenario':<22} {'engine tok/s':>13} {'HF generate tok/s':>18} {'ratio':>6}")
+    for name, (params, hf_kwargs) in scenarios.items():
+        run_engine(params)  # warm-up both
+        run_hf(hf_kwargs)
+        ours: list[float] = []
+        theirs: list[float] = []
+        for rep in range(args.repeats):
+            if rep % 2 == 0:
+                ours.append(run_engine(params))
+                theirs.append(run_hf(hf_kwargs))
+            else:
+                theirs.append(run_hf(hf_kwargs))
+                ours.append(run_engine(params))
+        a, b = statistics.median(ours), statistics.median(theirs)
+        report["scenarios"][name] = {
+            "engine_tokens_per_s": round(a, 1),
+            "hf_generate_tokens_per_s": round(b, 1),
+            "ratio": round(a / b, 3),
+            "engine_runs": [round(x, 1) for x in ours],
+            "hf_runs": [round(x, 1) for x in theirs],
+        }
+        print(f"{name:<22} {a:>13.0f} {b:>18.0f} {a / b:>6.2f}")
+    engine.shutdown()
+    print("BENCH_EMBEDDED_RESULT " + json.dumps(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
