@@ -147,6 +147,14 @@ def _rank() -> int:
     return int(dist.get_rank())
 
 
+def _world_size() -> int:
+    if not _dist_initialized():
+        return 1
+    import torch.distributed as dist
+
+    return int(dist.get_world_size())
+
+
 def _sub(a: int | None, b: int | None) -> int | None:
     return None if a is None or b is None else a - b
 
@@ -319,6 +327,8 @@ def _run(
         "device": _device_name(device),
         "memory_probe": probe.kind,
         "tp_size": settings.tp_size,
+        "rank": _rank(),
+        "world_size": _world_size(),
         "dtype": config.dtype,
         "options": dict(config.options),
         "settings": {
@@ -568,7 +578,11 @@ def _fmt_s(s: float | None) -> str:
 
 def _rows(report: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     g = report["generate"]
-    yield "backend", f"{report['backend']} on {report['device']}, tp_size={report['tp_size']}, dtype={report['dtype']}"
+    world = f", {report['world_size']} ranks (memory summed)" if report.get("world_size", 1) > 1 else ""
+    yield (
+        "backend",
+        f"{report['backend']} on {report['device']}, tp_size={report['tp_size']}{world}, dtype={report['dtype']}",
+    )
     yield (
         "model",
         f"{report['model']} ({report['weights']['num_tensors']} tensors, {_fmt_bytes(report['weights']['num_bytes'])})",

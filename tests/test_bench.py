@@ -141,3 +141,29 @@ def test_option_values_are_typed() -> None:
     assert _option("max_batch_size=4") == ("max_batch_size", 4)
     assert _option("device=cpu") == ("device", "cpu")
     assert _option("flag=true") == ("flag", True)
+
+
+@pytest.mark.slow
+def test_under_torchrun_every_rank_measures_and_rank_0_reports(tmp_path: Path) -> None:
+    """The --tp-size path: the benchmark plays the trainer, owns the (gloo) world, sums memory over ranks."""
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    genengine = shutil.which("genengine", path=str(Path(sys.executable).parent))
+    if torchrun is None or genengine is None:
+        pytest.skip("torchrun or the genengine script is not installed next to this interpreter")
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [torchrun, "--nproc-per-node", "2", "--no-python", genengine, "bench", "--quiet", "--repeats", "1",
+         "--batch-size", "2", "--prompt-len", "4", "--max-new-tokens", "2", "--no-per-parameter", "--no-raw",
+         "--sleep-levels", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("benchmark took") == 1  # only rank 0 prints
+    report = json.loads(out.read_text())
+    assert report["rank"] == 0 and report["world_size"] == 2
+    assert "2 ranks (memory summed)" in proc.stdout
+    assert report["sleep"][0]["greedy_unchanged"] is True
