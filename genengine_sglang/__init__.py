@@ -1,7 +1,8 @@
 """genengine's SGLang backend (SGLang 0.5.17), and a drop-in for ``lightrft.strategy.sglang_utils``.
 
-``get_sglang_engine`` and ``RLGenerationEngine`` load lazily: importing this package (which
-``genengine_sglang.plugin`` does, and with it ``genengine backends``) imports neither torch nor SGLang.
+``get_sglang_engine``, ``get_sglang_engine_for_rollout`` and ``RLGenerationEngine`` load lazily: importing
+this package (which ``genengine_sglang.plugin`` does, and with it ``genengine backends``) imports neither
+torch nor SGLang.
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from genengine_sglang.engine import RLGenerationEngine, get_sglang_engine
+    from genengine_sglang.engine import RLGenerationEngine, get_sglang_engine, get_sglang_engine_for_rollout
 
-__all__ = ["RLGenerationEngine", "get_sglang_engine"]
+__all__ = ["RLGenerationEngine", "get_sglang_engine", "get_sglang_engine_for_rollout"]
 
 
 def __getattr__(name: str) -> Any:

@@ -89,7 +89,7 @@ if TYPE_CHECKING:
 
     from genengine.weights import WeightInfo
 
-__all__ = ["TAG_CUDA_GRAPH", "RLGenerationEngine", "get_sglang_engine", "live_engines"]
+__all__ = ["TAG_CUDA_GRAPH", "RLGenerationEngine", "get_sglang_engine", "get_sglang_engine_for_rollout", "live_engines"]
 
 TAG_CUDA_GRAPH = "cuda_graph"
 T = TypeVar("T")
@@ -209,6 +209,25 @@ def get_sglang_engine(
     )
     settings = settings_from_config(config, environ={})
     return RLGenerationEngine._create(settings, require_distributed=True)
+
+
+def get_sglang_engine_for_rollout(args: Any) -> RLGenerationEngine:
+    """The reference's wrapper: ``get_sglang_engine`` from a trainer's argument namespace (``pretrain``,
+    ``engine_mem_util``, ``enable_engine_sleep``, ``engine_tp_size``, ``bf16``)."""
+    missing = [
+        k
+        for k in ("pretrain", "engine_mem_util", "enable_engine_sleep", "engine_tp_size", "bf16")
+        if not hasattr(args, k)
+    ]
+    if missing:
+        raise InvalidArgumentError(f"args lacks {', '.join(missing)} (the reference's rollout arguments)")
+    return get_sglang_engine(
+        args.pretrain,
+        args.engine_mem_util,
+        enable_engine_sleep=args.enable_engine_sleep,
+        tp_size=args.engine_tp_size,
+        dtype="bfloat16" if args.bf16 else "float16",
+    )
 
 
 # ---- groups ------------------------------------------------------------------------------------------------

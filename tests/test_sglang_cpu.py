@@ -83,6 +83,7 @@ def test_lazy_exports() -> None:
 
     assert genengine_sglang.get_sglang_engine is engine.get_sglang_engine
     assert genengine_sglang.RLGenerationEngine is engine.RLGenerationEngine
+    assert genengine_sglang.get_sglang_engine_for_rollout is engine.get_sglang_engine_for_rollout
     with pytest.raises(AttributeError):
         genengine_sglang.no_such_thing  # noqa: B018
 
@@ -193,6 +194,22 @@ def test_not_initialised_survives_python_O(model_dir: Path) -> None:
     )
     out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=120)
     assert "raised DistributedSetupError" in out.stdout, out.stderr
+
+
+def test_rollout_wrapper_maps_the_reference_arguments(model_dir: Path) -> None:
+    from types import SimpleNamespace
+
+    from genengine_sglang import get_sglang_engine_for_rollout
+
+    args = SimpleNamespace(pretrain=str(model_dir), engine_mem_util=0.5, enable_engine_sleep=True, engine_tp_size=1)
+    with pytest.raises(InvalidArgumentError, match="bf16"):
+        get_sglang_engine_for_rollout(args)
+    args.bf16 = True
+    with pytest.raises(DistributedSetupError):  # valid arguments: the reference's distributed check
+        get_sglang_engine_for_rollout(args)
+    args.engine_mem_util = 3
+    with pytest.raises(InvalidArgumentError, match="engine_mem_util"):
+        get_sglang_engine_for_rollout(args)
 
 
 def test_tp_above_one_needs_distributed(model_dir: Path) -> None:
