@@ -38,8 +38,10 @@ __all__ = ["BenchSettings", "format_report", "plot_report", "run_bench"]
 
 GB = 1e9
 TINY_MODEL = {"num_params": 20_000_000, "vocab_size": 4096, "dtype": "float32"}
-"""The model ``genengine bench`` builds when no ``--model`` is given: big enough that copies and frees are
-visible above allocator noise, small enough for the whole run to take well under a minute on two cores."""
+"""The model ``genengine bench`` builds on a CPU when no ``--model`` is given: big enough that copies and
+frees are visible above allocator noise, small enough for the whole run to take well under a minute on two
+cores. On a GPU it builds the tiny model's default shapes in bfloat16 (the engines' kernel caches know them,
+and vLLM takes no float32); real numbers there need a real-sized ``--model``."""
 
 
 @dataclass
@@ -279,10 +281,14 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             from genengine.testing.tiny_model import build_tiny_model
 
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="genengine-bench-"))
-            model = str(build_tiny_model(Path(tmp) / "model", **TINY_MODEL))  # type: ignore[arg-type]
+            import torch
+
+            on_gpu = torch.cuda.is_available()
+            kwargs: dict[str, Any] = {"dtype": "bfloat16"} if on_gpu else dict(TINY_MODEL)
+            model = str(build_tiny_model(Path(tmp) / "model", **kwargs))
             built = True
             if settings.dtype is None:
-                settings.dtype = "float32"
+                settings.dtype = kwargs["dtype"]
         return _run(settings, model, built, resolved)
 
 
@@ -344,6 +350,12 @@ def _run(
     steps = 3 + settings.repeats + 2 * settings.repeats + 2 * len(settings.sleep_levels) + 1
     steps += 1 if settings.raw and raw_runner is not None else 0
     with _progress(steps, f"bench {name}", show) as bar:
+        # The trainer's weights exist before the engine does (and until after it is gone), so on a GPU they
+        # are part of the baseline, not of the engine's memory.
+        bar.set_postfix_str("reading checkpoint")
+        weights = _trainer_weights(model, device, config.dtype)
+        num_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        report["weights"] = {"num_tensors": len(weights), "num_bytes": num_bytes}
         bar.set_postfix_str("creating engine")
         baseline = probe.used()
         create_s, engine = _timed(lambda: create_engine(config))
@@ -380,10 +392,6 @@ def _run(
             }
 
             # --- load_weights ------------------------------------------------------------------------------
-            bar.set_postfix_str("reading checkpoint")
-            weights = _trainer_weights(model, device, config.dtype)
-            num_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-            report["weights"] = {"num_tensors": len(weights), "num_bytes": num_bytes}
             report["load_weights"] = {
                 "bucketed": _load_bucketed(engine, weights, num_bytes, settings, prompts, probe_params, bar),
                 "per_parameter": _load_per_parameter(engine, weights, num_bytes, settings, show, bar),
@@ -401,12 +409,12 @@ def _run(
                 _sleep_cycle(engine, level, weights, probe, prompts, probe_params, reference, bar)
                 for level in settings.sleep_levels
             ]
-            del weights
         finally:
             bar.set_postfix_str("shutdown")
             shutdown_s, _ = _timed(engine.shutdown)
             bar.update(1)
         left = probe.used()
+        del weights
         report["shutdown"] = {"seconds": shutdown_s, "memory_left_bytes": _sub(left, baseline)}
         # The engine's memory, the denominator of "share freed by sleep": what it holds awake with loaded
         # weights, above the baseline on a GPU (device-wide, exact). On CPU the first model load also imports
