@@ -94,7 +94,8 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> FreshVenv:
     install = [py, "-m", "pip", "install", "-q", "-c", str(constraints), *names, f"{fresh.template}[test]"]
     constraints.write_text("\n".join(_pins(names)) + "\n")
     try:
-        _run(install, env=env)
+        # Short network timeouts: offline, fall back quickly instead of retrying for minutes.
+        _run([*install, "--retries", "1", "--timeout", "30"], env=env)
     except AssertionError:
         constraints.write_text("\n".join(_pins(["torch"])) + "\n")
         _run(install, env=env)
