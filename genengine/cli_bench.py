@@ -102,5 +102,9 @@ def run(args: argparse.Namespace) -> int:
             fh.write("\n")
         print(f"wrote {args.json}")
     if args.plot:
-        print(f"wrote {plot_report(report, args.plot)}")
+        try:
+            print(f"wrote {plot_report(report, args.plot)}")
+        except ImportError as exc:  # the measurements above are still printed and saved
+            print(f"genengine bench: cannot draw {args.plot}: {exc} (pip install 'genengine[plot]')", file=sys.stderr)
+            return 1
     return 0
