@@ -470,6 +470,22 @@ def clear_group_cache() -> None:
     _GROUP_CACHE["by_tp"] = {}
 
 
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host still runs (an exited, unreaped zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return True  # no /proc (not Linux): the signal check said it exists
+    return stat[stat.rfind(")") + 2 :][:1] not in ("Z", "X")
+
+
 def _device_backend() -> str:
     """NCCL when the trainer's default group uses it (e.g. ``"nccl"``, ``"cpu:gloo,cuda:nccl"``), else gloo.
 
@@ -478,7 +494,7 @@ def _device_backend() -> str:
     return "nccl" if "nccl" in str(_dist().get_backend()).lower() else "gloo"
 
 
-def _tp_groups(topo: Topology, timeout_s: float) -> tuple[Any, Any, str]:
+def _tp_groups(topo: Topology, timeout_s: float) -> tuple[Any, Any, str, tuple[tuple[str, int], ...]]:
     dist = _dist()
     world = dist.group.WORLD
     if _GROUP_CACHE["world"] is not world:
@@ -502,7 +518,10 @@ def _tp_groups(topo: Topology, timeout_s: float) -> tuple[Any, Any, str]:
 
         probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
         dist.all_reduce(probe, group=device_group)
-    entry = (device_group, cpu_group, backend)
+    # Who is who (host, pid), while every rank is known to be here: a later failure can name the dead.
+    peers: list[Any] = [None] * topo.tp_size
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()), group=cpu_group)
+    entry = (device_group, cpu_group, backend, tuple((str(h), int(p)) for h, p in peers))
     _GROUP_CACHE["by_tp"][topo.tp_size] = entry
     return entry
 
@@ -529,8 +548,8 @@ def engine_group(
         timeout_s = default_collective_timeout_s()
     timeout_s = _check_timeout(timeout_s, "timeout_s")
     topo = topology_from_env(tp_size, allow_multi_node=allow_multi_node, base_port=base_port)
-    device_group, cpu_group, backend = _tp_groups(topo, timeout_s)
-    group = EngineGroup(topo, device_group, cpu_group, backend, timeout_s)
+    device_group, cpu_group, backend, peers = _tp_groups(topo, timeout_s)
+    group = EngineGroup(topo, device_group, cpu_group, backend, timeout_s, peers=peers)
     if check_port:
         problem = _port_problem(topo) if topo.is_leader else None
         problem = group.broadcast_object(problem, op="engine port check")
@@ -557,12 +576,16 @@ class EngineGroup:
         cpu_group: ProcessGroup,
         backend: str,
         timeout_s: float,
+        *,
+        peers: Sequence[tuple[str, int]] | None = None,
     ) -> None:
         self.topology = topology
         self.device_group = device_group
         self.cpu_group = cpu_group
         self.backend = backend
         self.timeout_s = timeout_s
+        #: (hostname, pid) of each rank of the group in TP-rank order, when known: names the dead in errors.
+        self.peers = tuple(peers) if peers is not None else None
         self._calls = 0  # methods called on this group: ranks out of step show at the next roll call
 
     def __repr__(self) -> str:
@@ -599,6 +622,22 @@ class EngineGroup:
             f"this rank {t.rank}, timeout {seconds:g} s)"
         )
 
+    def dead_ranks(self, *, wait_s: float = 0.0) -> list[int]:
+        """Ranks of the group whose process is gone, as far as this rank can tell (peers on its own host).
+
+        ``wait_s`` gives a peer whose connection just closed the moment it takes to finish exiting.
+        """
+        if self.peers is None:
+            return []
+        host, me = socket.gethostname(), os.getpid()
+        local = [(r, pid) for r, (h, pid) in zip(self.topology.tp_group_ranks, self.peers, strict=True) if h == host]
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [r for r, pid in local if pid != me and not _pid_alive(pid)]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
+
     def _wait(self, work: Work, deadline: float, op: str, seconds: float) -> None:
         # gloo and NCCL both honour Work.wait(timeout). 0 would mean "the group's timeout", hence the
         # floor, which also lets a peer that did arrive be counted after another one's deadline passed.
@@ -607,7 +646,11 @@ class EngineGroup:
             done = work.wait(timeout=timedelta(seconds=remaining))
         except RuntimeError as exc:
             text = str(exc)
-            if "timed out" in text.lower() or "timeout" in text.lower():  # gloo, resp. NCCL's watchdog
+            timed_out = "timed out" in text.lower() or "timeout" in text.lower()  # gloo, resp. NCCL's watchdog
+            dead = self.dead_ranks(wait_s=0.0 if timed_out else 1.0)
+            if dead:
+                why = f"rank(s) {_fmt_ranks(dead)} of the group died (their processes are gone)"
+            elif timed_out:
                 why = "a rank of the group did not join in time (it is stuck elsewhere, diverged, or dead)"
             else:
                 why = "the operation failed, most likely because a rank of the group died"
@@ -814,6 +857,10 @@ class EngineGroup:
         differ = [ranks[i] for i, s in enumerate(status) if s == _DIFFERS]
         if missing or step:
             parts = []
+            dead = [r for r in self.dead_ranks() if r in missing]
+            missing = [r for r in missing if r not in dead]
+            if dead:
+                parts.append(f"rank(s) {_fmt_ranks(dead)} died (their processes are gone)")
             if missing:
                 parts.append(f"rank(s) {_fmt_ranks(missing)} did not arrive (stuck elsewhere, diverged, or dead)")
             if step:
