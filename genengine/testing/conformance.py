@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from genengine.base import EngineBase
 from genengine.errors import (
     EngineClosedError,
     EngineSleepingError,
@@ -695,6 +696,125 @@ class EngineConformance:
                 self.assert_baseline(engine, baseline)
             else:  # streaming engines: half-written, so generating must be refused until a full load
                 _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+        self.assert_baseline(engine, baseline)
+
+    # ---- load_weights that fails half-way (docs/failure-modes.md) ------------------------------------------
+    def assert_old_weights_or_refused(self, engine: GenerationEngine, baseline: list[GenerationResult]) -> None:
+        """After a failed load: the old weights serve unchanged, or every generate is refused. Never a mix."""
+        if engine.state.weights_loaded:  # all-or-nothing engines: nothing was written
+            self.assert_baseline(engine, baseline)
+            return
+        for call in (
+            lambda: engine.generate(PROMPTS, GREEDY),
+            lambda: engine.generate(prompt_token_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 1}),
+        ):
+            error = _expect_raises(WeightsNotLoadedError, call)
+            assert "incomplete weights" in str(error) and "failed" in str(error), error
+        engine.sleep(1)  # a sleep/wake cycle does not make half-written weights servable
+        engine.wake()
+        _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+
+    def _streams_buckets(self, engine: GenerationEngine) -> bool:
+        """True for engines that write each bucket as it comes (so a late failure leaves some written)."""
+        return isinstance(engine, EngineBase) and not engine.validate_all_weights_first
+
+    @pytest.mark.parametrize("bad", ["unknown-name", "wrong-shape", "not-a-tensor", "not-a-pair"])
+    def test_bad_entry_after_buckets_were_written_never_serves_mixed_weights(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        bad: str,
+    ) -> None:
+        """Small buckets, the bad entry two thirds in: a streaming engine has written buckets when it sees it."""
+        items = list(other_weights.items())
+        cut = max(2, 2 * len(items) // 3)
+        name, tensor = items[cut]
+        entry: Any = {
+            "unknown-name": ("model.layers.0.mlp.not_a_weight", tensor),
+            "wrong-shape": (name, tensor.flatten()[:-1].clone()),
+            "not-a-tensor": (name, "not a tensor"),
+            "not-a-pair": (name,),
+        }[bad]
+        smallest = min(t.numel() * t.element_size() for t in other_weights.values())
+        pulled: list[str] = []
+
+        def stream() -> Iterator[Any]:
+            for item in [*items[:cut], entry, *items[cut + 1 :]]:
+                pulled.append(str(item[0]))
+                yield item
+
+        with self.restoring(engine, original_weights):
+            error = _expect_raises(WeightLoadError, lambda: engine.load_weights(stream(), bucket_bytes=smallest))
+            assert (entry[0] if bad != "not-a-pair" else f"entry {cut}") in str(error), error
+            assert len(pulled) > cut, "the stream was not read up to the bad entry"
+            if self._streams_buckets(engine):
+                assert not engine.state.weights_loaded, "buckets before the bad entry should have been written"
+            self.assert_old_weights_or_refused(engine, baseline)
+        self.assert_baseline(engine, baseline)
+
+    def test_failed_load_during_staged_wake_never_serves_mixed_weights(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+    ) -> None:
+        """The RL step's order: sleep, wake weights, load (fails half-way), wake KV cache, generate."""
+        items = list(other_weights.items())
+
+        def stream() -> Iterator[tuple[str, Any]]:
+            yield from items[: 3 * len(items) // 4]
+            raise ConnectionError("the trainer's weight stream broke")
+
+        smallest = min(t.numel() * t.element_size() for t in other_weights.values())
+        with self.restoring(engine, original_weights):
+            engine.sleep(1)
+            engine.wake([TAG_WEIGHTS])
+            _expect_raises(ConnectionError, lambda: engine.load_weights(stream(), bucket_bytes=smallest))
+            engine.wake([TAG_KV_CACHE])
+            assert not engine.is_sleeping
+            if self._streams_buckets(engine):
+                assert not engine.state.weights_loaded
+            self.assert_old_weights_or_refused(engine, baseline)
+        self.assert_baseline(engine, baseline)
+
+    def test_full_load_after_a_failed_one_equals_a_fresh_engine(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        other_record: dict[str, Any],
+    ) -> None:
+        """Recovery: once a load covers every weight again, outputs are exactly the new weights' own."""
+        items = list(other_weights.items())
+        half = len(items) // 2
+
+        def failing() -> Iterator[tuple[str, Any]]:
+            yield from items[:half]
+            raise RuntimeError("trainer died half-way through the weights")
+
+        smallest = min(t.numel() * t.element_size() for t in other_weights.values())
+        reference = other_record["results"]
+        with self.restoring(engine, original_weights):
+            _expect_raises(RuntimeError, lambda: engine.load_weights(failing(), bucket_bytes=smallest))
+            if not engine.state.weights_loaded:
+                # The weights the failed call had written do not count: a load of the rest is not enough.
+                engine.load_weights(items[half:], bucket_bytes=smallest)
+                _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+            report = engine.load_weights(iter(items), bucket_bytes=smallest)
+            assert report.num_tensors == len(items) and report.num_buckets > 1
+            assert engine.state.weights_loaded
+            results = engine.generate(PROMPTS, GREEDY)
+            assert _tokens(results) == _tokens(reference)
+            diffs = [
+                abs(a - b)
+                for got, want in zip(results, reference, strict=True)
+                for a, b in zip(got.outputs[0].logprobs or [], want.outputs[0].logprobs or [], strict=True)
+            ]
+            assert sum(diffs) / len(diffs) <= self.logprob_tolerance
         self.assert_baseline(engine, baseline)
 
     def test_flush_cache(self, engine: GenerationEngine, baseline: list[GenerationResult]) -> None:
