@@ -638,9 +638,7 @@ def _rows(report: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
                 yield "  load_weights (re-push)", _fmt_s(c["reload_seconds"])
         yield "  same greedy output after wake", "yes" if c["greedy_unchanged"] else "NO"
     sd = report["shutdown"]
-    note = (
-        " (on CPU this includes code and caches of the first model load)" if report["device"].startswith("cpu") else ""
-    )
+    note = " (CPU: includes code loaded on first use)" if report["device"].startswith("cpu") else ""
     yield (
         "shutdown",
         f"{_fmt_s(sd['seconds'])}, memory left above the start {_fmt_bytes(sd['memory_left_bytes'])}{note}",
