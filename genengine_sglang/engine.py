@@ -87,6 +87,7 @@ from genengine_sglang.errors import SGLangEngineError
 if TYPE_CHECKING:
     import torch
 
+    from genengine.lifecycle import ExitHandle
     from genengine.weights import WeightInfo
 
 __all__ = ["TAG_CUDA_GRAPH", "RLGenerationEngine", "get_sglang_engine", "get_sglang_engine_for_rollout", "live_engines"]
@@ -458,6 +459,7 @@ class RLGenerationEngine(EngineBase):
         self._settings = settings
         self._group = group
         self._engine: Any = None
+        self._exit: ExitHandle | None = None
         self._processor: str | None = None
         self._sgl_released: set[str] = set()
         self._unsynced = False
@@ -527,6 +529,8 @@ class RLGenerationEngine(EngineBase):
         return value  # type: ignore[no-any-return]
 
     def _start(self, port: int) -> None:
+        from genengine.lifecycle import at_exit
+
         try:
             from sglang.srt.entrypoints.engine import Engine
             from sglang.srt.server_args import ServerArgs
@@ -547,7 +551,11 @@ class RLGenerationEngine(EngineBase):
                 engine = Engine(**kwargs)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"SGLang rejected the engine settings: {exc}") from exc
+        # SGLang's own exit hook kills every child of this process (a trainer's data-loader workers too);
+        # ours stops this engine's processes only, if the trainer exits without shutdown() (its scheduler
+        # processes are not daemons: multiprocessing would wait on them forever).
         atexit.unregister(engine.shutdown)
+        self._exit = at_exit(lambda: _stop_sglang(engine), name="sglang engine", pids=list(engine.get_all_child_pids()))
         self._engine = engine
         from genengine_sglang._logits import serialized_processor
 
@@ -707,9 +715,15 @@ class RLGenerationEngine(EngineBase):
         self._on_leader("flush_cache", run)
 
     def _shutdown(self) -> None:
+        def stop() -> None:
+            if self._engine is not None:
+                _stop_sglang(self._engine)
+            if self._exit is not None:
+                self._exit.cancel()
+
         try:
             if self._engine is not None or not self._group.is_leader:
-                self._on_leader("shutdown", lambda: _stop_sglang(self._engine) if self._engine is not None else None)
+                self._on_leader("shutdown", stop)
         finally:
             self._engine = None
             _live.discard(self)
