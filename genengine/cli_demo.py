@@ -27,6 +27,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sleep-level", type=int, default=2, choices=(1, 2))
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the tiny model is too small)")
     p.add_argument("--trainer-device", default=None, help="default: cuda for GPU backends, else cpu")
     p.add_argument("--plot", default="out/demo_reward.png", help="PNG of reward per step")
     p.add_argument("--no-plot", action="store_true")
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         trainer_device=args.trainer_device,
         options=dict(args.option),
+        cpu_threads=args.threads,
         plot=None if args.no_plot else args.plot,
         progress=not args.no_progress,
     )

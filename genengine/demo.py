@@ -64,6 +64,9 @@ class DemoConfig:
     trainer_device: str | None = None
     """None: cuda when the backend is a GPU engine and CUDA is available, else cpu."""
     options: dict[str, Any] = field(default_factory=dict)
+    cpu_threads: int | None = 1
+    """torch CPU threads while the demo runs (restored after). One: the tiny model is too small for
+    intra-op parallelism to pay, and two spinning threads slow down twentyfold on a busy 2-core machine."""
     plot: str | None = "out/demo_reward.png"
     progress: bool = True
 
@@ -76,6 +79,10 @@ class DemoConfig:
             raise InvalidArgumentError(f"group_size={self.group_size} must be >= 2 (the group mean is the baseline)")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise InvalidArgumentError(f"lr={self.lr!r} must be a positive number")
+        if self.cpu_threads is not None and (
+            isinstance(self.cpu_threads, bool) or not isinstance(self.cpu_threads, int) or self.cpu_threads < 1
+        ):
+            raise InvalidArgumentError(f"cpu_threads={self.cpu_threads!r} must be a positive integer or None")
         if self.sleep_level not in (1, 2):
             raise InvalidArgumentError(f"sleep_level={self.sleep_level!r}: allowed are 1 and 2")
 
@@ -113,6 +120,7 @@ class DemoResult:
 
 
 def _rss() -> int:
+    """Resident memory of this process (anonymous and file-backed: weights may be mapped from safetensors)."""
     try:
         with open("/proc/self/statm") as fh:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -147,14 +155,26 @@ def _engine_device(cfg: DemoConfig) -> str:
 def run_demo(cfg: DemoConfig | None = None, *, echo: Callable[[str], None] | None = None) -> DemoResult:
     """Run the loop; print a per-step table (through ``echo``) and write the reward plot if ``cfg.plot``."""
     import torch
+
+    cfg = cfg or DemoConfig()
+    cfg.check()
+    threads = torch.get_num_threads()
+    if cfg.cpu_threads is not None:
+        torch.set_num_threads(cfg.cpu_threads)
+    try:
+        return _run(cfg, echo)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(cfg: DemoConfig, echo: Callable[[str], None] | None) -> DemoResult:
+    import torch
     import transformers
     from tqdm import tqdm
 
     from genengine.registry import create_engine
     from genengine.testing.tiny_model import tiny_model_dir
 
-    cfg = cfg or DemoConfig()
-    cfg.check()
     start = time.perf_counter()
     model = cfg.model or str(tiny_model_dir())
     gpu_engine = cfg.backend != "transformers"

@@ -21,7 +21,8 @@ def test_reward_rises_and_the_plot_is_written(tmp_path: Path) -> None:
     first = result.steps[0]
     assert first.logprob_gap < 1e-4, "float32 engine and trainer agree on the rollout logprobs"
     assert all(s.sync_ms > 0 and s.tokens_per_s > 0 for s in result.steps)
-    assert all(s.freed_bytes > 1 << 20 for s in result.steps), "a level-2 sleep gives the weights' memory back"
+    freed = [s.freed_bytes for s in result.steps]
+    assert sorted(freed)[len(freed) // 2] > 4 << 20, f"a level-2 sleep gives the weights' 5.8 MB back: {freed}"
     assert lines[1].split() == ["step", "reward", "tokens/s", "sync", "ms", "sleep", "freed", "|Δlogp|"]
     assert lines[-1].startswith("reward: first quarter mean")
     assert len(lines) == 12 + 3

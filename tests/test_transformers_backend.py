@@ -186,6 +186,7 @@ def test_prefix_cache_hits_and_is_dropped(model_dir: str) -> None:
 
 # ---- memory ------------------------------------------------------------------------------------------------
 def _rss() -> int:
+    """Resident bytes, file-backed included: float32 weights may be mapped straight from the safetensors file."""
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 

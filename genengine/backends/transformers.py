@@ -572,9 +572,8 @@ class TransformersEngine(EngineBase):
             for p in self._unique_params:
                 p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         elif self.device.type == "cuda":
-            pin = torch.cuda.is_available()
             self._host_backup = [
-                p.data.to("cpu", copy=True).pin_memory() if pin else p.data.cpu() for p in self._unique_params
+                torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p.data) for p in self._unique_params
             ]
             for p in self._unique_params:
                 p.data = torch.empty(0, dtype=p.dtype, device=self.device)
@@ -601,7 +600,7 @@ class TransformersEngine(EngineBase):
 
         with torch.no_grad():
             for name, tensor in bucket:
-                self._params[name].data.copy_(tensor, non_blocking=True)
+                self._params[name].data.copy_(tensor, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -631,10 +630,11 @@ def hf_generate_tokens_per_second(config: Any, prompt_token_ids: Sequence[Sequen
         raise ConfigError("hf_generate_tokens_per_second needs config.model")
     dtype = getattr(torch, _checkpoint_dtype(config.model) if config.dtype == "auto" else config.dtype)
     model, mask, input_ids = _hf_model_and_batch(config.model, dtype, device, prompt_token_ids)
+    pad = model.generation_config.pad_token_id
     gen = transformers.GenerationConfig(
-        do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=0
+        do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad if pad is not None else 0
     )
-    model.generation_config.eos_token_id = None
+    model.generation_config.eos_token_id = None  # as ignore_eos: every row runs max_new_tokens
     with torch.inference_mode():
         model.generate(input_ids=input_ids, attention_mask=mask, generation_config=gen)  # warm-up
         start = time.perf_counter()
