@@ -121,7 +121,7 @@ def test_nav_lists_every_page_and_only_pages_that_exist() -> None:
     nav = _nav_pages(config["nav"])
     pages = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
     assert sorted(nav) == pages
-    for required in ("contract.md", "distributed.md"):
+    for required in ("contract.md", "distributed.md", "benchmarks.md"):
         assert required in nav
 
 
