@@ -166,6 +166,55 @@ def _buffer_layer_class() -> Any:
     return BufferLayer
 
 
+def _greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Argmax, with its logprob under the unscaled distribution (the contract's greedy logprob)."""
+    import torch
+
+    tokens = logits.argmax(dim=-1)
+    chosen = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    return tokens, chosen
+
+
+def _processed_sample(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, then top-k, then top-p (transformers' order and tie rules); sample by each row's own RNG.
+
+    Inverse-CDF sampling with one uniform per row from the row's generator: a seeded row draws the same
+    numbers whatever else is in the batch. Returns the tokens and their processed logprobs.
+    """
+    import torch
+
+    device = logits.device
+    params = [row.params for row in rows]
+    vocab = logits.shape[-1]
+    scores = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    ks = [p.top_k_or_none or 0 for p in params]
+    if any(0 < k < vocab for k in ks):
+        kmax = min(max(ks), vocab)
+        top = torch.topk(scores, kmax, dim=-1).values
+        kth = top.gather(1, (torch.tensor(ks, device=device).clamp(1, kmax) - 1)[:, None])
+        kth[torch.tensor([not 0 < k < vocab for k in ks], device=device)] = -float("inf")
+        scores = scores.masked_fill(scores < kth, -float("inf"))  # ties with the k-th are kept
+    if any(p.top_p < 1 for p in params):
+        # As transformers' TopPLogitsWarper: drop the least likely tokens whose total mass is <= 1 - top_p.
+        order_vals, order = torch.sort(scores, dim=-1)
+        cum = order_vals.softmax(dim=-1).cumsum(dim=-1)
+        limit = torch.tensor([1 - p.top_p if p.top_p < 1 else -1.0 for p in params], device=device)
+        remove = cum <= limit[:, None]
+        remove[:, -1] = False
+        scores = scores.masked_fill(remove.scatter(1, order, remove), -float("inf"))
+    logp = torch.log_softmax(scores, dim=-1)
+    cdf = logp.exp().cumsum(dim=-1)
+    u = torch.tensor([row.uniform() for row in rows], dtype=cdf.dtype, device=device)
+    # right=True: the first index whose cdf exceeds u*total, never a token of probability 0.
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].clamp(max=vocab - 1)
+    picked = logp.gather(1, pick[:, None])[:, 0]
+    bad = torch.isinf(picked)  # only when u*total rounds up to the total: take the most likely token
+    if bool(bad.any()):
+        pick = torch.where(bad, logp.argmax(dim=-1), pick)
+        picked = logp.gather(1, pick[:, None])[:, 0]
+    return pick, picked
+
+
 class TransformersEngine(EngineBase):
     """A ``GenerationEngine`` running a transformers causal LM in this process.
 
@@ -480,40 +529,15 @@ class TransformersEngine(EngineBase):
         """Pick each row's next token and record its processed logprob; returns the tokens."""
         import torch
 
-        greedy = [row.params.greedy for row in rows]
-        raw = torch.log_softmax(logits, dim=-1)
-        tokens = logits.argmax(dim=-1)
-        chosen = raw.gather(1, tokens[:, None])[:, 0]
-        if not all(greedy):
-            sampled = [i for i, g in enumerate(greedy) if not g]
-            params = [rows[i].params for i in sampled]
+        sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if not sampled:
+            tokens, chosen = _greedy(logits)
+        elif len(sampled) == len(rows):
+            tokens, chosen = _processed_sample(logits, rows)
+        else:
+            tokens, chosen = _greedy(logits)
             index = torch.tensor(sampled, device=logits.device)
-            scores = logits[index] / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
-            ks = [p.top_k_or_none or 0 for p in params]
-            if any(0 < k < scores.shape[-1] for k in ks):
-                kmax = min(max(ks), scores.shape[-1])
-                top = torch.topk(scores, kmax, dim=-1).values
-                kth = top.gather(1, (torch.tensor(ks, device=logits.device).clamp(1, kmax) - 1)[:, None])
-                kth[torch.tensor([not 0 < k < scores.shape[-1] for k in ks], device=logits.device)] = -float("inf")
-                scores = scores.masked_fill(scores < kth, -float("inf"))
-            if any(p.top_p < 1 for p in params):
-                # As transformers' TopPLogitsWarper: drop the least likely tokens whose total mass is <= 1 - top_p.
-                order_vals, order = torch.sort(scores, dim=-1)
-                cum = order_vals.softmax(dim=-1).cumsum(dim=-1)
-                limit = torch.tensor([1 - p.top_p if p.top_p < 1 else -1.0 for p in params], device=logits.device)
-                remove = cum <= limit[:, None]
-                remove[:, -1] = False
-                scores = scores.masked_fill(remove.scatter(1, order, remove), -float("inf"))
-            logp = torch.log_softmax(scores, dim=-1)
-            cdf = logp.exp().cumsum(dim=-1)
-            u = torch.tensor([rows[i].uniform() for i in sampled], dtype=cdf.dtype, device=logits.device)
-            pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-            pick = pick.clamp(max=scores.shape[-1] - 1)
-            picked = logp.gather(1, pick[:, None])[:, 0]
-            bad = torch.isinf(picked)  # only when u*total rounds up to the total: take the most likely token
-            if bool(bad.any()):
-                pick = torch.where(bad, logp.argmax(dim=-1), pick)
-                picked = logp.gather(1, pick[:, None])[:, 0]
+            pick, picked = _processed_sample(logits[index], [rows[i] for i in sampled])
             tokens = tokens.index_put((index,), pick)
             chosen = chosen.index_put((index,), picked)
         for row, tok, lp in zip(rows, tokens.tolist(), chosen.tolist(), strict=True):
