@@ -62,7 +62,7 @@ class DemoConfig:
     dtype: str | None = None
     """Engine dtype; None is float32 for the embedded backend (exact logprobs) and bfloat16 otherwise."""
     trainer_device: str | None = None
-    """None: cuda when the backend is a GPU engine and CUDA is available, else cpu."""
+    """None: cuda when the engine runs on a GPU (SGLang, vLLM, or ``device=cuda``), else cpu."""
     options: dict[str, Any] = field(default_factory=dict)
     cpu_threads: int | None = 1
     """torch CPU threads while the demo runs (restored after). One: the tiny model is too small for
@@ -179,7 +179,8 @@ def _run(cfg: DemoConfig, echo: Callable[[str], None] | None) -> DemoResult:
     model = cfg.model or str(tiny_model_dir())
     gpu_engine = cfg.backend != "transformers"
     dtype = cfg.dtype or ("bfloat16" if gpu_engine else "float32")
-    trainer_device = cfg.trainer_device or ("cuda" if gpu_engine and torch.cuda.is_available() else "cpu")
+    on_gpu = _engine_device(cfg).startswith("cuda") and torch.cuda.is_available()
+    trainer_device = cfg.trainer_device or ("cuda" if on_gpu else "cpu")
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
 
