@@ -59,6 +59,13 @@ def normalize_requests(
                 raise InvalidArgumentError(f"prompts[{i}]={text!r} is not a string")
             if not text:
                 raise InvalidArgumentError(f"prompts[{i}] is an empty string")
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate: no tokenizer takes it
+                raise InvalidArgumentError(
+                    f"prompts[{i}] is not valid Unicode: {text[exc.start : exc.end]!r} at index {exc.start} "
+                    f"({exc.reason}); prompts must be encodable as UTF-8"
+                ) from None
         count = len(texts)
     else:
         raw = _as_list("prompt_token_ids", prompt_token_ids)
