@@ -715,19 +715,49 @@ class RLGenerationEngine(EngineBase):
         self._on_leader("flush_cache", run)
 
     def _shutdown(self) -> None:
-        def stop() -> None:
+        def stop() -> list[int]:
+            pids: list[int] = []
             if self._engine is not None:
+                pids = list(self._engine.get_all_child_pids())
                 _stop_sglang(self._engine)
             if self._exit is not None:
                 self._exit.cancel()
+            return pids
 
+        pids: list[int] = []
         try:
             if self._engine is not None or not self._group.is_leader:
-                self._on_leader("shutdown", stop)
+                pids = self._on_leader("shutdown", stop)
         finally:
             self._engine = None
             _live.discard(self)
+        self._wait_processes_off_gpu(pids)
         self._settle_memory()
+
+    def _wait_processes_off_gpu(self, pids: list[int]) -> None:
+        """Return once none of the engine's processes holds memory on this rank's GPU (bounded).
+
+        A killed process's GPU memory comes back some time after it exits; the free-memory reading is stable
+        meanwhile, so only the driver's list of processes on the device tells when shutdown is really done.
+        """
+        if not pids:
+            return
+        try:
+            import pynvml  # nvidia-ml-py
+            import torch
+
+            pynvml.nvmlInit()
+            uuid = torch.cuda.get_device_properties(self._group.topology.gpu_id).uuid
+            handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        except Exception:
+            return
+        deadline = time.monotonic() + self._settings.release_timeout_s
+        wanted = set(pids)
+        while time.monotonic() < deadline:
+            running = {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+            if not running & wanted:
+                return
+            time.sleep(0.01)
 
     # ---- the protocol, with the reference's face on the same methods ---------------------------------------
     def generate(  # type: ignore[override]
