@@ -50,6 +50,6 @@ def bf16_copy(model: Any) -> Any:
     return copy.deepcopy(model).to(torch.bfloat16).eval()
 
 
-def parity_bound(floor: float, slack: float = 1.25) -> float:
+def parity_bound(floor: float, slack: float = 1.25, *, floor_goal: float = PARITY_GOAL) -> float:
     """What an engine's gap may be: the goal, or ``slack`` times transformers' own bf16 gap if that is larger."""
-    return max(PARITY_GOAL, slack * floor)
+    return max(floor_goal, slack * floor)

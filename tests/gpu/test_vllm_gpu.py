@@ -97,7 +97,8 @@ def _rng_kept(cpu: Any, cuda: list[Any] | None) -> bool:
 
 class TestVLLMConformance(EngineConformance):
     greedy_matches_hf = False  # bf16 on the GPU vs float32 transformers on the CPU
-    logprob_tolerance = 0.03
+    logprob_tolerance = 0.01  # the goal; bf16 engines get 1.25x transformers' own bf16 gap if larger
+    compute_dtype = "bfloat16"
     supports_images = False  # the tiny Qwen2 is text-only
 
     def make_engine(self, model_dir: str, **options: Any) -> GenerationEngine:
