@@ -31,8 +31,19 @@ def plugin_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         build = tmp_path_factory.mktemp(f"src-{name}")
         subprocess.run(["cp", "-r", f"{PLUGINS / name}/.", str(build)], check=True)
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-             "--target", str(target), str(build)],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "--no-index",
+                "--target",
+                str(target),
+                str(build),
+            ],
             check=True,
             capture_output=True,
         )
