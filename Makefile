@@ -27,7 +27,7 @@ lint: setup
 	$(BIN)/mypy
 
 docs: setup
-	@if [ -f mkdocs.yml ]; then $(BIN)/mkdocs build --strict -q -d $(VENV)/site; fi
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d $(VENV)/site
 
 test: lint docs
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
