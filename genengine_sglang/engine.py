@@ -70,6 +70,7 @@ from genengine.requests import Request
 from genengine_sglang import _weightsync
 from genengine_sglang._mapping import build_entries, results_from_sglang
 from genengine_sglang._options import (
+    DEFAULT_BUCKET_BYTES,
     OUR_OPTIONS,
     SGLANG_OPTIONS,
     WEIGHT_SYNC_MODES,
@@ -501,7 +502,11 @@ class RLGenerationEngine(EngineBase):
     def weight_sync_mode(self, mode: str) -> None:
         if mode not in WEIGHT_SYNC_MODES:
             raise InvalidArgumentError(f"weight_sync_mode={mode!r}: allowed are {', '.join(WEIGHT_SYNC_MODES)}")
-        self._settings = dataclasses.replace(self._settings, weight_sync_mode=mode)
+        bucket = self._settings.bucket_bytes
+        if bucket == DEFAULT_BUCKET_BYTES[self._settings.weight_sync_mode]:
+            bucket = DEFAULT_BUCKET_BYTES[mode]  # a default bucket follows the mode (flattened ones are copies)
+        self._settings = dataclasses.replace(self._settings, weight_sync_mode=mode, bucket_bytes=bucket)
+        self._bucket_bytes = bucket
 
     @property
     def sglang_engine(self) -> Any:
