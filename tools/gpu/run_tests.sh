@@ -2,6 +2,8 @@
 # tools/gpu/run_tests.sh ENGINE [pytest args]      (ENGINE = sglang | vllm; on the GPU machine, any cwd)
 # tools/gpu/run_tests.sh ENGINE --tp2 [args]       tests/gpu/tp2_ENGINE.py under torchrun, 2 GPUs
 # tools/gpu/run_tests.sh ENGINE --bench [args]     benchmarks/bench_ENGINE.py, one GPU
+# tools/gpu/run_tests.sh ENGINE --script F [args]  python3 F args (e.g. benchmarks/soak.py) in the same setting
+# tools/gpu/run_tests.sh ENGINE --torchrun2 F [args]  the same under torchrun, 2 ranks
 #
 # Needs the engine unpacked in /tmp/site-ENGINE by the kit (tools/gpu/prepare.sh chunks, install.sh
 # --final in the same call or an earlier one on the same warm machine). Installs this project offline
@@ -50,6 +52,12 @@ case "${1:-}" in
   --bench)
     shift
     python3 "benchmarks/bench_$ENGINE.py" --json "$OUTDIR/bench_$ENGINE.json" "$@" ;;
+  --script)
+    shift
+    python3 "$@" ;;
+  --torchrun2)
+    shift
+    python3 -m torch.distributed.run --nproc-per-node 2 "$@" ;;
   *)
     python3 -c 'import pytest' 2>/dev/null || die "pytest is missing: rerun prepare.sh (it carries the test pins)"
     paths=()
