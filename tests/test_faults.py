@@ -21,6 +21,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,7 +219,11 @@ def _diverged_step(rank: int, at: Any, timeout_s: float) -> Any:
     return "returned"
 
 
-_SCENARIOS = {"generate": _generate_step, "load_weights": _load_weights_step, "diverged": _diverged_step}
+_SCENARIOS: dict[str, Callable[..., Any]] = {
+    "generate": _generate_step,
+    "load_weights": _load_weights_step,
+    "diverged": _diverged_step,
+}
 
 
 def _run_world(

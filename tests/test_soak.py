@@ -81,7 +81,7 @@ def test_injected_leaks_fail_the_soak(model: str, tmp_path: Path) -> None:
 
 
 # ---- the judge on made-up samples (GPU memory included) -----------------------------------------------------
-def _records(n: int, **series: list[float]) -> list[dict[str, Any]]:
+def _records(n: int, **series: list[int]) -> list[dict[str, Any]]:
     base = {"rss": 500 * MIB, "fds": 10, "os_threads": 8, "py_threads": 2, "children": 3}
     records = []
     for i in range(n):
