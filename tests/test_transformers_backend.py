@@ -135,6 +135,17 @@ def test_sampling_follows_the_processed_distribution(engine: TransformersEngine,
         assert abs(math.exp(out.logprobs[0]) - probs[out.token_ids[0]]) < 1e-4
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-31])
+def test_tiny_temperatures_are_the_greedy_limit(engine: TransformersEngine, temperature: float) -> None:
+    """float32 logits / T would overflow (T = 1e-300 even rounds to 0): the sampler uses the T → 0 limit."""
+    greedy = engine.generate(PROMPTS, {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True})
+    tiny = engine.generate(
+        PROMPTS, {"temperature": temperature, "max_new_tokens": 6, "ignore_eos": True, "logprobs": True, "seed": 1}
+    )
+    assert _tokens(tiny) == _tokens(greedy)
+    assert all(lp == 0.0 for r in tiny for lp in r.outputs[0].logprobs or [math.nan])
+
+
 def test_unseeded_sampling_is_reproducible_per_engine_seed(model_dir: str) -> None:
     params = {"temperature": 1.0, "max_new_tokens": 6, "n": 2}
     runs = []

@@ -46,6 +46,8 @@ OPTIONS = ("device", "max_batch_size", "bucket_bytes", "attn_implementation", "p
 """Backend options (``EngineConfig.options``) this backend accepts."""
 
 _ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+_TINY_TEMPERATURE = 1e-30
+"""Below this a temperature is its T → 0 limit: float32 ``logits / T`` would overflow to inf and give NaN."""
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 
 
@@ -186,7 +188,12 @@ def _processed_sample(logits: torch.Tensor, rows: list[_Row]) -> tuple[torch.Ten
     device = logits.device
     params = [row.params for row in rows]
     vocab = logits.shape[-1]
-    scores = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    temps = [p.temperature for p in params]
+    scores = logits / torch.tensor(temps, device=device)[:, None]
+    tiny = [t < _TINY_TEMPERATURE for t in temps]
+    if any(tiny):  # logits / T overflows (or T rounds to 0): use the limit, all mass on the argmax (ties shared)
+        limit = torch.where(logits == logits.amax(dim=-1, keepdim=True), 0.0, -float("inf"))
+        scores = torch.where(torch.tensor(tiny, device=device)[:, None], limit, scores)
     ks = [p.top_k_or_none or 0 for p in params]
     if any(0 < k < vocab for k in ks):
         kmax = min(max(ks), vocab)
