@@ -257,6 +257,7 @@ def _cuda() -> bool:
 @pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
 class TestTransformersConformanceCuda(EngineConformance):
     greedy_matches_hf = False
+    compute_dtype = "bfloat16"
     logprob_tolerance = 0.05
     seeded_batch_invariant = False
 
