@@ -7,15 +7,15 @@ step a trainer makes: ``generate`` → ``sleep(level)`` → ``wake(["weights"])`
 ``wake(["kv_cache"])``, through the protocol only, alternating two weight sets so every load really
 changes the weights (and greedy outputs are checked against each set's first outputs). After each
 cycle, and while asleep, it records GPU memory (device-wide used memory and this process's
-``torch.cuda.memory_allocated``; on CPU the process's RSS), open file descriptors, threads (OS and
-Python) and child processes. After ``--warmup`` cycles nothing may grow: GPU memory by more than
-``--gpu-tolerance`` of the device (1%), RSS by more than ``--rss-slope-mib`` per cycle (a robust slope
-over the second half), fds, threads or children by even one (judged on the last samples, so a
-transient one does not count). Exit status 0 when the run is clean, 1 with one line per leak, 2 when a
-cycle raised. ``--inject-leak KIND`` leaks one fd/thread/child/memory chunk per cycle, to prove the
-detector fires. Without ``--model`` a tiny random model is built; backend options come as with
-``genengine generate`` (``--option attention_backend=triton``), and SGLang also reads
-``$GENENGINE_SGLANG_OPTIONS``.
+``torch.cuda.memory_allocated``), the RSS of this process and of its children (the engine's
+processes), open file descriptors, threads (OS and Python) and child processes. After ``--warmup``
+cycles nothing may grow: GPU memory by more than ``--gpu-tolerance`` of the device (1%), either RSS by
+more than ``--rss-slope-mib`` per cycle (a robust slope over the second half), fds, threads or children
+by even one (judged on the last samples, so a transient one does not count). Exit status 0 when the
+run is clean, 1 with one line per leak, 2 when a cycle raised. ``--inject-leak KIND`` leaks one
+fd/thread/child/memory chunk per cycle, to prove the detector fires. Without ``--model`` a tiny random
+model is built; backend options come as with ``genengine generate`` (``--option attention_backend=triton``),
+and SGLang also reads ``$GENENGINE_SGLANG_OPTIONS``.
 """
 
 from __future__ import annotations
@@ -89,12 +89,14 @@ class Probe:
         self.device_total = int(torch.cuda.mem_get_info()[1]) if self.cuda else 0
 
     def sample(self) -> dict[str, int]:
+        kids = [p for p in processes.descendants(os.getpid()) if p.state not in ("Z", "X")]
         s = {
             "rss": processes.rss_bytes(),
             "fds": processes.open_fd_count(),
             "os_threads": processes.thread_count(),
             "py_threads": threading.active_count(),
-            "children": sum(1 for p in processes.descendants(os.getpid()) if p.state not in ("Z", "X")),
+            "children": len(kids),
+            "children_rss": sum(_rss_or_zero(p.pid) for p in kids),  # engine processes (SGLang's schedulers)
         }
         if self.cuda:
             torch = self.torch
@@ -103,6 +105,13 @@ class Probe:
             s["gpu_used"] = int(total - free)
             s["gpu_allocated"] = int(torch.cuda.memory_allocated())
         return s
+
+
+def _rss_or_zero(pid: int) -> int:
+    try:
+        return processes.rss_bytes(pid)
+    except OSError:  # exited between the listing and the read
+        return 0
 
 
 class Leaker:
@@ -191,12 +200,15 @@ def judge(
                         f"from cycle {base_cycle} to cycle {peak_cycle}"
                     )
     half = after[len(after) // 2 :]
-    slope = theil_sen_slope([r["awake"]["rss"] / MIB for r in half])
-    if slope > rss_slope:
-        failures.append(
-            f"RSS grows {slope:.2f} MiB per cycle over cycles {half[0]['cycle']}..{half[-1]['cycle']} "
-            f"(allowed {rss_slope:g}): {half[0]['awake']['rss'] / MIB:.0f} -> {half[-1]['awake']['rss'] / MIB:.0f} MiB"
-        )
+    for key, what in (("rss", "RSS"), ("children_rss", "RSS of the child processes")):
+        if key not in half[0]["awake"]:
+            continue
+        slope = theil_sen_slope([r["awake"][key] / MIB for r in half])
+        if slope > rss_slope:
+            failures.append(
+                f"{what} grows {slope:.2f} MiB per cycle over cycles {half[0]['cycle']}..{half[-1]['cycle']} "
+                f"(allowed {rss_slope:g}): {half[0]['awake'][key] / MIB:.0f} -> {half[-1]['awake'][key] / MIB:.0f} MiB"
+            )
     return failures
 
 
@@ -340,7 +352,7 @@ def summarize(report: dict[str, Any]) -> str:
         lines.append("  median seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in per.items()))
         first, last = records[min(report["warmup"], len(records)) - 1]["awake"], records[-1]["awake"]
         for key in first:
-            unit = MIB if key in ("rss", "gpu_used", "gpu_allocated") else 1
+            unit = MIB if key in ("rss", "children_rss", "gpu_used", "gpu_allocated") else 1
             lines.append(f"  {key:13s} {first[key] / unit:10.0f} -> {last[key] / unit:10.0f}")
     if report["output_mismatch_cycles"]:
         lines.append(f"  greedy outputs drifted in {len(report['output_mismatch_cycles'])} cycle(s)")

@@ -63,7 +63,7 @@ def test_clean_soak_passes(model: str, tmp_path: Path) -> None:
     assert all(r["buckets"] >= 1 for r in records)
     # Two weight sets that really differ, every later cycle reproducing its set's greedy outputs exactly.
     assert report["weight_sets_differ"] is True and report["output_mismatch_cycles"] == []
-    for key in ("rss", "fds", "os_threads", "py_threads", "children"):
+    for key in ("rss", "children_rss", "fds", "os_threads", "py_threads", "children"):
         assert key in records[-1]["awake"] and key in records[-1]["asleep"]
     assert records[-1]["awake"]["children"] == 0  # the embedded engine starts no process
 
@@ -76,7 +76,8 @@ def test_injected_leaks_fail_the_soak(model: str, tmp_path: Path) -> None:
     for needle in ("open file descriptors grew", "OS threads grew", "Python threads grew", "child processes grew"):
         assert needle in failures, failures
     assert "RSS grows" in failures and "MiB per cycle" in failures, failures
-    assert output.count("soak: LEAK:") == len(report["failures"]) == 5
+    assert "RSS of the child processes grows" in failures, failures  # the leaked children's own memory
+    assert output.count("soak: LEAK:") == len(report["failures"]) == 6
     assert report["end"]["children"] == 0, "the leaked children were cleaned up at the end"
 
 
