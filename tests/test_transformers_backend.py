@@ -73,6 +73,21 @@ def test_bad_options_fail_before_loading(model_dir: str, changes: dict[str, Any]
     assert message in str(info.value)
 
 
+def test_weight_spec_comes_from_the_state_dict(tmp_path: Path) -> None:
+    tied = build_tiny_model(tmp_path / "tied", tie_word_embeddings=True, hidden_size=64, num_heads=2, num_kv_heads=1)
+    with TransformersEngine(tied, dtype="float32") as eng:
+        spec = eng._weight_spec()
+        assert set(spec) == set(eng.model.state_dict())
+        assert spec["lm_head.weight"].required is False, "a tied lm_head is an alias"
+        assert spec["model.embed_tokens.weight"].required is True
+        assert spec["model.norm.weight"].shape == (64,) and spec["model.norm.weight"].dtype == "float32"
+        # Loading the checkpoint (which has no lm_head) after a level-2 sleep is a complete load.
+        eng.sleep(2)
+        eng.wake()
+        eng.load_weights(load_checkpoint(tied).items())
+        assert eng.state.weights_loaded and eng.generate(["hi"], {"max_new_tokens": 2})[0].outputs
+
+
 def test_max_new_tokens_beyond_the_context_is_rejected(engine: TransformersEngine) -> None:
     with pytest.raises(InvalidArgumentError, match="context of 1024"):
         engine.generate(["hi"], {"max_new_tokens": 1024})
