@@ -146,7 +146,7 @@ class EngineBase(abc.ABC):
 
     def sleep(self, level: int = 1) -> None:
         self._check_open()
-        if isinstance(level, bool) or level not in (1, 2):
+        if isinstance(level, bool) or not isinstance(level, int) or level not in (1, 2):
             raise InvalidArgumentError(
                 f"sleep level={level!r}: allowed are 1 (keep weights in host memory) and 2 (discard weights)"
             )

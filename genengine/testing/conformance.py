@@ -575,7 +575,7 @@ class EngineConformance:
         self.assert_baseline(engine, baseline)
 
     def test_bad_sleep_and_wake_arguments(self, engine: GenerationEngine, baseline: list[GenerationResult]) -> None:
-        for level in (0, 3, -1, True, "1", None):
+        for level in (0, 3, -1, True, "1", None, 1.0, 2.5):
             with pytest.raises(InvalidArgumentError):
                 engine.sleep(level)  # type: ignore[arg-type]
         for tags in (["bogus"], [], ["weights", "nope"]):
