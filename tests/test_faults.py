@@ -168,7 +168,9 @@ def _generate_step(rank: int, at: Any, model: str, timeout_s: float) -> Any:
 
     group = engine_group(2, check_port=False, timeout_s=timeout_s)
     engine = TransformersEngine(model, dtype="float32") if group.is_leader else None
-    prompts, params = ["the quick brown fox"], {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True}
+    # Long enough (8 x 1000 tokens) that the test's SIGKILL, 0.2 s in, always lands inside the generation.
+    prompts = [f"the quick brown fox {i}" for i in range(8)]
+    params = {"temperature": 0.0, "max_new_tokens": 1000, "ignore_eos": True}
     group.barrier()
     _start_call(at, "generate")
     group.check_consistent((prompts, params), what="generate inputs")
@@ -251,7 +253,7 @@ def _run_world(
                 continue
             kind, rank = msg[0], msg[1]
             if kind == "at" and kill is not None and (rank, msg[2]) == kill:
-                time.sleep(0.5)  # well inside the call
+                time.sleep(0.2)  # inside the call
                 os.kill(msg[3], signal.SIGKILL)
                 results[rank] = RankResult(rank, "died")
             elif kind == "done":
