@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from genengine.config import EngineConfig, check_options
+from genengine.engine_args import resolve_model_dir
 from genengine.errors import ConfigError, InvalidArgumentError
 
 __all__ = [
@@ -178,42 +179,9 @@ def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]
 
 
 def check_model_dir(model: Any, *, what: str = "model") -> str:
-    """The model's local directory; raises unless it holds a ``config.json``.
-
-    A Hugging Face id is accepted when the model is already in the local cache: nothing is downloaded, so
-    a typo fails here instead of in an engine process that waits on the network.
-    """
-    if isinstance(model, os.PathLike):
-        model = os.fspath(model)
-    if not isinstance(model, str) or not model:
-        raise InvalidArgumentError(f"{what}={model!r} must be a non-empty path to a model directory")
-    if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise InvalidArgumentError(f"{what}={model!r} has no config.json: it is not a Hugging Face model directory")
-        return os.path.abspath(model)
-    if os.path.exists(model):
-        raise InvalidArgumentError(f"{what}={model!r} is a file; give the model's directory")
-    cached = _from_hf_cache(model)
-    if cached is not None:
-        return cached
-    raise InvalidArgumentError(
-        f"{what}={model!r} does not exist: give a local model directory (with config.json) or the id of a "
-        "model already in the Hugging Face cache (nothing is downloaded)"
-    )
-
-
-def _from_hf_cache(model_id: str) -> str | None:
-    if model_id.count("/") != 1 or model_id.startswith(("/", ".")):
-        return None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    try:
-        found = try_to_load_from_cache(model_id, "config.json")
-    except Exception:
-        return None
-    return os.path.dirname(found) if isinstance(found, str) else None
+    """The model's local directory (see ``genengine.engine_args.resolve_model_dir``); bad input is an
+    ``InvalidArgumentError`` here, as the reference's callers expect."""
+    return resolve_model_dir(model, what=what, error=InvalidArgumentError)
 
 
 def read_model_config(model_dir: str) -> dict[str, Any]:

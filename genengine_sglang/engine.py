@@ -34,7 +34,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import math
 import multiprocessing
 import os
 import pickle
@@ -55,6 +54,7 @@ from genengine.distributed import (
     parse_cuda_visible_devices,
     topology_from_env,
 )
+from genengine.engine_args import check_reference_args
 from genengine.errors import (
     BackendImportError,
     CollectiveTimeoutError,
@@ -180,20 +180,14 @@ def get_sglang_engine(
         ValueError: For any other bad argument (``InvalidArgumentError``/``ConfigError``), before any
             process or GPU memory is taken.
     """
-    mem = engine_mem_util
-    if isinstance(mem, bool) or not isinstance(mem, (int, float)) or not math.isfinite(mem) or not 0 < mem <= 1:
-        raise InvalidArgumentError(f"engine_mem_util={engine_mem_util!r} must be a number in (0, 1]")
-    for name, value in (
-        ("enable_engine_sleep", enable_engine_sleep),
-        ("skip_tokenizer_init", skip_tokenizer_init),
-        ("disable_cuda_graph", disable_cuda_graph),
-    ):
-        if not isinstance(value, bool):
-            raise InvalidArgumentError(f"{name}={value!r} must be True or False")
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise InvalidArgumentError(f"tp_size={tp_size!r} must be an integer >= 1 that divides the world size")
-    if dtype not in ("bfloat16", "float16"):
-        raise InvalidArgumentError(f"dtype={dtype!r} is not supported: allowed are 'bfloat16' and 'float16'")
+    check_reference_args(
+        engine_mem_util=engine_mem_util,
+        enable_engine_sleep=enable_engine_sleep,
+        tp_size=tp_size,
+        skip_tokenizer_init=skip_tokenizer_init,
+        dtype=dtype,
+        disable_cuda_graph=disable_cuda_graph,
+    )
     model_dir = check_model_dir(model_name_or_path, what="model_name_or_path")
     options = {
         **options_from_env(),
@@ -204,7 +198,7 @@ def get_sglang_engine(
         backend="sglang",
         model=model_dir,
         tp_size=tp_size,
-        mem_util=float(mem),
+        mem_util=float(engine_mem_util),
         dtype=dtype,
         enable_sleep=enable_engine_sleep,
         options=options,

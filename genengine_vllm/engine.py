@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import math
 import os
 import random
 import sys
@@ -44,6 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from genengine.base import EngineBase
 from genengine.config import EngineConfig
+from genengine.engine_args import check_reference_args
 from genengine.errors import (
     BackendImportError,
     DistributedSetupError,
@@ -52,7 +52,6 @@ from genengine.errors import (
 )
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, EngineState, GenerationResult, LoadReport
 from genengine_vllm.options import (
-    DTYPES,
     WEIGHT_SYNC_MODES,
     VLLMSettings,
     build_llm_kwargs,
@@ -634,20 +633,14 @@ def get_vllm_engine(
             before vLLM is imported or any GPU memory is taken.
         EngineStateError: another sleep-mode vLLM engine lives in this process (vLLM allows one).
     """
-    mem = engine_mem_util
-    if isinstance(mem, bool) or not isinstance(mem, (int, float)) or not math.isfinite(mem) or not 0 < mem <= 1:
-        raise InvalidArgumentError(f"engine_mem_util={engine_mem_util!r} must be a number in (0, 1]")
-    for name, value in (
-        ("enable_engine_sleep", enable_engine_sleep),
-        ("skip_tokenizer_init", skip_tokenizer_init),
-        ("disable_cuda_graph", disable_cuda_graph),
-    ):
-        if not isinstance(value, bool):
-            raise InvalidArgumentError(f"{name}={value!r} must be True or False")
-    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-        raise InvalidArgumentError(f"tp_size={tp_size!r} must be an integer >= 1 that divides the world size")
-    if dtype not in DTYPES:
-        raise InvalidArgumentError(f"dtype={dtype!r} is not supported: allowed are 'bfloat16' and 'float16'")
+    check_reference_args(
+        engine_mem_util=engine_mem_util,
+        enable_engine_sleep=enable_engine_sleep,
+        tp_size=tp_size,
+        skip_tokenizer_init=skip_tokenizer_init,
+        dtype=dtype,
+        disable_cuda_graph=disable_cuda_graph,
+    )
     model_dir = resolve_model_dir(model_name_or_path, what="model_name_or_path", error=InvalidArgumentError)
     seed = vllm_options.pop("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -656,7 +649,7 @@ def get_vllm_engine(
         backend="vllm",
         model=model_dir,
         tp_size=tp_size,
-        mem_util=float(mem),
+        mem_util=float(engine_mem_util),
         dtype=dtype,
         enable_sleep=enable_engine_sleep,
         seed=seed,

@@ -8,13 +8,13 @@ machine, and every bad value fails here, before vLLM is imported or any GPU memo
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from genengine.config import EngineConfig, check_options
+from genengine.engine_args import REFERENCE_DTYPES, resolve_model_dir
 from genengine.errors import ConfigError, EngineStateError, InvalidArgumentError
 from genengine.protocol import GenerationOutput, GenerationResult, SamplingParams
 from genengine.weights import DEFAULT_BUCKET_BYTES
@@ -37,7 +37,7 @@ __all__ = [
     "vllm_sampling_kwargs",
 ]
 
-DTYPES = ("bfloat16", "float16")
+DTYPES = REFERENCE_DTYPES
 """What the RL engines run in (as SGLang's reference accepts): bf16 or fp16, never fp32."""
 
 LOGPROBS_MODE = "processed_logprobs"
@@ -142,46 +142,6 @@ class VLLMSettings:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     llm_options: Mapping[str, Any] = field(default_factory=dict)
     model_config: Mapping[str, Any] = field(default_factory=dict)
-
-
-def _from_hf_cache(model_id: str) -> str | None:
-    """The snapshot directory of a Hugging Face id already in the local cache (nothing is downloaded)."""
-    if model_id.count("/") != 1 or model_id.startswith(("/", ".")):
-        return None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    try:
-        found = try_to_load_from_cache(model_id, "config.json")
-    except Exception:
-        return None
-    return os.path.dirname(found) if isinstance(found, str) else None
-
-
-def resolve_model_dir(model: Any, *, what: str = "model", error: type[Exception] = ConfigError) -> str:
-    """The model's local directory (absolute); raises ``error`` unless it holds a ``config.json``.
-
-    A Hugging Face id is accepted when the model is already in the local cache: colocated RL runs offline,
-    so a typo fails here instead of in vLLM waiting on the network.
-    """
-    if isinstance(model, os.PathLike):
-        model = os.fspath(model)
-    if not isinstance(model, str) or not model:
-        raise error(f"{what}={model!r} must be a non-empty path to a model directory")
-    if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise error(f"{what}={model!r} has no config.json: it is not a Hugging Face model directory")
-        return os.path.abspath(model)
-    if os.path.exists(model):
-        raise error(f"{what}={model!r} is a file; give the model's directory")
-    cached = _from_hf_cache(model)
-    if cached is not None:
-        return cached
-    raise error(
-        f"{what}={model!r} does not exist: give a local model directory (with config.json) or the id of a "
-        "model already in the Hugging Face cache (nothing is downloaded)"
-    )
 
 
 def read_model_config(model_dir: str) -> dict[str, Any]:
