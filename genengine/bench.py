@@ -168,16 +168,6 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, value
 
 
-def _resolve(ref: Any) -> Any:
-    if not isinstance(ref, str):
-        return ref
-    module_name, _, attr = ref.partition(":")
-    obj: Any = importlib.import_module(module_name)
-    for part in filter(None, attr.split(".")):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _model_config(model: str) -> dict[str, Any]:
     with open(os.path.join(model, "config.json"), encoding="utf-8") as fh:
         data: dict[str, Any] = json.load(fh)
@@ -247,12 +237,12 @@ def _maybe_init_distributed(device: str) -> bool:
 def _resolve_backend(settings: BenchSettings) -> tuple[Any, str, str | None, Any]:
     """(backend for the config, display name, distribution, raw runner); imports the engine's module now,
     so a bad name fails before any model is built and imports do not count as engine memory."""
-    from genengine.registry import get_backend
+    from genengine.registry import get_backend, resolve_ref
 
     backend = settings.backend
     if isinstance(backend, str) and ":" in backend:
         try:
-            backend = _resolve(backend)
+            backend = resolve_ref(backend)
         except (ImportError, AttributeError) as exc:
             raise ConfigError(f"backend={settings.backend!r} cannot be imported: {exc}") from exc
         return backend, f"{backend.__module__}.{backend.__qualname__}", None, None
@@ -300,7 +290,7 @@ def _run(
     from genengine import __version__
     from genengine.config import EngineConfig
     from genengine.protocol import SamplingParams
-    from genengine.registry import create_engine
+    from genengine.registry import create_engine, resolve_ref
 
     t_total = time.perf_counter()
     device = _device_for(settings)
@@ -431,7 +421,7 @@ def _run(
         if settings.raw and raw_runner is not None:
             bar.set_postfix_str("raw engine")
             try:
-                raw["tokens_per_s"] = float(_resolve(raw_runner)(config, prompts, settings.max_new_tokens))
+                raw["tokens_per_s"] = float(resolve_ref(raw_runner)(config, prompts, settings.max_new_tokens))
             except Exception as exc:
                 raw["error"] = f"{type(exc).__name__}: {exc}"
             bar.update(1)

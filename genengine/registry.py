@@ -30,6 +30,7 @@ __all__ = [
     "create_engine",
     "get_backend",
     "get_plugin_manager",
+    "resolve_ref",
 ]
 
 ENTRY_POINT_GROUP = "genengine.backends"
@@ -168,7 +169,8 @@ def available_backends() -> list[BackendInfo]:
     return sorted(_get().backends.values(), key=lambda b: b.name)
 
 
-def _resolve(ref: Any, what: str) -> Any:
+def resolve_ref(ref: Any) -> Any:
+    """A ``"module:attr.attr"`` string imported now (plugins register factories this way); other values as is."""
     if not isinstance(ref, str):
         return ref
     module_name, _, attr = ref.partition(":")
@@ -238,7 +240,7 @@ def create_engine(config: Any = None, /, **kwargs: Any) -> Any:
     if cfg.model is None:
         raise ConfigError(f"backend {backend!r} needs a model: pass model=PATH")
     try:
-        factory = _resolve(info.factory, "factory")
+        factory = resolve_ref(info.factory)
     except ImportError as exc:
         raise BackendImportError(
             f"backend {backend!r} (distribution {info.distribution!r}) failed to import its engine: {exc}"
