@@ -90,13 +90,13 @@ def test_lazy_exports() -> None:
 
 
 def test_registry_factory_and_raw_runner_resolve() -> None:
-    from genengine.registry import _resolve, available_backends
+    from genengine.registry import available_backends, resolve_ref
 
     info = next(b for b in available_backends() if b.name == "vllm")
-    assert _resolve(info.factory, "factory") == VLLMEngine.from_config
+    assert resolve_ref(info.factory) == VLLMEngine.from_config
     from genengine_vllm.raw import raw_tokens_per_second
 
-    assert _resolve(info.raw_runner, "raw_runner") is raw_tokens_per_second
+    assert resolve_ref(info.raw_runner) is raw_tokens_per_second
 
 
 # ---- bad input, before vLLM is imported or memory taken ------------------------------------------------------
