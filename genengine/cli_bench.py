@@ -5,20 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
-
-def _option(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` with VALUE read as YAML, so ``--option chunked_prefill_size=4096`` is an int."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--option {text!r}: expected KEY=VALUE")
-    import yaml
-
-    try:
-        return key, yaml.safe_load(value)
-    except yaml.YAMLError:
-        return key, value
+from genengine.cli_generate import parse_option
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -49,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--option",
         action="append",
-        type=_option,
+        type=parse_option,
         default=[],
         metavar="KEY=VALUE",
         help="backend option (repeatable); VALUE is read as YAML",
