@@ -114,6 +114,17 @@ def _expect_raises(exc_type: type[BaseException], call: Callable[[], Any]) -> Ba
     return info.value
 
 
+def _smallest_bucket(weights: dict[str, Any]) -> int:
+    """A bucket size that puts every tensor in a bucket of its own, so a stream is written in many steps."""
+    return min(t.numel() * t.element_size() for t in weights.values())
+
+
+def _breaking_stream(items: list[tuple[str, Any]], count: int, error: BaseException) -> Iterator[tuple[str, Any]]:
+    """The first ``count`` pairs, then ``error``: a trainer whose weight stream dies part-way."""
+    yield from items[:count]
+    raise error
+
+
 # Bad generate() input: (id, args, kwargs). Each must raise InvalidArgumentError and change nothing.
 _BAD_GENERATE: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
     ("empty-prompt-list", ([],), {}),
@@ -707,18 +718,12 @@ class EngineConformance:
         other_weights: dict[str, Any],
     ) -> None:
         items = list(other_weights.items())
-
-        def stream() -> Iterator[tuple[str, Any]]:
-            yield from items[: len(items) // 2]
-            raise RuntimeError("trainer died half-way through the weights")
-
-        smallest = min(t.numel() * t.element_size() for t in other_weights.values())
+        stream = _breaking_stream(items, len(items) // 2, RuntimeError("trainer died half-way through the weights"))
         with self.restoring(engine, original_weights):
-            _expect_raises(RuntimeError, lambda: engine.load_weights(stream(), bucket_bytes=smallest))
-            if engine.state.weights_loaded:  # all-or-nothing engines: nothing was written
-                self.assert_baseline(engine, baseline)
-            else:  # streaming engines: half-written, so generating must be refused until a full load
-                _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+            _expect_raises(
+                RuntimeError, lambda: engine.load_weights(stream, bucket_bytes=_smallest_bucket(other_weights))
+            )
+            self.assert_old_weights_or_refused(engine, baseline)
         self.assert_baseline(engine, baseline)
 
     # ---- load_weights that fails half-way (docs/failure-modes.md) ------------------------------------------
@@ -760,7 +765,7 @@ class EngineConformance:
             "not-a-tensor": (name, "not a tensor"),
             "not-a-pair": (name,),
         }[bad]
-        smallest = min(t.numel() * t.element_size() for t in other_weights.values())
+        smallest = _smallest_bucket(other_weights)
         pulled: list[str] = []
 
         def stream() -> Iterator[Any]:
@@ -786,16 +791,13 @@ class EngineConformance:
     ) -> None:
         """The RL step's order: sleep, wake weights, load (fails half-way), wake KV cache, generate."""
         items = list(other_weights.items())
-
-        def stream() -> Iterator[tuple[str, Any]]:
-            yield from items[: 3 * len(items) // 4]
-            raise ConnectionError("the trainer's weight stream broke")
-
-        smallest = min(t.numel() * t.element_size() for t in other_weights.values())
+        stream = _breaking_stream(items, 3 * len(items) // 4, ConnectionError("the trainer's weight stream broke"))
         with self.restoring(engine, original_weights):
             engine.sleep(1)
             engine.wake([TAG_WEIGHTS])
-            _expect_raises(ConnectionError, lambda: engine.load_weights(stream(), bucket_bytes=smallest))
+            _expect_raises(
+                ConnectionError, lambda: engine.load_weights(stream, bucket_bytes=_smallest_bucket(other_weights))
+            )
             engine.wake([TAG_KV_CACHE])
             assert not engine.is_sleeping
             if self._streams_buckets(engine):
@@ -814,15 +816,11 @@ class EngineConformance:
         """Recovery: once a load covers every weight again, outputs are exactly the new weights' own."""
         items = list(other_weights.items())
         half = len(items) // 2
-
-        def failing() -> Iterator[tuple[str, Any]]:
-            yield from items[:half]
-            raise RuntimeError("trainer died half-way through the weights")
-
-        smallest = min(t.numel() * t.element_size() for t in other_weights.values())
+        failing = _breaking_stream(items, half, RuntimeError("trainer died half-way through the weights"))
+        smallest = _smallest_bucket(other_weights)
         reference = other_record["results"]
         with self.restoring(engine, original_weights):
-            _expect_raises(RuntimeError, lambda: engine.load_weights(failing(), bucket_bytes=smallest))
+            _expect_raises(RuntimeError, lambda: engine.load_weights(failing, bucket_bytes=smallest))
             if not engine.state.weights_loaded:
                 # The weights the failed call had written do not count: a load of the rest is not enough.
                 engine.load_weights(items[half:], bucket_bytes=smallest)
