@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from genengine.cli_generate import parse_option
+from genengine.cli_generate import add_engine_arguments
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -31,18 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
             "`torchrun --nproc-per-node N`."
         ),
     )
-    p.add_argument("--backend", default="transformers", help="a registered backend, or module:EngineClass")
-    p.add_argument("--model", default=None, help="local HF model folder (default: build a tiny random model)")
+    add_engine_arguments(p, backend_help="a registered backend, or module:EngineClass")
     p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument(
-        "--option",
-        action="append",
-        type=parse_option,
-        default=[],
-        metavar="KEY=VALUE",
-        help="backend option (repeatable); VALUE is read as YAML",
-    )
-    p.add_argument("--dtype", default=None, help="engine dtype (default: the config's; float32 for the tiny model)")
     p.add_argument("--mem-util", type=float, default=None)
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
     p.add_argument("--prompt-len", type=int, default=32)

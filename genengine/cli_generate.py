@@ -24,9 +24,11 @@ def parse_option(text: str) -> tuple[str, Any]:
         return key, value
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The arguments that choose and configure an engine (shared with ``genengine demo``)."""
-    p.add_argument("--backend", default="transformers", help="a registered backend (default: transformers)")
+def add_engine_arguments(
+    p: argparse.ArgumentParser, *, backend_help: str = "a registered backend (default: transformers)"
+) -> None:
+    """The arguments that choose and configure an engine (shared with ``genengine demo`` and ``bench``)."""
+    p.add_argument("--backend", default="transformers", help=backend_help)
     p.add_argument("--model", default=None, help="local HF model folder (default: build the tiny random model)")
     p.add_argument("--dtype", default=None, help="engine dtype: auto, bfloat16, float16, float32")
     p.add_argument(
