@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 from typing import Any
 
 import pytest
@@ -35,7 +34,15 @@ from genengine import create_engine  # noqa: E402
 from genengine.errors import EngineSleepingError, WeightLoadError, WeightsNotLoadedError  # noqa: E402
 from genengine.protocol import GenerationEngine, GenerationResult  # noqa: E402
 from genengine.testing.conformance import GREEDY, PROMPTS, EngineConformance  # noqa: E402
-from genengine.testing.parity import bf16_copy, mean_logprob_gap, parity_bound  # noqa: E402
+from genengine.testing.gpu_checks import (  # noqa: E402
+    GIB,
+    ParityOverSyncs,
+    assert_loads_like_fresh,
+    free_gpu_memory,
+    sleep_and_wake,
+    token_ids,
+    weight_sync_mode,
+)
 from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +50,6 @@ pytestmark = pytest.mark.gpu
 for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_key, _value)
 
-GIB = 1 << 30
 MEM_UTIL = float(os.environ.get("GENENGINE_SGLANG_TEST_MEM", "0.6"))
 DETERMINISTIC = os.environ.get("GENENGINE_SGLANG_TEST_DETERMINISTIC", "1") == "1"
 TEST_OPTIONS: dict[str, Any] = {
@@ -52,16 +58,6 @@ TEST_OPTIONS: dict[str, Any] = {
     "log_level": "warning",
 }
 _MEMORY: dict[str, int] = {}
-
-
-def _free() -> int:
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return int(torch.cuda.mem_get_info()[0])
-
-
-def _tokens(results: list[GenerationResult]) -> list[list[list[int]]]:
-    return [[o.token_ids for o in r.outputs] for r in results]
 
 
 class TestSGLangConformance(EngineConformance):
@@ -80,7 +76,7 @@ class TestSGLangConformance(EngineConformance):
         saved = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         try:
-            before = _free()
+            before = free_gpu_memory()
             engine = create_engine(backend="sglang", model=model_dir, mem_util=MEM_UTIL if main else 0.3, **options)
             assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
         finally:
@@ -90,7 +86,7 @@ class TestSGLangConformance(EngineConformance):
                 os.environ["PYTORCH_CUDA_ALLOC_CONF"] = saved
         if main:
             _MEMORY["before_start"] = before
-            _MEMORY["engine"] = before - _free()
+            _MEMORY["engine"] = before - free_gpu_memory()
         return engine
 
     # ---- logprobs and weight syncs -------------------------------------------------------------------------
@@ -105,7 +101,7 @@ class TestSGLangConformance(EngineConformance):
         hf: Any = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         hf = hf.to("cuda").eval()
         gen = torch.Generator(device="cuda").manual_seed(0)
-        diffs, floors = [], []
+        parity = ParityOverSyncs("sglang")
         with self.restoring(engine, original_weights):
             for _ in range(20):
                 with torch.no_grad():
@@ -115,14 +111,9 @@ class TestSGLangConformance(EngineConformance):
                             p.copy_(p.to(torch.bfloat16).float())  # both sides hold the same bf16 values
                 sent = {n: t.detach().to(torch.bfloat16) for n, t in hf.state_dict().items()}
                 engine.load_weights(sent.items())
-                results = engine.generate(PROMPTS, GREEDY)
-                diffs.append(mean_logprob_gap(results, hf))
-                floors.append(mean_logprob_gap(results, hf, bf16_copy(hf)))
+                parity.measure(engine, hf)
         del hf
-        print("mean |logprob(sglang) - logprob(transformers)| per sync:", [round(d, 4) for d in diffs])
-        print("transformers bf16 vs float32 on the same tokens:", [round(f, 4) for f in floors])
-        assert max(diffs) <= parity_bound(max(floors)), (diffs, floors)
-        assert statistics.mean(diffs[-5:]) <= statistics.mean(diffs[:5]) + 0.003, f"drift grows: {diffs}"
+        parity.check()
 
     @pytest.mark.parametrize("mode", ["handles", "flattened", "per_param"])
     def test_each_weight_sync_mode_equals_a_fresh_engine(
@@ -137,16 +128,10 @@ class TestSGLangConformance(EngineConformance):
         """From CUDA tensors (the trainer's case), in small buckets so a load takes several calls."""
         cuda_weights = {n: t.cuda() for n, t in other_weights.items()}
         largest = max(t.numel() * t.element_size() for t in cuda_weights.values())
-        previous = engine.weight_sync_mode
-        engine.weight_sync_mode = mode
-        try:
-            with self.restoring(engine, original_weights):
-                report = engine.load_weights(cuda_weights.items(), bucket_bytes=2 * largest)
-                assert report.num_tensors == len(cuda_weights) and report.num_buckets > 1
-                results = engine.generate(PROMPTS, GREEDY)
-                assert _tokens(results) == _tokens(other_record["results"]), mode
-        finally:
-            engine.weight_sync_mode = previous
+        # The mode outside ``restoring``: the original weights come back through the mode under test too.
+        with weight_sync_mode(engine, mode), self.restoring(engine, original_weights):
+            report = assert_loads_like_fresh(engine, cuda_weights, other_record["results"], bucket_bytes=2 * largest)
+            assert report.num_buckets > 1, (mode, report)
         self.assert_baseline(engine, baseline)
 
     def test_weights_changed_right_after_load_are_not_seen(
@@ -170,19 +155,10 @@ class TestSGLangConformance(EngineConformance):
         original_weights: dict[str, Any],
         level: int,
     ) -> None:
-        awake = _free()
-        held = _MEMORY["before_start"] - awake  # what the engine holds now (its start-up reading can be early)
-        assert held > GIB, f"the engine holds only {held / GIB:.2f} GiB"
         with self.restoring(engine, original_weights):
-            engine.sleep(level)
-            asleep = _free()
-            share = (asleep - awake) / held
-            print(f"level {level}: engine held {held / GIB:.2f} GiB, sleep freed {(asleep - awake) / GIB:.2f} GiB")
-            assert share >= 0.99, f"level {level} sleep freed {share:.1%} of the engine's {held / GIB:.1f} GiB"
-            engine.wake()
-            woke = _free()
-            assert abs(woke - awake) <= 0.01 * held, (
-                f"wake took back {(asleep - woke) / GIB:.2f} GiB of the {(asleep - awake) / GIB:.2f} GiB sleep freed"
+            r = sleep_and_wake(engine, level, _MEMORY["before_start"])
+            assert abs(r.not_taken_back) <= 0.01 * r.held, (
+                f"wake took back {(r.asleep - r.woke) / GIB:.2f} GiB of the {r.freed / GIB:.2f} GiB sleep freed"
             )
         self.assert_baseline(engine, baseline)
 
@@ -218,7 +194,7 @@ class TestSGLangConformance(EngineConformance):
             for i, (name, tensor) in enumerate(items):
                 engine.update_weights_from_tensor(name, tensor.cuda(), flush_cache=i == len(items) - 1)
             results = engine.generate(PROMPTS, GREEDY)
-            assert _tokens(results) == _tokens(other_record["results"])
+            assert token_ids(results) == token_ids(other_record["results"])
         engine.sleep(release_weights=False)
         with pytest.raises(EngineSleepingError):
             engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 2})

@@ -26,8 +26,16 @@ pytest.importorskip("vllm")
 from genengine import create_engine  # noqa: E402
 from genengine.errors import EngineStateError  # noqa: E402
 from genengine.protocol import GenerationEngine, GenerationResult, SamplingParams  # noqa: E402
-from genengine.testing.conformance import GREEDY, PROMPTS, EngineConformance  # noqa: E402
-from genengine.testing.parity import bf16_copy, mean_logprob_gap, parity_bound  # noqa: E402
+from genengine.testing.conformance import PROMPTS, EngineConformance  # noqa: E402
+from genengine.testing.gpu_checks import (  # noqa: E402
+    GIB,
+    ParityOverSyncs,
+    assert_loads_like_fresh,
+    free_gpu_memory,
+    sleep_and_wake,
+    token_ids,
+    weight_sync_mode,
+)
 from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -38,14 +46,7 @@ if importlib.util.find_spec("flashinfer") is None:
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 MEM_UTIL = 0.3
-GIB = 1 << 30
 _RECORD: dict[str, Any] = {"engines": []}
-
-
-def _free() -> int:
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return int(torch.cuda.mem_get_info()[0])
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,12 +112,12 @@ class TestVLLMConformance(EngineConformance):
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         rng_cpu = torch.get_rng_state()
         rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        free_before = _free()
+        free_before = free_gpu_memory()
         engine: GenerationEngine = create_engine(backend="vllm", model=model_dir, mem_util=MEM_UTIL, **options)
         if main:
             _RECORD.update(
                 free_before=free_before,
-                free_awake=_free(),
+                free_awake=free_gpu_memory(),
                 alloc_conf_alive=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                 rng_kept=_rng_kept(rng_cpu, rng_cuda),
             )
@@ -133,16 +134,11 @@ class TestVLLMConformance(EngineConformance):
     def test_sleep_frees_what_the_engine_holds(
         self, engine: Any, baseline: list[GenerationResult], original_weights: dict[str, Any], level: int
     ) -> None:
-        held = _RECORD["free_before"] - _free()
-        assert held > GIB, f"the engine holds only {held / GIB:.2f} GiB?"
         with self.restoring(engine, original_weights):
-            awake = _free()
-            engine.sleep(level)
-            freed = _free() - awake
-            share = freed / held
-            assert share >= 0.99, f"level {level}: freed {freed / GIB:.2f} of {held / GIB:.2f} GiB ({share:.1%})"
-            engine.wake()
-            assert _free() <= awake + 256 * (1 << 20), "wake did not take the memory back"
+            r = sleep_and_wake(engine, level, _RECORD["free_before"])
+            assert r.not_taken_back <= 256 * (1 << 20), (
+                f"wake did not take the memory back: {r.not_taken_back / GIB:.2f} of {r.freed / GIB:.2f} GiB still free"
+            )
         self.assert_baseline(engine, baseline)
 
     def test_wake_kv_cache_before_weights_after_level_2(
@@ -164,16 +160,9 @@ class TestVLLMConformance(EngineConformance):
         other_weights: dict[str, Any],
         other_record: dict[str, Any],
     ) -> None:
-        reference = [[o.token_ids for o in r.outputs] for r in other_record["results"]]
-        with self.restoring(engine, original_weights):
-            engine.weight_sync_mode = "per_param"
-            try:
-                report = engine.load_weights(other_weights.items())
-                assert report.num_tensors == len(other_weights)
-                results = engine.generate(PROMPTS, GREEDY)
-                assert [[o.token_ids for o in r.outputs] for r in results] == reference
-            finally:
-                engine.weight_sync_mode = "bucketed"
+        # The mode inside ``restoring``: the original weights come back through the default (bucketed) mode.
+        with self.restoring(engine, original_weights), weight_sync_mode(engine, "per_param"):
+            assert_loads_like_fresh(engine, other_weights, other_record["results"])
         self.assert_baseline(engine, baseline)
 
     def test_load_from_cuda_tensors_and_logprob_parity_over_20_syncs(
@@ -192,7 +181,7 @@ class TestVLLMConformance(EngineConformance):
         noise = {
             n: torch.randn(t.shape, generator=gen, device="cuda", dtype=torch.float32) for n, t in cuda_weights.items()
         }
-        diffs, floors = [], []
+        parity = ParityOverSyncs("vllm")
         try:
             for step in range(21):
                 weights = {
@@ -203,16 +192,9 @@ class TestVLLMConformance(EngineConformance):
                     engine.load_weights(weights.items())
                 with torch.no_grad():
                     hf.load_state_dict({n: t.float() for n, t in weights.items()}, strict=False)
-                results = engine.generate(PROMPTS, GREEDY)
-                diffs.append(mean_logprob_gap(results, hf))
-                floors.append(mean_logprob_gap(results, hf, bf16_copy(hf)))
+                parity.measure(engine, hf)
                 del weights
-            report = ", ".join(f"{d:.4f}" for d in diffs)
-            print(f"mean |Δlogprob| vllm vs float32 per sync: {report}")
-            print(f"transformers bf16 vs float32 on the same tokens: {', '.join(f'{f:.4f}' for f in floors)}")
-            bound = parity_bound(max(floors))
-            assert max(diffs) <= bound, f"mean |Δlogprob| per sync: {report} (bound {bound:.4f})"
-            assert sum(diffs[-5:]) / 5 <= sum(diffs[:5]) / 5 + 0.003, f"drift grows with syncs: {report}"
+            parity.check()
         finally:
             engine.load_weights(original_weights.items())
             del hf, cuda_weights, noise
@@ -222,10 +204,10 @@ class TestVLLMConformance(EngineConformance):
     def test_second_sleep_engine_refused_before_taking_memory(self, engine: Any, model_dir: str) -> None:
         from genengine_vllm import get_vllm_engine
 
-        before = _free()
+        before = free_gpu_memory()
         with pytest.raises(EngineStateError, match="one engine per process"):
             get_vllm_engine(model_dir, 0.1)
-        assert abs(_free() - before) < 64 * (1 << 20)
+        assert abs(free_gpu_memory() - before) < 64 * (1 << 20)
 
     def test_unseeded_sampling_ignores_the_global_rngs(self, engine: Any) -> None:
         """No request reaches vLLM without a seed: the trainer's numpy/torch RNG use cannot split TP ranks."""
@@ -238,7 +220,7 @@ class TestVLLMConformance(EngineConformance):
         np.random.seed(0)
         torch.manual_seed(0)
         second = engine.generate(PROMPTS, params)
-        tokens = [[o.token_ids for o in r.outputs] for r in (*first, *second)]
+        tokens = token_ids([*first, *second])
         assert tokens[: len(PROMPTS)] != tokens[len(PROMPTS) :], "each call must draw new seeds"
 
 
@@ -254,6 +236,6 @@ def test_shutdown_keeps_the_trainer_world_and_frees_memory(trainer_world: Any) -
     total = torch.ones(1, device="cuda")
     dist.all_reduce(total)
     assert total.item() == 1.0
-    left = _RECORD["free_before"] - _free()
+    left = _RECORD["free_before"] - free_gpu_memory()
     assert left < GIB // 2, f"{left / GIB:.2f} GiB still held after shutdown"
     assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True"  # restored for the trainer

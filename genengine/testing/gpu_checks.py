@@ -1,0 +1,154 @@
+"""The claims every engine's GPU tests make, written once so that their measurements and thresholds agree.
+
+Sleep gives back >= 99 % of what the engine holds; a load in each weight-sync mode gives what a fresh engine on
+the new weights gives; logprobs stay at transformers parity over weight syncs and do not drift. What differs
+between engines (the engine, its options, its mode names, how a test steps the weights, how close wake must
+come) stays in the test modules and comes in as arguments. Importable without a GPU: torch only inside.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from genengine.protocol import GenerationEngine, GenerationResult, LoadReport
+from genengine.testing.conformance import GREEDY, PROMPTS
+from genengine.testing.parity import bf16_copy, mean_logprob_gap, parity_bound
+
+__all__ = [
+    "DRIFT_SLACK",
+    "GIB",
+    "ParityOverSyncs",
+    "SleepReading",
+    "assert_loads_like_fresh",
+    "free_gpu_memory",
+    "sleep_and_wake",
+    "token_ids",
+    "weight_sync_mode",
+]
+
+GIB = 1 << 30
+DRIFT_SLACK = 0.003
+"""How much the mean gap of the last five syncs may exceed the first five's before it counts as drift."""
+
+
+def free_gpu_memory() -> int:
+    """Free bytes on the current CUDA device after this process returns its cached blocks: what a trainer
+    could allocate now, so engine memory is read the way the trainer sees it."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+def token_ids(results: Sequence[GenerationResult]) -> list[list[list[int]]]:
+    """Each result's sampled token ids: what greedy comparisons compare (logprobs differ in the last bits)."""
+    return [[o.token_ids for o in r.outputs] for r in results]
+
+
+# ---- sleep and wake ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SleepReading:
+    """Free GPU bytes around one sleep/wake cycle, and what the engine held before it."""
+
+    level: int
+    held: int
+    awake: int
+    asleep: int
+    woke: int
+
+    @property
+    def freed(self) -> int:
+        """Bytes sleep gave back."""
+        return self.asleep - self.awake
+
+    @property
+    def not_taken_back(self) -> int:
+        """Bytes free after wake beyond those free before sleep: 0 when wake took back exactly what sleep freed."""
+        return self.woke - self.awake
+
+
+def sleep_and_wake(engine: GenerationEngine, level: int, free_before_start: int) -> SleepReading:
+    """Sleep ``engine`` at ``level`` and wake it; assert it holds > 1 GiB and sleep frees >= 99 % of that.
+
+    What the engine holds is read now against ``free_before_start`` (free memory before it started), not at
+    start-up: an engine can keep allocating after it returns, and an early reading made the share meaningless.
+    How close wake must come back differs between engines, so that check is the caller's, on the reading.
+    Call it inside the suite's ``restoring`` block, so a failure still leaves the engine awake.
+    """
+    awake = free_gpu_memory()
+    held = free_before_start - awake
+    assert held > GIB, f"the engine holds only {held / GIB:.2f} GiB"
+    engine.sleep(level)
+    asleep = free_gpu_memory()
+    freed = asleep - awake
+    share = freed / held
+    print(f"level {level}: engine held {held / GIB:.2f} GiB, sleep freed {freed / GIB:.2f} GiB ({share:.1%})")
+    assert share >= 0.99, f"level {level}: sleep freed {freed / GIB:.2f} of the {held / GIB:.2f} GiB held ({share:.1%})"
+    engine.wake()
+    return SleepReading(level=level, held=held, awake=awake, asleep=asleep, woke=free_gpu_memory())
+
+
+# ---- weight-sync modes -------------------------------------------------------------------------------------
+@contextmanager
+def weight_sync_mode(engine: Any, mode: str) -> Iterator[None]:
+    """Run a block with ``engine.weight_sync_mode = mode``, and the engine's previous mode back afterwards,
+    so one mode's test cannot leave the class engine loading another way."""
+    previous = engine.weight_sync_mode
+    engine.weight_sync_mode = mode
+    try:
+        yield
+    finally:
+        engine.weight_sync_mode = previous
+
+
+def assert_loads_like_fresh(
+    engine: Any, weights: Mapping[str, Any], fresh: Sequence[GenerationResult], *, bucket_bytes: int | None = None
+) -> LoadReport:
+    """Load ``weights`` in the engine's current mode; assert every tensor arrived and greedy output equals
+    ``fresh`` (the suite's engine started on those weights): a load must be as good as a restart.
+
+    Returns the report for the caller's mode-specific checks (bucket counts); restoring the weights is the
+    caller's too (the suite's ``restoring`` block), since where that sits decides which mode restores them.
+    """
+    mode = engine.weight_sync_mode
+    report: LoadReport = engine.load_weights(weights.items(), bucket_bytes=bucket_bytes)
+    assert report.num_tensors == len(weights), f"weight_sync_mode={mode}: {report}"
+    assert token_ids(engine.generate(PROMPTS, GREEDY)) == token_ids(fresh), f"weight_sync_mode={mode}"
+    return report
+
+
+# ---- logprob parity over weight syncs ----------------------------------------------------------------------
+@dataclass
+class ParityOverSyncs:
+    """Per-sync mean |Δlogprob| of an engine against transformers, with transformers' own bf16 gap beside it.
+
+    The test steps the weights its own way and calls ``measure`` after each sync; ``check`` then holds every
+    sync to ``parity_bound`` of the largest floor and fails drift that grows with the syncs (the error SGLang
+    users report), which a per-sync bound alone would miss until it crossed the bound.
+    """
+
+    engine_name: str
+    gaps: list[float] = field(default_factory=list)
+    floors: list[float] = field(default_factory=list)
+
+    def measure(self, engine: GenerationEngine, model: Any) -> None:
+        """Greedy rollout of the suite's prompts; record the engine's gap to ``model`` and ``model``'s bf16 gap."""
+        results = engine.generate(PROMPTS, GREEDY)
+        self.gaps.append(mean_logprob_gap(results, model))
+        self.floors.append(mean_logprob_gap(results, model, bf16_copy(model)))
+
+    def check(self) -> None:
+        """Print both series for the record; assert the bound at every sync and no drift (last 5 vs first 5)."""
+        gaps = ", ".join(f"{g:.4f}" for g in self.gaps)
+        floors = ", ".join(f"{f:.4f}" for f in self.floors)
+        print(f"mean |Δlogprob| {self.engine_name} vs transformers float32, per sync: {gaps}")
+        print(f"transformers bf16 vs float32 on the same tokens: {floors}")
+        bound = parity_bound(max(self.floors))
+        assert max(self.gaps) <= bound, f"mean |Δlogprob| per sync: {gaps} (bound {bound:.4f}; bf16 floors: {floors})"
+        first, last = statistics.mean(self.gaps[:5]), statistics.mean(self.gaps[-5:])
+        assert last <= first + DRIFT_SLACK, f"drift grows with syncs: {gaps}"
