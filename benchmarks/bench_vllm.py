@@ -31,7 +31,6 @@ import importlib.util
 import json
 import math
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,24 @@ import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
+
+from _bench_7b import (  # this folder is on sys.path when the script runs
+    CFG,
+    CONTEXT,
+    GIB,
+    MEM_UTIL,
+    N_PROMPTS,
+    NEW_TOKENS,
+    PROMPT_LEN,
+    free_bytes,
+    make_model_dir,
+    prompts,
+    timed,
+    tokens_per_s,
+    torch_memory_breakdown,
+    trainer_state,
+    warm_trainer_process,
+)
 
 for _key, _value in {
     "HF_HUB_OFFLINE": "1",
@@ -50,18 +67,6 @@ for _key, _value in {
 if importlib.util.find_spec("flashinfer") is None:  # a setting of the GPU kit (flashinfer is not carried)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
-GIB = 1 << 30
-CFG = {
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "vocab_size": 152064,
-}
-MEM_UTIL = 0.6
-CONTEXT = 2048
-N_PROMPTS, PROMPT_LEN, NEW_TOKENS = 64, 128, 128
 OPTIONS = {
     "load_format": "dummy",
     "skip_tokenizer_init": True,
@@ -77,100 +82,12 @@ def log(msg: str) -> None:
     print(f"[bench-vllm {time.time() - T0:7.1f}s] {msg}", flush=True)
 
 
-def make_model_dir(path: str) -> str:
-    os.makedirs(path, exist_ok=True)
-    config = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        **CFG,
-        "hidden_act": "silu",
-        "max_position_embeddings": 32768,
-        "max_window_layers": 28,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "sliding_window": 32768,
-        "use_sliding_window": False,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "bos_token_id": 151643,
-        "eos_token_id": 151643,
-        "torch_dtype": "bfloat16",
-        "dtype": "bfloat16",
-    }
-    with open(os.path.join(path, "config.json"), "w") as fh:
-        json.dump(config, fh, indent=1)
-    return path
-
-
 def engine_config(model: str) -> Any:
     from genengine.config import EngineConfig
 
     return EngineConfig(backend="vllm", model=model, mem_util=MEM_UTIL, dtype="bfloat16", seed=0, options=OPTIONS)
 
 
-def prompts(seed: int) -> list[list[int]]:
-    rnd = random.Random(seed)
-    return [[rnd.randrange(1, CFG["vocab_size"]) for _ in range(PROMPT_LEN)] for _ in range(N_PROMPTS)]
-
-
-def free_bytes() -> int:
-    import torch
-
-    torch.cuda.synchronize()
-    return int(torch.cuda.mem_get_info()[0])
-
-
-def timed(fn: Callable[[], Any], reps: int = 3, warmup: int = 1) -> list[float]:
-    """Seconds of each timed call (CUDA synchronized around it), after ``warmup`` untimed ones."""
-    import torch
-
-    times = []
-    for i in range(warmup + reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
-
-
-def trainer_state(model: str) -> list[tuple[str, Any]]:
-    """The HF-named tensors a trainer would send: every weight the engine requires, random bf16 on the GPU."""
-    import torch
-
-    from genengine_vllm.spec import weight_spec
-
-    with open(os.path.join(model, "config.json")) as fh:
-        config = json.load(fh)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    items = []
-    for name, info in sorted(weight_spec(model, config, "bfloat16").items()):
-        if not info.required:
-            continue
-        t = torch.empty(info.shape, dtype=torch.bfloat16, device="cuda")
-        if name.endswith("norm.weight"):
-            t.fill_(1.0)
-        else:
-            t.normal_(0.0, 0.02, generator=gen)
-        items.append((name, t))
-    torch.cuda.synchronize()
-    return items
-
-
-def tokens_per_s(gen: Callable[[], int]) -> dict[str, Any]:
-    n = gen()  # warm-up
-    runs = []
-    for _ in range(3):
-        start = time.perf_counter()
-        n = gen()
-        runs.append(n / (time.perf_counter() - start))
-    return {"tokens": n, "tok_per_s": statistics.median(runs), "runs": [round(r, 1) for r in runs]}
-
-
-# ---- the raw engine (child process) -------------------------------------------------------------------------
 def raw_main(model: str, out: str) -> None:
     import torch
     import vllm
@@ -181,21 +98,22 @@ def raw_main(model: str, out: str) -> None:
     settings = resolve_settings(engine_config(model))
     kwargs = build_llm_kwargs(settings, external_launcher=False, group_seed=settings.seed)
     result: dict[str, Any] = {"llm_kwargs": {k: v for k, v in kwargs.items() if k != "model"}}
+    warm_trainer_process()
     free0 = free_bytes()
     start = time.perf_counter()
     llm = vllm.LLM(**kwargs)
     result["start_s"] = time.perf_counter() - start
-    result["engine_gib"] = (free0 - free_bytes()) / GIB
+    held = free0 - free_bytes()
+    result["engine_gib"] = held / GIB
     params = vllm.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False, seed=0)
-    batch = [{"prompt_token_ids": p} for p in prompts(1)]
 
-    def gen() -> int:
-        outs = llm.generate(batch, params, use_tqdm=False)
+    def gen(ps: list[list[int]]) -> int:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     result["p1"] = tokens_per_s(gen)
     log(f"raw P1: {result['p1']['tok_per_s']:.1f} tok/s")
-    items = trainer_state(model)
+    items = trainer_state()
 
     def one_call() -> None:
         llm.apply_model(lambda m: m.load_weights(iter(items)))
@@ -207,6 +125,11 @@ def raw_main(model: str, out: str) -> None:
     result["p2_one_call_s"] = statistics.median(timed(one_call))
     result["p2_per_param_s"] = statistics.median(timed(per_param))
     log(f"raw P2: one call {result['p2_one_call_s']:.4f} s, per param {result['p2_per_param_s']:.4f} s")
+    awake = free_bytes()
+    llm.sleep(level=2)
+    result["p3_level2_share"] = (free_bytes() - awake) / held
+    result["p3_level2_left"] = torch_memory_breakdown(exclude=[t for _, t in items])
+    log(f"raw P3: sleep(level=2) frees {result['p3_level2_share']:.2%}; left {result['p3_level2_left']}")
     with open(out, "w") as fh:
         json.dump(result, fh)
     sys.stdout.flush()
@@ -222,16 +145,18 @@ def ours(model: str, report: dict[str, Any]) -> None:
     from genengine.protocol import SamplingParams
     from genengine_vllm.engine import VLLMEngine
 
+    free_cold = free_bytes()
+    warm_trainer_process()
     free0 = free_bytes()
+    report["trainer_warmup_gib"] = (free_cold - free0) / GIB
     start = time.perf_counter()
     engine = VLLMEngine.from_config(engine_config(model))
     report["start_s"] = time.perf_counter() - start
     try:
         greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-        batch = prompts(1)
 
-        def gen() -> int:
-            results = engine.generate(prompt_token_ids=batch, sampling_params=greedy)
+        def gen(ps: list[list[int]]) -> int:
+            results = engine.generate(prompt_token_ids=ps, sampling_params=greedy)
             return sum(len(r.outputs[0].token_ids) for r in results)
 
         report["p1"] = tokens_per_s(gen)
@@ -242,7 +167,7 @@ def ours(model: str, report: dict[str, Any]) -> None:
         held = free0 - free_awake
         report["engine_gib"] = held / GIB
 
-        items = trainer_state(model)
+        items = trainer_state()
         report["trainer_tensors"] = len(items)
         report["trainer_gb"] = sum(t.numel() * t.element_size() for _, t in items) / 1e9
 
@@ -304,6 +229,7 @@ def ours(model: str, report: dict[str, Any]) -> None:
             engine.sleep(level)
             sleep_s = time.perf_counter() - t
             freed = free_bytes() - awake
+            left = torch_memory_breakdown(exclude=[t for _, t in items])
             t = time.perf_counter()
             engine.wake(["weights"])
             wake_w = time.perf_counter() - t
@@ -318,6 +244,9 @@ def ours(model: str, report: dict[str, Any]) -> None:
             p3[f"level{level}"] = {
                 "freed_gib": freed / GIB,
                 "share": freed / held,
+                "share_incl_trainer_warmup": freed / (free_cold - free_awake),
+                "left_gib": (held - freed) / GIB,
+                "left_in_torch": left,
                 "sleep_s": sleep_s,
                 "wake_weights_s": wake_w,
                 "wake_kv_cache_s": wake_kv,
@@ -438,7 +367,7 @@ def verdicts(r: dict[str, Any]) -> dict[str, bool | None]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "genengine-qwen2-7b-shape"))
+    ap.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "genengine-qwen2-7b-shape-vllm"))
     ap.add_argument("--json", default=None)
     ap.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
     ap.add_argument("--raw-child", default=None, help=argparse.SUPPRESS)
@@ -450,7 +379,7 @@ def main() -> int:
     import torch
     import vllm
 
-    make_model_dir(args.model)
+    make_model_dir(args.model, tokenizer=False)
     report: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
