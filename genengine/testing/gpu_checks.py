@@ -25,6 +25,7 @@ __all__ = [
     "SleepReading",
     "assert_loads_like_fresh",
     "free_gpu_memory",
+    "gpu_memory_by_process",
     "sleep_and_wake",
     "token_ids",
     "weight_sync_mode",
@@ -43,6 +44,22 @@ def free_gpu_memory() -> int:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return int(torch.cuda.mem_get_info()[0])
+
+
+def gpu_memory_by_process() -> dict[int, float]:
+    """GiB that NVML charges to each process on the current device: when a sleep leaves memory behind,
+    this says whether the trainer's process or an engine process keeps it. {} where NVML is missing."""
+    try:
+        import pynvml
+        import torch
+
+        pynvml.nvmlInit()
+        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # a reading for the failure message, never a failure of its own
+        return {}
+    return {int(p.pid): round((p.usedGpuMemory or 0) / GIB, 3) for p in procs}
 
 
 def token_ids(results: Sequence[GenerationResult]) -> list[list[list[int]]]:
@@ -83,12 +100,21 @@ def sleep_and_wake(engine: GenerationEngine, level: int, free_before_start: int)
     awake = free_gpu_memory()
     held = free_before_start - awake
     assert held > GIB, f"the engine holds only {held / GIB:.2f} GiB"
+    import os
+
+    import torch
+
+    awake_by_process = gpu_memory_by_process()
     engine.sleep(level)
     asleep = free_gpu_memory()
     freed = asleep - awake
     share = freed / held
-    print(f"level {level}: engine held {held / GIB:.2f} GiB, sleep freed {freed / GIB:.2f} GiB ({share:.1%})")
-    assert share >= 0.99, f"level {level}: sleep freed {freed / GIB:.2f} of the {held / GIB:.2f} GiB held ({share:.1%})"
+    ours = f"pid {os.getpid()} is this process: torch allocated {torch.cuda.memory_allocated() / GIB:.3f} GiB"
+    by_process = f"GiB per process awake {awake_by_process}, asleep {gpu_memory_by_process()} ({ours})"
+    reading = f"level {level}: sleep freed {freed / GIB:.2f} of the {held / GIB:.2f} GiB held ({share:.1%})"
+    reading += f"; {by_process}"
+    print(reading)
+    assert share >= 0.99, reading
     engine.wake()
     return SleepReading(level=level, held=held, awake=awake, asleep=asleep, woke=free_gpu_memory())
 
