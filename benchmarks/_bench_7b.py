@@ -175,22 +175,6 @@ def tokens_per_s(gen: Callable[[list[list[int]]], int]) -> dict[str, Any]:
     return {"tok_per_s": round(statistics.median(runs), 1), "all": [round(x, 1) for x in runs]}
 
 
-def nvml_process_gib(pids: list[int] | None = None) -> dict[str, float]:
-    """GPU memory NVML charges to each process on this process's GPU (pid → GiB), all processes when
-    ``pids`` is None. Shows which process keeps what after a sleep; {} where NVML is unavailable."""
-    try:
-        import pynvml
-        import torch
-
-        pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    except Exception:  # a reading for the report, never a reason to fail the bench
-        return {}
-    return {str(p.pid): round((p.usedGpuMemory or 0) / GIB, 3) for p in procs if pids is None or p.pid in pids}
-
-
 def torch_memory_breakdown(exclude: list[Any] | None = None, top: int = 8) -> dict[str, Any]:
     """This process's torch memory by pool (reserved GiB per pool id; vLLM's sleep pool is its own) and
     the largest live CUDA tensors not in ``exclude``: what a sleep left behind, and who holds it."""

@@ -51,7 +51,6 @@ from _bench_7b import (  # this folder is on sys.path when the script runs
     NEW_TOKENS,
     free_bytes,
     make_model_dir,
-    nvml_process_gib,
     timed,
     tokens_per_s,
     trainer_state,
@@ -178,6 +177,7 @@ def ours(model: str, variants: list[tuple[str, str, int | None]], report: dict[s
     import torch
 
     from genengine.protocol import SamplingParams
+    from genengine.testing.gpu_checks import gpu_memory_by_process
     from genengine_sglang import _weightsync
     from genengine_sglang._scheduler_hooks import REPORT_ENV
     from genengine_sglang.engine import RLGenerationEngine
@@ -266,7 +266,7 @@ def ours(model: str, variants: list[tuple[str, str, int | None]], report: dict[s
         engine.sleep(level)
         sleep_s = time.perf_counter() - t
         asleep = free_bytes()
-        left = nvml_process_gib()
+        left = gpu_memory_by_process()
         t = time.perf_counter()
         engine.wake(["weights"])
         wake_w = time.perf_counter() - t
