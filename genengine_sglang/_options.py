@@ -19,7 +19,6 @@ from genengine.errors import ConfigError, InvalidArgumentError
 
 __all__ = [
     "BACKEND",
-    "CACHE_RETURNER",
     "DEFAULT_BUCKET_BYTES",
     "LOGIT_PROCESSOR_PARAM",
     "OPTIONS_ENV",
@@ -59,10 +58,6 @@ DEFAULT_BUCKET_BYTES = {"handles": 1 << 30, "flattened": 512 << 20, "per_param":
 SYNC_LOADER = "genengine_sglang._scheduler_hooks.load_weights_and_sync"
 """Registered as SGLang's ``custom_weight_loader``: loads, then synchronises the scheduler's GPU, so the
 reply to an ``update_weights_from_tensor`` call means the trainer's tensors have been read."""
-
-CACHE_RETURNER = "genengine_sglang._scheduler_hooks.return_cached_memory"
-"""Registered as a ``custom_weight_loader`` too: called with no tensors after a release, it empties the
-scheduler's torch cache, which SGLang's release leaves reserved."""
 
 LOGIT_PROCESSOR_PARAM = "genengine_filter"
 """Key of our per-request parameters (temperature, top-k, top-p) in SGLang's ``custom_params``."""
@@ -284,7 +279,7 @@ def server_kwargs(settings: EngineSettings, *, base_gpu_id: int, port: int) -> d
         "enable_weights_cpu_backup": settings.weights_cpu_backup,
         # Ours, run inside the scheduler: the synchronising weight loader, and the top-k/top-p filter that
         # makes SGLang's logprobs the processed kind.
-        "custom_weight_loader": [SYNC_LOADER, CACHE_RETURNER],
+        "custom_weight_loader": [SYNC_LOADER],
         "enable_custom_logit_processor": True,
     }
     kwargs.update(settings.server_overrides)

@@ -20,13 +20,13 @@ import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from genengine_sglang._options import CACHE_RETURNER, SYNC_LOADER
+from genengine_sglang._options import SYNC_LOADER
 from genengine_sglang.errors import SGLangEngineError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["apply_payloads", "barrier", "producer_payload", "return_cached_memory", "serialize"]
+__all__ = ["apply_payloads", "barrier", "producer_payload", "serialize"]
 
 
 def serialize(obj: Any) -> bytes:
@@ -137,9 +137,3 @@ def barrier(engine: Any, tp_size: int, *, flush: bool) -> None:
     (requests are handled in order); with ``flush`` it also drops the prefix cache, in the same call."""
     empty = serialize([])
     _check(_send_per_rank(engine, [empty] * tp_size, SYNC_LOADER, flush), "the weight barrier")
-
-
-def return_cached_memory(engine: Any, tp_size: int) -> None:
-    """One empty call that makes every scheduler empty its torch cache (after a release)."""
-    empty = serialize([])
-    _check(_send_per_rank(engine, [empty] * tp_size, CACHE_RETURNER, False), "emptying the schedulers' caches")

@@ -654,13 +654,7 @@ class RLGenerationEngine(EngineBase):
         tags = [TAG_KV_CACHE, TAG_CUDA_GRAPH]
         if level == 2 or self._settings.weights_cpu_backup:
             tags.insert(0, TAG_WEIGHTS)
-        tp = self._group.topology.tp_size
-
-        def release() -> None:
-            self._engine.release_memory_occupation(tags=tags)
-            _weightsync.return_cached_memory(self._engine, tp)
-
-        self._on_leader("sleep", release)
+        self._on_leader("sleep", lambda: self._engine.release_memory_occupation(tags=tags))
         self._sgl_released.update(tags)
         self._settle_memory()
 

@@ -36,7 +36,6 @@ from genengine.testing.tiny_model import tiny_model_dir
 from genengine_sglang import _options
 from genengine_sglang._mapping import build_entries, output_from_sglang, results_from_sglang, sampling_to_sglang
 from genengine_sglang._options import (
-    CACHE_RETURNER,
     OPTIONS_ENV,
     SYNC_LOADER,
     server_kwargs,
@@ -295,15 +294,13 @@ def test_server_kwargs_keep_the_reference_arguments(model_dir: Path) -> None:
     assert kwargs["trust_remote_code"] is True and kwargs["dtype"] == "bfloat16" and kwargs["random_seed"] == 7
     assert kwargs["skip_tokenizer_init"] is False and kwargs["disable_cuda_graph"] is True
     assert kwargs["attention_backend"] == "triton" and kwargs["log_level"] == "info"
-    assert kwargs["custom_weight_loader"] == [SYNC_LOADER, CACHE_RETURNER]
-    assert kwargs["enable_custom_logit_processor"] is True
+    assert kwargs["custom_weight_loader"] == [SYNC_LOADER] and kwargs["enable_custom_logit_processor"] is True
     assert settings.weight_sync_mode == "handles" and settings.bucket_bytes == _options.DEFAULT_BUCKET_BYTES["handles"]
     assert _settings(model_dir, weight_sync_mode="flattened").bucket_bytes == 512 << 20
 
 
-@pytest.mark.parametrize("ref", [SYNC_LOADER, CACHE_RETURNER])
-def test_scheduler_hooks_are_importable_by_name(ref: str) -> None:
-    module, _, attr = ref.rpartition(".")
+def test_sync_loader_is_importable_by_name() -> None:
+    module, _, attr = SYNC_LOADER.rpartition(".")
     assert callable(getattr(importlib.import_module(module), attr))
 
 
