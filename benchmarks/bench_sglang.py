@@ -179,12 +179,8 @@ def ours(model: str, variants: list[tuple[str, str, int | None]], report: dict[s
     from genengine.protocol import SamplingParams
     from genengine.testing.gpu_checks import gpu_memory_by_process
     from genengine_sglang import _weightsync
-    from genengine_sglang._scheduler_hooks import REPORT_ENV
     from genengine_sglang.engine import RLGenerationEngine
 
-    # The schedulers append their torch-cache readings around each release here (inherited environment).
-    scheduler_log = os.path.join(tempfile.mkdtemp(prefix="bench-sglang-"), "scheduler-memory.jsonl")
-    os.environ[REPORT_ENV] = scheduler_log
     free_cold = free_bytes()
     warm_trainer_process()
     free0 = free_bytes()
@@ -285,7 +281,6 @@ def ours(model: str, variants: list[tuple[str, str, int | None]], report: dict[s
             "wake_kv_s": round(wake_kv, 3),
         }
         log(f"ours P3 level {level}: {p3[f'level{level}']}")
-    p3["scheduler_cache_returned"] = scheduler_readings(scheduler_log)
 
     def cycle() -> None:
         engine.sleep(2)
@@ -334,27 +329,6 @@ def profile_handles(engine: Any, items: list[tuple[str, Any]], ws: Any) -> dict[
         **{k: round(v / 3, 4) for k, v in spent.items()},
         "calls_per_load": {k: v // 3 for k, v in calls.items()},
     }
-
-
-def scheduler_readings(path: str) -> list[dict[str, Any]]:
-    """The schedulers' torch memory around each post-release empty_cache (GiB), from the hook's log."""
-    out: list[dict[str, Any]] = []
-    try:
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                r = json.loads(line)
-                b, a = r["before"], r["after"]
-                out.append(
-                    {
-                        "pid": r["pid"],
-                        "returned_gib": round((a["free"] - b["free"]) / GIB, 3),
-                        "reserved_gib": [round(b["reserved"] / GIB, 3), round(a["reserved"] / GIB, 3)],
-                        "allocated_gib": round(a["allocated"] / GIB, 3),
-                    }
-                )
-    except OSError:
-        pass
-    return out
 
 
 # ---- report -----------------------------------------------------------------------------------------------------
