@@ -24,6 +24,7 @@ __all__ = [
     "ParityOverSyncs",
     "SleepReading",
     "assert_loads_like_fresh",
+    "assert_sleep_freed",
     "free_gpu_memory",
     "gpu_memory_by_process",
     "sleep_and_wake",
@@ -77,11 +78,19 @@ class SleepReading:
     awake: int
     asleep: int
     woke: int
+    detail: str = ""
 
     @property
     def freed(self) -> int:
         """Bytes sleep gave back."""
         return self.asleep - self.awake
+
+    def describe(self) -> str:
+        """One line for logs and failure messages: the share freed, then which process kept what."""
+        return (
+            f"level {self.level}: sleep freed {self.freed / GIB:.2f} of the {self.held / GIB:.2f} GiB held "
+            f"({self.freed / self.held:.2%}), wake left {self.not_taken_back / GIB:.2f} GiB free; {self.detail}"
+        )
 
     @property
     def not_taken_back(self) -> int:
@@ -90,33 +99,36 @@ class SleepReading:
 
 
 def sleep_and_wake(engine: GenerationEngine, level: int, free_before_start: int) -> SleepReading:
-    """Sleep ``engine`` at ``level`` and wake it; assert it holds > 1 GiB and sleep frees >= 99 % of that.
+    """Sleep ``engine`` at ``level``, read the memory, wake it; assert it holds > 1 GiB.
 
     What the engine holds is read now against ``free_before_start`` (free memory before it started), not at
     start-up: an engine can keep allocating after it returns, and an early reading made the share meaningless.
-    How close wake must come back differs between engines, so that check is the caller's, on the reading.
-    Call it inside the suite's ``restoring`` block, so a failure still leaves the engine awake.
+    The engine is awake again before anything about the share is asserted (``assert_sleep_freed``), so a
+    failed claim leaves it usable; how close wake must come back differs between engines: the caller's check.
     """
-    awake = free_gpu_memory()
-    held = free_before_start - awake
-    assert held > GIB, f"the engine holds only {held / GIB:.2f} GiB"
     import os
 
     import torch
 
+    awake = free_gpu_memory()
+    held = free_before_start - awake
+    assert held > GIB, f"the engine holds only {held / GIB:.2f} GiB"
     awake_by_process = gpu_memory_by_process()
     engine.sleep(level)
     asleep = free_gpu_memory()
-    freed = asleep - awake
-    share = freed / held
     ours = f"pid {os.getpid()} is this process: torch allocated {torch.cuda.memory_allocated() / GIB:.3f} GiB"
     by_process = f"GiB per process awake {awake_by_process}, asleep {gpu_memory_by_process()} ({ours})"
-    reading = f"level {level}: sleep freed {freed / GIB:.2f} of the {held / GIB:.2f} GiB held ({share:.1%})"
-    reading += f"; {by_process}"
-    print(reading)
-    assert share >= 0.99, reading
     engine.wake()
-    return SleepReading(level=level, held=held, awake=awake, asleep=asleep, woke=free_gpu_memory())
+    reading = SleepReading(
+        level=level, held=held, awake=awake, asleep=asleep, woke=free_gpu_memory(), detail=by_process
+    )
+    print(reading.describe())
+    return reading
+
+
+def assert_sleep_freed(reading: SleepReading, share: float = 0.99) -> None:
+    """The claim every backend makes: sleep gives back at least ``share`` of what the engine held."""
+    assert reading.freed >= share * reading.held, reading.describe()
 
 
 # ---- weight-sync modes -------------------------------------------------------------------------------------

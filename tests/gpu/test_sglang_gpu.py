@@ -38,6 +38,7 @@ from genengine.testing.gpu_checks import (  # noqa: E402
     GIB,
     ParityOverSyncs,
     assert_loads_like_fresh,
+    assert_sleep_freed,
     free_gpu_memory,
     sleep_and_wake,
     token_ids,
@@ -148,7 +149,7 @@ class TestSGLangConformance(EngineConformance):
 
     # ---- memory --------------------------------------------------------------------------------------------
     @pytest.mark.parametrize("level", [1, 2])
-    def test_sleep_frees_99_percent_and_wake_takes_it_back(
+    def test_wake_takes_back_what_sleep_freed(
         self,
         engine: GenerationEngine,
         baseline: list[GenerationResult],
@@ -157,10 +158,27 @@ class TestSGLangConformance(EngineConformance):
     ) -> None:
         with self.restoring(engine, original_weights):
             r = sleep_and_wake(engine, level, _MEMORY["before_start"])
-            assert abs(r.not_taken_back) <= 0.01 * r.held, (
-                f"wake took back {(r.asleep - r.woke) / GIB:.2f} GiB of the {r.freed / GIB:.2f} GiB sleep freed"
-            )
+            assert r.freed > 0.9 * r.held, r.describe()
+            assert abs(r.not_taken_back) <= 0.01 * r.held, r.describe()
         self.assert_baseline(engine, baseline)
+
+    @pytest.mark.xfail(
+        strict=True,
+        reason="SGLang 0.5.17 keeps ~6 GiB outside its memory saver on this tiny model (bookkeeping sized by its "
+        "87M-token KV pool) plus the scheduler's CUDA context: 93.1% on 2026-11-30; 98.9% at 7B (docs/benchmarks.md)",
+    )
+    @pytest.mark.parametrize("level", [1, 2])
+    def test_sleep_frees_99_percent(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        level: int,
+    ) -> None:
+        with self.restoring(engine, original_weights):
+            r = sleep_and_wake(engine, level, _MEMORY["before_start"])
+        self.assert_baseline(engine, baseline)
+        assert_sleep_freed(r)
 
     # ---- the reference's face ------------------------------------------------------------------------------
     def test_reference_face(

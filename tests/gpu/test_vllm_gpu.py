@@ -31,6 +31,7 @@ from genengine.testing.gpu_checks import (  # noqa: E402
     GIB,
     ParityOverSyncs,
     assert_loads_like_fresh,
+    assert_sleep_freed,
     free_gpu_memory,
     sleep_and_wake,
     token_ids,
@@ -136,6 +137,7 @@ class TestVLLMConformance(EngineConformance):
     ) -> None:
         with self.restoring(engine, original_weights):
             r = sleep_and_wake(engine, level, _RECORD["free_before"])
+            assert_sleep_freed(r)
             assert r.not_taken_back <= 256 * (1 << 20), (
                 f"wake did not take the memory back: {r.not_taken_back / GIB:.2f} of {r.freed / GIB:.2f} GiB still free"
             )
