@@ -37,6 +37,8 @@ import dataclasses
 import multiprocessing
 import os
 import pickle
+import signal
+import threading
 import time
 import warnings
 import weakref
@@ -545,11 +547,19 @@ class RLGenerationEngine(EngineBase):
                 raise ConfigError(
                     f"SGLang has no server argument {key!r}" + (f" (did you mean {hint!r}?)" if hint else "")
                 )
+        trainer_sigterm = signal.getsignal(signal.SIGTERM)
         with _engine_environment(self._settings.enable_sleep):
             try:
                 engine = Engine(**kwargs)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"SGLang rejected the engine settings: {exc}") from exc
+        if threading.current_thread() is threading.main_thread():
+            # SGLang's tokenizer manager puts SIGTERM on its asyncio loop (to drain an HTTP server's requests)
+            # when it first runs; in an Engine that loop runs only inside engine calls, so a trainer that is
+            # training, or idle, would never act on SIGTERM (preemption by Slurm or Kubernetes: the job hangs
+            # until SIGKILL). Let SGLang install it now, then give SIGTERM back to the trainer.
+            engine.tokenizer_manager.auto_create_handle_loop()
+            return_sigterm(engine.tokenizer_manager.event_loop, trainer_sigterm)
         # SGLang's own exit hook kills every child of this process (a trainer's data-loader workers too);
         # ours stops this engine's processes only, if the trainer exits without shutdown() (its scheduler
         # processes are not daemons: multiprocessing would wait on them forever).
@@ -928,6 +938,13 @@ class RLGenerationEngine(EngineBase):
 
     def _engine_up(self) -> bool:
         return not self._closed and (self._engine is not None or not self._group.is_leader)
+
+
+def return_sigterm(loop: Any, handler: Any) -> None:
+    """Take SIGTERM off ``loop`` (an asyncio loop's handler runs only while the loop runs) and reinstall
+    ``handler``, the process's disposition from before (``signal.getsignal``; None means the default)."""
+    loop.remove_signal_handler(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
 
 
 def _warn_seed() -> None:

@@ -13,6 +13,7 @@ import math
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -335,6 +336,40 @@ def test_engine_environment_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     assert mp.get_start_method(allow_none=True) == method
     with _engine_environment(enable_sleep=False):
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
+
+
+_SIGTERM_TRAINER = """
+import asyncio, signal, sys, time
+from genengine_sglang.engine import return_sigterm
+mode = sys.argv[1]
+if mode == "own-handler":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))  # the trainer's own checkpoint-and-exit handler
+before = signal.getsignal(signal.SIGTERM)
+loop = asyncio.new_event_loop()
+loop.add_signal_handler(signal.SIGTERM, lambda: None)  # what SGLang's tokenizer manager does on first use
+if mode != "sglang-as-is":
+    return_sigterm(loop, before)
+print("READY", flush=True)
+time.sleep(60)  # training: the engine's loop does not run
+"""
+
+
+@pytest.mark.parametrize(("mode", "want"), [("default", -signal.SIGTERM), ("own-handler", 3), ("sglang-as-is", None)])
+def test_sigterm_reaches_a_trainer_between_engine_calls(mode: str, want: int | None) -> None:
+    """SGLang's loop-bound SIGTERM handler would swallow SIGTERM while the trainer trains (the control shows
+    it: the process is still alive); after return_sigterm the trainer's own disposition acts at once."""
+    proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_TRAINER, mode], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code: int | None = proc.wait(timeout=3 if want is None else 20)
+        except subprocess.TimeoutExpired:
+            code = None
+        assert code == want
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # ---- the weight spec --------------------------------------------------------------------------------------------
