@@ -378,6 +378,17 @@ class EngineConformance:
                 gaps += [abs(a - b) for a, b in zip(got, ref, strict=True) if math.isfinite(a) and math.isfinite(b)]
         return parity_bound(sum(gaps) / len(gaps), floor_goal=self.logprob_tolerance)
 
+    def assert_same_outputs(self, results: list[GenerationResult], reference: list[GenerationResult]) -> None:
+        """Greedy outputs of this engine equal ``reference`` (a fresh engine's): same tokens, logprobs within
+        ``logprob_tolerance`` on average. A weight load must be as good as a restart on those weights."""
+        assert _tokens(results) == _tokens(reference)
+        diffs = [
+            abs(a - b)
+            for got, want in zip(results, reference, strict=True)
+            for a, b in zip(got.outputs[0].logprobs or [], want.outputs[0].logprobs or [], strict=True)
+        ]
+        assert sum(diffs) / len(diffs) <= self.logprob_tolerance, f"mean |Δlogprob| {sum(diffs) / len(diffs):.2e}"
+
     def test_greedy_logprobs_match_hf_forward(self, hf_model: Any, baseline: list[GenerationResult]) -> None:
         diffs = []
         for result in baseline:
@@ -646,14 +657,7 @@ class EngineConformance:
             assert report.num_tensors == len(other_weights)
             assert report.num_bytes == sum(t.numel() * t.element_size() for t in other_weights.values())
             assert report.num_buckets >= 1 and report.seconds >= 0
-            results = engine.generate(PROMPTS, GREEDY)
-            assert _tokens(results) == _tokens(reference)
-            diffs = [
-                abs(a - b)
-                for got, want in zip(results, reference, strict=True)
-                for a, b in zip(got.outputs[0].logprobs or [], want.outputs[0].logprobs or [], strict=True)
-            ]
-            assert sum(diffs) / len(diffs) <= self.logprob_tolerance
+            self.assert_same_outputs(engine.generate(PROMPTS, GREEDY), reference)
         self.assert_baseline(engine, baseline)
 
     def test_load_weights_in_small_buckets(
@@ -831,14 +835,7 @@ class EngineConformance:
             report = engine.load_weights(iter(items), bucket_bytes=smallest)
             assert report.num_tensors == len(items) and report.num_buckets > 1
             assert engine.state.weights_loaded
-            results = engine.generate(PROMPTS, GREEDY)
-            assert _tokens(results) == _tokens(reference)
-            diffs = [
-                abs(a - b)
-                for got, want in zip(results, reference, strict=True)
-                for a, b in zip(got.outputs[0].logprobs or [], want.outputs[0].logprobs or [], strict=True)
-            ]
-            assert sum(diffs) / len(diffs) <= self.logprob_tolerance
+            self.assert_same_outputs(engine.generate(PROMPTS, GREEDY), reference)
         self.assert_baseline(engine, baseline)
 
     def test_flush_cache(self, engine: GenerationEngine, baseline: list[GenerationResult]) -> None:
