@@ -553,6 +553,12 @@ class RLGenerationEngine(EngineBase):
                 engine = Engine(**kwargs)
             except (TypeError, ValueError) as exc:
                 raise ConfigError(f"SGLang rejected the engine settings: {exc}") from exc
+        # SGLang's own exit hook kills every child of this process (a trainer's data-loader workers too);
+        # ours stops this engine's processes only, if the trainer exits without shutdown() (its scheduler
+        # processes are not daemons: multiprocessing would wait on them forever).
+        atexit.unregister(engine.shutdown)
+        self._exit = at_exit(lambda: _stop_sglang(engine), name="sglang engine", pids=list(engine.get_all_child_pids()))
+        self._engine = engine
         if threading.current_thread() is threading.main_thread():
             # SGLang's tokenizer manager puts SIGTERM on its asyncio loop (to drain an HTTP server's requests)
             # when it first runs; in an Engine that loop runs only inside engine calls, so a trainer that is
@@ -560,12 +566,6 @@ class RLGenerationEngine(EngineBase):
             # until SIGKILL). Let SGLang install it now, then give SIGTERM back to the trainer.
             engine.tokenizer_manager.auto_create_handle_loop()
             return_sigterm(engine.tokenizer_manager.event_loop, trainer_sigterm)
-        # SGLang's own exit hook kills every child of this process (a trainer's data-loader workers too);
-        # ours stops this engine's processes only, if the trainer exits without shutdown() (its scheduler
-        # processes are not daemons: multiprocessing would wait on them forever).
-        atexit.unregister(engine.shutdown)
-        self._exit = at_exit(lambda: _stop_sglang(engine), name="sglang engine", pids=list(engine.get_all_child_pids()))
-        self._engine = engine
         from genengine_sglang._logits import serialized_processor
 
         self._processor = serialized_processor()
