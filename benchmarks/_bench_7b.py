@@ -149,6 +149,33 @@ def warm_trainer_process() -> None:
     torch.cuda.synchronize()
 
 
+def sleep_and_wake(
+    engine: Any, level: int, items: list[tuple[str, Any]], while_asleep: Callable[[], Any] | None = None
+) -> dict[str, Any]:
+    """One sleep(level) → wake(weights) → (level 2: load_weights) → wake(kv_cache), the trainer's order:
+    bytes freed, each step's seconds, and what ``while_asleep`` reads before the wake (who keeps what)."""
+    awake = free_bytes()
+    t = time.perf_counter()
+    engine.sleep(level)
+    sleep_s = time.perf_counter() - t
+    freed = free_bytes() - awake
+    asleep = while_asleep() if while_asleep is not None else None
+    t = time.perf_counter()
+    engine.wake(["weights"])
+    wake_weights_s = time.perf_counter() - t
+    if level == 2:
+        engine.load_weights(items)
+    t = time.perf_counter()
+    engine.wake(["kv_cache"])
+    return {
+        "freed": freed,
+        "asleep": asleep,
+        "sleep_s": sleep_s,
+        "wake_weights_s": wake_weights_s,
+        "wake_kv_s": time.perf_counter() - t,
+    }
+
+
 def timed(fn: Callable[[], Any], reps: int = 3, warmup: int = 1) -> list[float]:
     """Seconds of each timed call (CUDA synchronized around it), after ``warmup`` untimed ones."""
     import torch

@@ -54,6 +54,7 @@ from _bench_7b import (  # this folder is on sys.path when the script runs
     NEW_TOKENS,
     free_bytes,
     make_model_dir,
+    sleep_and_wake,
     timed,
     tokens_per_s,
     trainer_state,
@@ -260,28 +261,15 @@ def ours(model: str, variants: list[tuple[str, str, int | None]], report: dict[s
 
     p3: dict[str, Any] = {}
     for level in (1, 2):
-        awake = free_bytes()
-        t = time.perf_counter()
-        engine.sleep(level)
-        sleep_s = time.perf_counter() - t
-        asleep = free_bytes()
-        left = gpu_memory_by_process()
-        t = time.perf_counter()
-        engine.wake(["weights"])
-        wake_w = time.perf_counter() - t
-        if level == 2:
-            engine.load_weights(items)
-        t = time.perf_counter()
-        engine.wake(["kv_cache"])
-        wake_kv = time.perf_counter() - t
+        reading = sleep_and_wake(engine, level, items, gpu_memory_by_process)
         p3[f"level{level}"] = {
-            "freed_gib": round((asleep - awake) / GIB, 2),
-            "share": round((asleep - awake) / held, 4),
-            "share_incl_trainer_warmup": round((asleep - awake) / held_cold, 4),
-            "left_per_process_gib": left,
-            "sleep_s": round(sleep_s, 3),
-            "wake_weights_s": round(wake_w, 3),
-            "wake_kv_s": round(wake_kv, 3),
+            "freed_gib": round(reading["freed"] / GIB, 2),
+            "share": round(reading["freed"] / held, 4),
+            "share_incl_trainer_warmup": round(reading["freed"] / held_cold, 4),
+            "left_per_process_gib": reading["asleep"],
+            "sleep_s": round(reading["sleep_s"], 3),
+            "wake_weights_s": round(reading["wake_weights_s"], 3),
+            "wake_kv_s": round(reading["wake_kv_s"], 3),
         }
         log(f"ours P3 level {level}: {p3[f'level{level}']}")
 

@@ -52,6 +52,7 @@ from _bench_7b import (  # this folder is on sys.path when the script runs
     free_bytes,
     make_model_dir,
     prompts,
+    sleep_and_wake,
     timed,
     tokens_per_s,
     torch_memory_breakdown,
@@ -225,33 +226,21 @@ def ours(model: str, report: dict[str, Any]) -> None:
 
         # P3: sleep levels, then the RL cycle.
         p3: dict[str, Any] = {}
+        trainer_tensors = [t for _, t in items]
         for level in (1, 2):
-            awake = free_bytes()
-            t = time.perf_counter()
-            engine.sleep(level)
-            sleep_s = time.perf_counter() - t
-            freed = free_bytes() - awake
-            left = torch_memory_breakdown(exclude=[t for _, t in items])
-            t = time.perf_counter()
-            engine.wake(["weights"])
-            wake_w = time.perf_counter() - t
-            if level == 2:
-                engine.load_weights(items)
-            t = time.perf_counter()
-            engine.wake(["kv_cache"])
-            wake_kv = time.perf_counter() - t
+            reading = sleep_and_wake(engine, level, items, lambda: torch_memory_breakdown(exclude=trainer_tensors))
             after = [
                 r.outputs[0].token_ids for r in engine.generate(prompt_token_ids=probe_prompts, sampling_params=probe)
             ]
             p3[f"level{level}"] = {
-                "freed_gib": freed / GIB,
-                "share": freed / held,
-                "share_incl_trainer_warmup": freed / (free_cold - free_awake),
-                "left_gib": (held - freed) / GIB,
-                "left_in_torch": left,
-                "sleep_s": sleep_s,
-                "wake_weights_s": wake_w,
-                "wake_kv_cache_s": wake_kv,
+                "freed_gib": reading["freed"] / GIB,
+                "share": reading["freed"] / held,
+                "share_incl_trainer_warmup": reading["freed"] / (free_cold - free_awake),
+                "left_gib": (held - reading["freed"]) / GIB,
+                "left_in_torch": reading["asleep"],
+                "sleep_s": reading["sleep_s"],
+                "wake_weights_s": reading["wake_weights_s"],
+                "wake_kv_cache_s": reading["wake_kv_s"],
                 "outputs_unchanged": after == reference,
             }
             log(f"ours P3 level {level}: {json.dumps(p3[f'level{level}'])}")
