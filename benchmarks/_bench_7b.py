@@ -149,7 +149,7 @@ def warm_trainer_process() -> None:
     torch.cuda.synchronize()
 
 
-def sleep_and_wake(
+def staged_sleep_wake(
     engine: Any, level: int, items: list[tuple[str, Any]], while_asleep: Callable[[], Any] | None = None
 ) -> dict[str, Any]:
     """One sleep(level) → wake(weights) → (level 2: load_weights) → wake(kv_cache), the trainer's order:

@@ -54,7 +54,7 @@ from _bench_7b import (  # this folder is on sys.path when the script runs
     NEW_TOKENS,
     free_bytes,
     make_model_dir,
-    sleep_and_wake,
+    staged_sleep_wake,
     timed,
     tokens_per_s,
     trainer_state,
@@ -261,7 +261,7 @@ def ours(model: str, variants: list[tuple[str, str, int | None]], report: dict[s
 
     p3: dict[str, Any] = {}
     for level in (1, 2):
-        reading = sleep_and_wake(engine, level, items, gpu_memory_by_process)
+        reading = staged_sleep_wake(engine, level, items, gpu_memory_by_process)
         p3[f"level{level}"] = {
             "freed_gib": round(reading["freed"] / GIB, 2),
             "share": round(reading["freed"] / held, 4),

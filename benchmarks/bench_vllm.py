@@ -52,7 +52,7 @@ from _bench_7b import (  # this folder is on sys.path when the script runs
     free_bytes,
     make_model_dir,
     prompts,
-    sleep_and_wake,
+    staged_sleep_wake,
     timed,
     tokens_per_s,
     torch_memory_breakdown,
@@ -228,7 +228,7 @@ def ours(model: str, report: dict[str, Any]) -> None:
         p3: dict[str, Any] = {}
         trainer_tensors = [t for _, t in items]
         for level in (1, 2):
-            reading = sleep_and_wake(engine, level, items, lambda: torch_memory_breakdown(exclude=trainer_tensors))
+            reading = staged_sleep_wake(engine, level, items, lambda: torch_memory_breakdown(exclude=trainer_tensors))
             after = [
                 r.outputs[0].token_ids for r in engine.generate(prompt_token_ids=probe_prompts, sampling_params=probe)
             ]
