@@ -16,6 +16,10 @@ run is clean, 1 with one line per leak, 2 when a cycle raised. ``--inject-leak K
 fd/thread/child/memory chunk per cycle, to prove the detector fires. Without ``--model`` a tiny random
 model is built; backend options come as with ``genengine generate`` (``--option attention_backend=triton``),
 and SGLang also reads ``$GENENGINE_SGLANG_OPTIONS``.
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1) each rank takes the GPU of its ``LOCAL_RANK``, the default group is
+started (NCCL on GPUs, gloo on CPU), rank 0 builds the tiny model for everyone, and each rank judges its own
+process and GPU and writes ``FILE`` with ``.rankN`` before the suffix: a TP group soaks as a trainer runs it.
 """
 
 from __future__ import annotations
@@ -236,6 +240,41 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
+def start_ranks() -> tuple[int, int]:
+    """(rank, world size); under torchrun, the rank's device and the default group, as a trainer sets them up."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("gloo")
+    return dist.get_rank(), world
+
+
+def shared_model(args: argparse.Namespace, rank: int, world: int) -> None:
+    """Without ``--model`` under torchrun, rank 0 builds the tiny model and every rank loads that one."""
+    if world == 1 or args.model is not None:
+        return
+    import torch.distributed as dist
+
+    path = [str(engine_kwargs(args)["model"]) if rank == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    args.model = path[0]
+
+
+def rank_path(path: str, rank: int, world: int) -> str:
+    if world == 1:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
@@ -346,7 +385,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def summarize(report: dict[str, Any]) -> str:
     records = report["records"]
-    lines = [f"soak: {report['backend']} on {report['model']}, {len(records)} cycles (warm-up {report['warmup']})"]
+    who = f" rank {report['rank']}/{report['world_size']}" if report.get("world_size", 1) > 1 else ""
+    lines = [f"soak{who}: {report['backend']} on {report['model']}, {len(records)} cycles (warm-up {report['warmup']})"]
     if records:
         per = {k: statistics.median(r["seconds"][k] for r in records) for k in records[0]["seconds"]}
         lines.append("  median seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in per.items()))
@@ -364,10 +404,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.cycles < 4:
         print("soak: --cycles must be >= 4 (warm-up plus three judged cycles)", file=sys.stderr)
         return 2
+    rank, world = start_ranks()
+    shared_model(args, rank, world)
+    args.quiet = args.quiet or rank > 0  # one rank's progress lines are enough
     report = run(args)
+    report["rank"], report["world_size"] = rank, world
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # rank 0's tiny model folder goes when it exits: the others may still be reading it
+        dist.destroy_process_group()
     print(summarize(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
+        Path(rank_path(args.json, rank, world)).write_text(json.dumps(report, indent=1, default=str))
     if "error" in report:
         print(f"soak: FAILED: {report['error']}", file=sys.stderr)
         return 2

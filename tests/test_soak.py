@@ -81,6 +81,25 @@ def test_injected_leaks_fail_the_soak(model: str, tmp_path: Path) -> None:
     assert report["end"]["children"] == 0, "the leaked children were cleaned up at the end"
 
 
+def test_soak_under_torchrun_judges_each_rank(tmp_path: Path) -> None:
+    """Two real ranks (gloo): rank 0 builds the model for both, each rank writes and judges its own report."""
+    out = tmp_path / "soak.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SOAK), "--backend",
+         "transformers", "--dtype", "float32", "--cycles", "5", "--max-new-tokens", "4", "--json", str(out)],
+        capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    reports = [json.loads((tmp_path / f"soak.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert not out.exists()
+    assert [(r["rank"], r["world_size"]) for r in reports] == [(0, 2), (1, 2)]
+    assert reports[0]["model"] == reports[1]["model"], "every rank loads rank 0's model"
+    assert all(len(r["records"]) == 5 and not r["failures"] and "error" not in r for r in reports)
+    assert output.count("soak: OK") == 2 and "soak rank 1/2:" in output
+
+
 # ---- the judge on made-up samples (GPU memory included) -----------------------------------------------------
 def _records(n: int, **series: list[int]) -> list[dict[str, Any]]:
     base = {"rss": 500 * MIB, "fds": 10, "os_threads": 8, "py_threads": 2, "children": 3}
