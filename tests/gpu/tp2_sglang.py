@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from typing import Any
 
@@ -35,25 +34,16 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
-RANK = int(os.environ.get("RANK", "0"))
-T0 = time.time()
-FAILS: list[str] = []
+from genengine.testing.tp2_run import Tp2Run, exit_with  # noqa: E402
+
+RUN = Tp2Run("tp2-sglang")
+RANK = RUN.rank
+log, check = RUN.log, RUN.check
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a distant galaxy far away", "Hello", "my name is", "one two"]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "logprobs": True}
 MODEL_DIR = "/tmp/genengine-tp2-sglang/model"
 OTHER_DIR = "/tmp/genengine-tp2-sglang/other"
 GIB = 1 << 30
-
-
-def log(msg: str) -> None:
-    print(f"[tp2-sglang r{RANK} {time.time() - T0:7.1f}s] {msg}", flush=True)
-
-
-def check(cond: bool, msg: str) -> bool:
-    log(("PASS: " if cond else "FAIL: ") + msg)
-    if not cond:
-        FAILS.append(msg)
-    return cond
 
 
 def tokens(results: list[Any]) -> list[list[list[int]]]:
@@ -70,18 +60,11 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    world = dist.get_world_size()
+    world = RUN.start(bind_device=True)
     if world != 2:
         log(f"needs exactly 2 ranks (torchrun --nproc-per-node 2), got {world}")
         return 2
-
-    def gather(obj: Any) -> list[Any]:
-        out: list[Any] = [None] * world
-        dist.all_gather_object(out, obj)
-        return out
+    gather = RUN.gather
 
     if RANK == 0:
         from genengine.testing.tiny_model import build_tiny_model
@@ -196,27 +179,9 @@ def main() -> int:
     torch.cuda.synchronize()
     after = torch.cuda.mem_get_info()[0]
     check(after - awake >= 0.9 * held, f"shutdown gave back {(after - awake) / GIB:.2f} GiB of {held / GIB:.2f}")
-    dist.barrier()
-    ok = torch.ones(1, device="cuda")
-    dist.all_reduce(ok)
-    check(ok.item() == 2, "the trainer's default group still works after shutdown")
-    result = {"rank": RANK, "fails": FAILS, "held_gib": round(held / GIB, 2), "freed_gib": round(freed / GIB, 2)}
-    print("TP2_SGLANG_RESULT " + json.dumps(result), flush=True)
-    results = gather(result)
-    if RANK == 0 and a.json:
-        with open(a.json, "w", encoding="utf-8") as fh:
-            json.dump({"ranks": results, "passed": not any(r["fails"] for r in results)}, fh, indent=1)
-    print(f"TP2 SGLANG {'PASSED' if not FAILS else 'FAILED'} rank {RANK}", flush=True)
-    dist.destroy_process_group()
-    return 1 if FAILS else 0
+    RUN.result.update(held_gib=round(held / GIB, 2), freed_gib=round(freed / GIB, 2))
+    return RUN.finish(a.json)
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except Exception:
-        import traceback
-
-        log("FAIL: exception\n" + traceback.format_exc())
-        code = 2
-    sys.exit(code)
+    exit_with(RUN, main)

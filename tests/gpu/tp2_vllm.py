@@ -17,9 +17,7 @@ import importlib.util
 import json
 import math
 import os
-import sys
 import time
-import traceback
 from typing import Any
 
 for _key, _value in {
@@ -33,22 +31,12 @@ for _key, _value in {
 if importlib.util.find_spec("flashinfer") is None:  # a setting of the GPU kit, which does not carry flashinfer
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
-RANK = int(os.environ.get("RANK", "0"))
-T0 = time.time()
-FAILS: list[str] = []
-RESULT: dict[str, Any] = {"rank": RANK}
+from genengine.testing.tp2_run import Tp2Run, exit_with  # noqa: E402
+
+RUN = Tp2Run("tp2-vllm")
+RANK, RESULT = RUN.rank, RUN.result
+log, check = RUN.log, RUN.check
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a distant galaxy far away", "Hello"]
-
-
-def log(msg: str) -> None:
-    print(f"[tp2-vllm r{RANK} {time.time() - T0:7.1f}s] {msg}", flush=True)
-
-
-def check(cond: bool, msg: str) -> bool:
-    log(("PASS: " if cond else "FAIL: ") + msg)
-    if not cond:
-        FAILS.append(msg)
-    return cond
 
 
 def main() -> int:
@@ -62,17 +50,10 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl")  # the trainer's world
-    world = dist.group.WORLD
-    gloo = dist.new_group(backend="gloo")
-    check(dist.get_world_size() == 2, f"world size is 2 (got {dist.get_world_size()})")
-
-    def gather(obj: Any) -> list[Any]:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj, group=gloo)
-        return out
+    size = RUN.start(bind_device=False)  # the trainer's world
+    check(size == 2, f"world size is 2 (got {size})")
+    gather = RUN.gather
+    gloo = RUN.gloo
 
     from genengine.errors import InconsistentInputsError
     from genengine.protocol import SamplingParams
@@ -175,28 +156,8 @@ def main() -> int:
 
     # --- shutdown keeps the trainer's world ------------------------------------------------------------------
     engine.shutdown()
-    check(dist.is_initialized() and dist.group.WORLD is world, "the default group survives the engine's shutdown")
-    total = torch.ones(1, device="cuda")
-    dist.all_reduce(total)
-    check(total.item() == 2.0, "all_reduce on the trainer's default group works after shutdown")
-    results = gather({"fails": FAILS, **RESULT})
-    if RANK == 0:
-        line = json.dumps({"ranks": results})
-        print("TP2_VLLM_RESULT " + line, flush=True)
-        if args.json:
-            with open(args.json, "w") as fh:
-                fh.write(line + "\n")
-    failed = any(r["fails"] for r in results)
-    dist.barrier(group=gloo)
-    dist.destroy_process_group()
-    log("TP2 VLLM " + ("FAILED" if failed else "PASSED"))
-    return 1 if failed else 0
+    return RUN.finish(args.json)
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except Exception:
-        log("FAIL: exception\n" + traceback.format_exc())
-        code = 2
-    sys.exit(code)
+    exit_with(RUN, main)
