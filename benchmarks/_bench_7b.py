@@ -54,7 +54,9 @@ def make_model_dir(path: str, *, tokenizer: bool) -> str:
         PreTrainedTokenizerFast(
             tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>"
         ).save_pretrained(path)
-        eos = tok.token_to_id("<|endoftext|>")
+        found = tok.token_to_id("<|endoftext|>")
+        assert found is not None, "the trained tokenizer has no <|endoftext|>"
+        eos = found
     cfg = {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",

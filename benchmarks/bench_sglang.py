@@ -183,18 +183,39 @@ def ours(model: str, variants: list[tuple[str, str, int | None]], report: dict[s
     from genengine.protocol import SamplingParams
     from genengine.testing.gpu_checks import gpu_memory_by_process
     from genengine_sglang import _weightsync
+    from genengine_sglang._scheduler_hooks import MEMORY_REPORT_ENV
     from genengine_sglang.engine import RLGenerationEngine
 
     free_cold = free_bytes()
     warm_trainer_process()
     free0 = free_bytes()
+    # The scheduler appends what it holds to this file at each barrier (read below, awake and asleep).
+    memory_file = os.path.join(tempfile.mkdtemp(prefix="genengine-bench-"), "scheduler-memory.jsonl")
+    os.environ[MEMORY_REPORT_ENV] = memory_file
     t = time.perf_counter()
     engine = RLGenerationEngine.from_config(engine_config(model))
+    os.environ.pop(MEMORY_REPORT_ENV)
+
+    def scheduler_memory() -> dict[str, Any]:
+        _weightsync.barrier(engine.sglang_engine, 1, flush=False)
+        with open(memory_file, encoding="utf-8") as fh:
+            last = json.loads(fh.readlines()[-1])
+        return {
+            "default_pool_reserved_gib": round(last["pools"].get("default", {}).get("reserved", 0) / GIB, 3),
+            "default_pool_allocated_gib": round(last["pools"].get("default", {}).get("allocated", 0) / GIB, 3),
+            "other_pools_reserved_gib": round(last["pools"].get("other", {}).get("reserved", 0) / GIB, 3),
+            "largest_default_blocks_mib": [round(b / MIB, 1) for b in last["default_pool_blocks"][:12]],
+        }
+
+    def asleep_reading() -> dict[str, Any]:
+        return {"per_process_gib": gpu_memory_by_process(), "scheduler": scheduler_memory()}
+
     report["start_s"] = round(time.perf_counter() - t, 1)
     awake = free_bytes()
     held = free0 - awake
     held_cold = free_cold - awake  # as if the trainer's own libraries were the engine's
     report["engine_gib"] = round(held / GIB, 2)
+    report["scheduler_memory_awake"] = scheduler_memory()
     report["trainer_warmup_gib"] = round((free_cold - free0) / GIB, 3)
     log(
         f"ours started in {report['start_s']} s, holds {held / GIB:.2f} GiB "
@@ -261,12 +282,13 @@ def ours(model: str, variants: list[tuple[str, str, int | None]], report: dict[s
 
     p3: dict[str, Any] = {}
     for level in (1, 2):
-        reading = staged_sleep_wake(engine, level, items, gpu_memory_by_process)
+        reading = staged_sleep_wake(engine, level, items, asleep_reading)
         p3[f"level{level}"] = {
             "freed_gib": round(reading["freed"] / GIB, 2),
             "share": round(reading["freed"] / held, 4),
             "share_incl_trainer_warmup": round(reading["freed"] / held_cold, 4),
-            "left_per_process_gib": reading["asleep"],
+            "left_per_process_gib": reading["asleep"]["per_process_gib"],
+            "scheduler_memory": reading["asleep"]["scheduler"],
             "sleep_s": round(reading["sleep_s"], 3),
             "wake_weights_s": round(reading["wake_weights_s"], 3),
             "wake_kv_s": round(reading["wake_kv_s"], 3),
@@ -379,6 +401,16 @@ def table(r: dict[str, Any]) -> str:
                     "",
                 )
             )
+            kept = m.get("scheduler_memory")
+            if kept:
+                rows.append(
+                    (
+                        f"P3 sleep({level}) scheduler keeps",
+                        f"{kept['default_pool_allocated_gib']} GiB live in torch's default pool (largest MiB: "
+                        f"{kept['largest_default_blocks_mib'][:6]}); NVML: {m['left_per_process_gib']}",
+                        "",
+                    )
+                )
     if "cycle_s" in p3:
         rows.append(("P3 RL cycle", f"{p3['cycle_s']} s (sleep 2, wake weights, load, wake kv)", ""))
     widths = [max(len(x[i]) for x in [("what", "genengine", "raw sglang"), *rows]) for i in range(3)]

@@ -122,6 +122,7 @@ _PER_PROMPT = ("sampling_params", "return_logprob", "logprob_start_len", "top_lo
 # are its own.
 _SCOPED_ENV = (
     "PYTORCH_CUDA_ALLOC_CONF",
+    "SGLANG_MEMORY_SAVER_CUDA_GRAPH",
     "TORCHELASTIC_USE_AGENT_STORE",
     "NCCL_CUMEM_ENABLE",
     "NCCL_NVLS_ENABLE",
@@ -163,7 +164,9 @@ def get_sglang_engine(
         engine_mem_util: Memory utilization fraction for the engine, in (0, 1] (SGLang's
             ``mem_fraction_static``).
         enable_engine_sleep: Whether to enable memory saver mode, so that ``sleep`` releases GPU memory
-            (also drops ``expandable_segments`` from the engine processes' ``PYTORCH_CUDA_ALLOC_CONF``).
+            (also drops ``expandable_segments`` from the engine processes' ``PYTORCH_CUDA_ALLOC_CONF``, and
+            sets ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` for them unless set: without it SGLang keeps the CUDA
+            graphs' memory pool through a release).
         tp_size: Tensor parallelism size for distributed inference.
         skip_tokenizer_init: Whether to skip tokenizer initialization; text and image prompts need the
             tokenizer (required for VLM use cases).
@@ -345,6 +348,9 @@ def _engine_environment(enable_sleep: bool) -> Iterator[None]:
             os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         else:
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        # SGLang captures its CUDA graphs into a releasable pool only when this is set; a value the
+        # trainer set wins (slime sets "true" the same way).
+        os.environ.setdefault("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "1")
     # torchrun's agent store is the trainer's rendezvous, not the scheduler processes' (as the reference).
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     try:

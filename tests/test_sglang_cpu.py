@@ -324,9 +324,11 @@ def test_engine_environment_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)
     method = mp.get_start_method(allow_none=True)
     with _engine_environment(enable_sleep=True):
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+        assert os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"  # the graph pool is released too
         assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
         os.environ["NCCL_CUMEM_ENABLE"] = "0"  # what SGLang's start-up does to this process
         mp.set_start_method("spawn", force=True)
@@ -334,8 +336,13 @@ def test_engine_environment_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert "NCCL_CUMEM_ENABLE" not in os.environ
     assert mp.get_start_method(allow_none=True) == method
+    assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in os.environ
     with _engine_environment(enable_sleep=False):
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
+        assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in os.environ
+    monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "false")  # the trainer's own choice wins
+    with _engine_environment(enable_sleep=True):
+        assert os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "false"
 
 
 _SIGTERM_TRAINER = """
