@@ -249,9 +249,8 @@ def start_ranks() -> tuple[int, int]:
     import torch.distributed as dist
 
     if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")  # as tests/gpu/tp2_vllm.py: no eager device binding
     else:
         dist.init_process_group("gloo")
     return dist.get_rank(), world
