@@ -20,6 +20,7 @@ from genengine.errors import ConfigError, InvalidArgumentError
 __all__ = [
     "BACKEND",
     "DEFAULT_BUCKET_BYTES",
+    "GRAPH_SAVER_ENV",
     "LOGIT_PROCESSOR_PARAM",
     "OPTIONS_ENV",
     "OUR_OPTIONS",
@@ -27,6 +28,7 @@ __all__ = [
     "SYNC_LOADER",
     "WEIGHT_SYNC_MODES",
     "EngineSettings",
+    "check_graph_memory_saver",
     "check_model_dir",
     "options_from_env",
     "read_model_config",
@@ -284,6 +286,39 @@ def server_kwargs(settings: EngineSettings, *, base_gpu_id: int, port: int) -> d
     }
     kwargs.update(settings.server_overrides)
     return kwargs
+
+
+GRAPH_SAVER_ENV = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"
+
+
+def check_graph_memory_saver(kwargs: Mapping[str, Any], environ: Mapping[str, str]) -> None:
+    """Refuse, before any process starts, what SGLang 0.5.17 would crash on after loading the model.
+
+    With ``$SGLANG_MEMORY_SAVER_CUDA_GRAPH`` true (so that a release frees the CUDA graphs' pool too, as
+    slime sets it) and the memory saver on, SGLang's "breakable" CUDA graphs, its default for prefill on
+    CUDA, raise ``NotImplementedError`` in the scheduler, and SGLang's launcher answers a failed child with
+    SIGQUIT, which kills the trainer. Only the combination is refused.
+    """
+    if environ.get(GRAPH_SAVER_ENV, "").strip().lower() not in ("1", "true"):
+        return
+    if not kwargs.get("enable_memory_saver") or kwargs.get("disable_cuda_graph"):
+        return
+    prefill = kwargs.get("cuda_graph_backend_prefill")
+    prefill_breakable = (
+        prefill in (None, "breakable") and not kwargs.get("disable_prefill_cuda_graph")
+        # a cuda_graph_config is SGLang's to resolve (it wins over the per-phase flags)
+        and (prefill == "breakable" or kwargs.get("cuda_graph_config") is None)
+    )
+    decode_breakable = kwargs.get("cuda_graph_backend_decode") == "breakable"
+    if prefill_breakable or decode_breakable:
+        phase = "prefill" if prefill_breakable else "decode"
+        raise ConfigError(
+            f"{GRAPH_SAVER_ENV}={environ[GRAPH_SAVER_ENV]!r} with sleep on: SGLang 0.5.17's 'breakable' CUDA "
+            f"graphs ({phase}{', its default' if prefill is None and phase == 'prefill' else ''}) refuse the "
+            "memory saver and its failure kills this process. Allowed: unset it (a release then keeps the CUDA "
+            "graphs' pool), or pass disable_prefill_cuda_graph=True or cuda_graph_backend_prefill='tc_piecewise' "
+            "(and a decode backend other than 'breakable'), or disable_cuda_graph=True"
+        )
 
 
 def strip_expandable_segments(conf: str | None) -> str | None:

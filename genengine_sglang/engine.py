@@ -77,6 +77,7 @@ from genengine_sglang._options import (
     SGLANG_OPTIONS,
     WEIGHT_SYNC_MODES,
     EngineSettings,
+    check_graph_memory_saver,
     check_model_dir,
     options_from_env,
     read_model_config,
@@ -122,7 +123,6 @@ _PER_PROMPT = ("sampling_params", "return_logprob", "logprob_start_len", "top_lo
 # are its own.
 _SCOPED_ENV = (
     "PYTORCH_CUDA_ALLOC_CONF",
-    "SGLANG_MEMORY_SAVER_CUDA_GRAPH",
     "TORCHELASTIC_USE_AGENT_STORE",
     "NCCL_CUMEM_ENABLE",
     "NCCL_NVLS_ENABLE",
@@ -164,9 +164,7 @@ def get_sglang_engine(
         engine_mem_util: Memory utilization fraction for the engine, in (0, 1] (SGLang's
             ``mem_fraction_static``).
         enable_engine_sleep: Whether to enable memory saver mode, so that ``sleep`` releases GPU memory
-            (also drops ``expandable_segments`` from the engine processes' ``PYTORCH_CUDA_ALLOC_CONF``, and
-            sets ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` for them unless set: without it SGLang keeps the CUDA
-            graphs' memory pool through a release).
+            (also drops ``expandable_segments`` from the engine processes' ``PYTORCH_CUDA_ALLOC_CONF``).
         tp_size: Tensor parallelism size for distributed inference.
         skip_tokenizer_init: Whether to skip tokenizer initialization; text and image prompts need the
             tokenizer (required for VLM use cases).
@@ -348,9 +346,6 @@ def _engine_environment(enable_sleep: bool) -> Iterator[None]:
             os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         else:
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
-        # SGLang captures its CUDA graphs into a releasable pool only when this is set; a value the
-        # trainer set wins (slime sets "true" the same way).
-        os.environ.setdefault("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "1")
     # torchrun's agent store is the trainer's rendezvous, not the scheduler processes' (as the reference).
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     try:
@@ -553,6 +548,7 @@ class RLGenerationEngine(EngineBase):
                 raise ConfigError(
                     f"SGLang has no server argument {key!r}" + (f" (did you mean {hint!r}?)" if hint else "")
                 )
+        check_graph_memory_saver(kwargs, os.environ)
         trainer_sigterm = signal.getsignal(signal.SIGTERM)
         with _engine_environment(self._settings.enable_sleep):
             try:

@@ -89,9 +89,9 @@ def _serve(ending: str, work: Any = None) -> None:
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------
-def _run(*args: str) -> TrainerRun:
+def _run(*args: str, log_path: str | None = None) -> TrainerRun:
     ending = args[1]
-    return TrainerRun([sys.executable, str(HERE), *args], ending)
+    return TrainerRun([sys.executable, str(HERE), *args], ending, log_path=log_path)
 
 
 def _assert_clean(outcome: TrainerOutcome, max_exit_s: float) -> None:
@@ -125,6 +125,14 @@ def test_embedded_engine_trainer_leaves_nothing(embedded_outcomes: dict[str, Tra
 
 
 # ---- genengine.lifecycle: an engine in other processes --------------------------------------------------------
+def test_trainer_output_is_logged_as_it_comes(tmp_path: Path) -> None:
+    """A run killed from outside (a CI time limit) keeps what its trainer printed, READY included."""
+    log = tmp_path / "trainer.log"
+    outcome = _run("lifecycle", "exception", "stop", "0", log_path=str(log)).finish()
+    assert outcome.ready_line and outcome.ready_line in log.read_text()
+    assert log.read_text() == outcome.output and "RuntimeError" in outcome.output
+
+
 @pytest.mark.parametrize("ending", ["exit", "exception", "sigint"])
 def test_at_exit_stops_engine_processes(ending: str) -> None:
     outcome = _run("lifecycle", ending, "stop", "0").finish()

@@ -324,11 +324,9 @@ def test_engine_environment_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
-    monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)
     method = mp.get_start_method(allow_none=True)
     with _engine_environment(enable_sleep=True):
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
-        assert os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"  # the graph pool is released too
         assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
         os.environ["NCCL_CUMEM_ENABLE"] = "0"  # what SGLang's start-up does to this process
         mp.set_start_method("spawn", force=True)
@@ -336,13 +334,8 @@ def test_engine_environment_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert "NCCL_CUMEM_ENABLE" not in os.environ
     assert mp.get_start_method(allow_none=True) == method
-    assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in os.environ
     with _engine_environment(enable_sleep=False):
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
-        assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in os.environ
-    monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "false")  # the trainer's own choice wins
-    with _engine_environment(enable_sleep=True):
-        assert os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "false"
 
 
 _SIGTERM_TRAINER = """
@@ -635,3 +628,34 @@ def test_distributed_errors_reach_every_rank(model_dir: Path) -> None:
 
 def test_errors_are_genengine_errors() -> None:
     assert issubclass(SGLangEngineError, GenEngineError) and issubclass(SGLangEngineError, RuntimeError)
+
+
+def test_graph_memory_saver_with_breakable_graphs_is_refused() -> None:
+    """SGLang 0.5.17 would raise in its scheduler after loading the model, and its launcher kills the trainer."""
+    from genengine_sglang._options import check_graph_memory_saver
+
+    on = {"enable_memory_saver": True, "disable_cuda_graph": False}
+    env = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true"}
+    with pytest.raises(ConfigError) as err:
+        check_graph_memory_saver(on, env)
+    message = str(err.value)
+    assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH='true'" in message and "prefill, its default" in message
+    assert "disable_prefill_cuda_graph=True" in message and "disable_cuda_graph=True" in message
+    with pytest.raises(ConfigError, match="decode"):
+        check_graph_memory_saver(
+            {**on, "disable_prefill_cuda_graph": True, "cuda_graph_backend_decode": "breakable"}, env
+        )
+    with pytest.raises(ConfigError):
+        check_graph_memory_saver(
+            {**on, "cuda_graph_backend_prefill": "breakable"}, {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
+        )
+    for allowed_kwargs, allowed_env in [
+        (on, {}),  # not set: the graphs' pool stays through a release, nothing crashes
+        (on, {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "false"}),
+        ({**on, "enable_memory_saver": False}, env),
+        ({**on, "disable_cuda_graph": True}, env),
+        ({**on, "disable_prefill_cuda_graph": True}, env),
+        ({**on, "cuda_graph_backend_prefill": "tc_piecewise"}, env),
+        ({**on, "cuda_graph_config": {"prefill": {"backend": "tc_piecewise"}}}, env),
+    ]:
+        check_graph_memory_saver(allowed_kwargs, allowed_env)

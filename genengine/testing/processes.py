@@ -249,11 +249,15 @@ class TrainerRun:
     several runs before finishing any: they proceed in parallel.
     """
 
-    def __init__(self, argv: list[str], ending: str, *, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, argv: list[str], ending: str, *, env: dict[str, str] | None = None, log_path: str | None = None
+    ) -> None:
+        """``log_path``: also append the child's output there as it comes (a run killed from outside keeps it)."""
         import secrets
         import subprocess
 
         self.ending = ending
+        self.log_path = log_path
         self.marker = secrets.token_hex(8)
         full_env = dict(os.environ if env is None else env)
         full_env[MARK_ENV] = self.marker
@@ -275,11 +279,22 @@ class TrainerRun:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.append(line)
-            if line.startswith("READY") and not self._ready.is_set():
-                self._ready_line = line.strip()
-                self._ready.set()
+        log = open(self.log_path, "a", encoding="utf-8") if self.log_path else None  # noqa: SIM115
+        try:
+            for line in self.proc.stdout:
+                self._lines.append(line)
+                if log is not None:
+                    log.write(line)
+                    log.flush()
+                self._check_ready(line)
+        finally:
+            if log is not None:
+                log.close()
+
+    def _check_ready(self, line: str) -> None:
+        if line.startswith("READY") and not self._ready.is_set():
+            self._ready_line = line.strip()
+            self._ready.set()
 
     @property
     def output(self) -> str:

@@ -116,8 +116,10 @@ def test_trainer_death_leaves_no_engine_process_and_frees_the_gpu(setup: dict[st
 
     backend, model = setup["backend"], setup["model"]
     before = _free_bytes()
-    run = TrainerRun([sys.executable, str(HERE), backend, ending, model], ending)
-    outcome = run.finish(ready_timeout_s=400, exit_timeout_s=120, gone_timeout_s=60)
+    out = os.environ.get("OUT")
+    log = str(Path(out) / f"cleanup_{backend}_{ending}.log") if out else None
+    run = TrainerRun([sys.executable, str(HERE), backend, ending, model], ending, log_path=log)
+    outcome = run.finish(ready_timeout_s=240, exit_timeout_s=120, gone_timeout_s=60)
     deadline = time.monotonic() + 60
     after = _free_bytes()
     while after < before - MEMORY_SLACK and time.monotonic() < deadline:  # the driver frees a dead context lazily
@@ -131,8 +133,8 @@ def test_trainer_death_leaves_no_engine_process_and_frees_the_gpu(setup: dict[st
         "free_before_gib": round(before / GIB, 2),
         "free_after_gib": round(after / GIB, 2),
     }
-    if os.environ.get("OUT"):
-        (Path(os.environ["OUT"]) / f"cleanup_{backend}.json").write_text(json.dumps(setup["record"], indent=1))
+    if out:
+        (Path(out) / f"cleanup_{backend}.json").write_text(json.dumps(setup["record"], indent=1))
     assert outcome.returncode is not None, f"the trainer did not exit: {outcome.describe()}"
     assert not outcome.survivors, f"engine processes outlived the trainer: {outcome.describe()}"
     if backend == "sglang":
