@@ -305,7 +305,8 @@ def check_graph_memory_saver(kwargs: Mapping[str, Any], environ: Mapping[str, st
         return
     prefill = kwargs.get("cuda_graph_backend_prefill")
     prefill_breakable = (
-        prefill in (None, "breakable") and not kwargs.get("disable_prefill_cuda_graph")
+        prefill in (None, "breakable")
+        and not kwargs.get("disable_prefill_cuda_graph")
         # a cuda_graph_config is SGLang's to resolve (it wins over the per-phase flags)
         and (prefill == "breakable" or kwargs.get("cuda_graph_config") is None)
     )

@@ -565,9 +565,16 @@ class RLGenerationEngine(EngineBase):
             # SGLang's tokenizer manager puts SIGTERM on its asyncio loop (to drain an HTTP server's requests)
             # when it first runs; in an Engine that loop runs only inside engine calls, so a trainer that is
             # training, or idle, would never act on SIGTERM (preemption by Slurm or Kubernetes: the job hangs
-            # until SIGKILL). Let SGLang install it now, then give SIGTERM back to the trainer.
-            engine.tokenizer_manager.auto_create_handle_loop()
-            return_sigterm(engine.tokenizer_manager.event_loop, trainer_sigterm)
+            # until SIGKILL). Let SGLang install it now, then give SIGTERM back to the trainer. It must happen
+            # inside the Engine's own loop: outside a running loop SGLang would start its receive task on a
+            # new loop that never runs, and every generate would wait forever (seen on the H200).
+            async def start_handle_loop() -> None:
+                engine.tokenizer_manager.auto_create_handle_loop()
+
+            engine.loop.run_until_complete(start_handle_loop())
+            if engine.tokenizer_manager.event_loop is not engine.loop:
+                raise SGLangEngineError("SGLang's tokenizer manager runs on another event loop than its Engine")
+            return_sigterm(engine.loop, trainer_sigterm)
         from genengine_sglang._logits import serialized_processor
 
         self._processor = serialized_processor()
