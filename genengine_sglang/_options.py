@@ -80,6 +80,7 @@ OUR_OPTIONS: dict[str, Any] = {
 
 SGLANG_OPTIONS = (
     "attention_backend",
+    "mm_attention_backend",
     "sampling_backend",
     "disable_radix_cache",
     "port",

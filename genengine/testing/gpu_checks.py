@@ -27,6 +27,7 @@ __all__ = [
     "assert_sleep_freed",
     "free_gpu_memory",
     "gpu_memory_by_process",
+    "installed_engine",
     "sleep_and_wake",
     "token_ids",
     "weight_sync_mode",
@@ -35,6 +36,23 @@ __all__ = [
 GIB = 1 << 30
 DRIFT_SLACK = 0.003
 """How much the mean gap of the last five syncs may exceed the first five's before it counts as drift."""
+
+
+def installed_engine(override_env: str) -> str | None:
+    """The GPU engine a test module drives: ``$override_env`` if set, else SGLang if importable, else vLLM.
+
+    The GPU kit installs one engine per run (they cannot share an environment); None when neither is there.
+    """
+    import importlib.util
+    import os
+
+    chosen = os.environ.get(override_env)
+    if chosen:
+        return chosen
+    for name in ("sglang", "vllm"):
+        if importlib.util.find_spec(name) is not None:
+            return name
+    return None
 
 
 def free_gpu_memory() -> int:

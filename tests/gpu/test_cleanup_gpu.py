@@ -18,7 +18,6 @@ machine settings come from ``$GENENGINE_SGLANG_OPTIONS`` as tools/gpu/run_tests.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -33,16 +32,6 @@ HERE = Path(__file__).resolve()
 ENDINGS = ("sigkill", "sigterm", "sigint", "exception", "exit")
 GIB = 1 << 30
 MEMORY_SLACK = 512 << 20  # what may stay taken after the trainer is gone (allocator noise, not an engine)
-
-
-def _backend() -> str | None:
-    chosen = os.environ.get("GENENGINE_CLEANUP_BACKEND")
-    if chosen:
-        return chosen
-    for name in ("sglang", "vllm"):
-        if importlib.util.find_spec(name) is not None:
-            return name
-    return None
 
 
 def _engine_options(backend: str) -> dict[str, Any]:
@@ -101,7 +90,9 @@ def setup() -> dict[str, Any]:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    backend = _backend()
+    from genengine.testing.gpu_checks import installed_engine
+
+    backend = installed_engine("GENENGINE_CLEANUP_BACKEND")
     if backend is None:
         pytest.skip("needs sglang or vllm")
     from genengine.testing.tiny_model import tiny_model_dir

@@ -31,8 +31,9 @@ python3 -c 'import pluggy' 2>/dev/null || die "pluggy is missing: rerun prepare.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=1 TOKENIZERS_PARALLELISM=false VLLM_NO_USAGE_STATS=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1   # no NVLink multicast here
 if [ "$ENGINE" = sglang ]; then
-  # The kit drops FlashAttention 3 (sgl_kernel/flash_ops) and flashinfer's sampling would JIT-compile.
-  export GENENGINE_SGLANG_OPTIONS=${GENENGINE_SGLANG_OPTIONS:-'{"attention_backend": "triton", "sampling_backend": "pytorch", "grammar_backend": "none"}'}
+  # The kit drops FlashAttention 3 (sgl_kernel/flash_ops; also the default of a VLM's vision attention on
+  # Hopper) and flashinfer's sampling would JIT-compile.
+  export GENENGINE_SGLANG_OPTIONS=${GENENGINE_SGLANG_OPTIONS:-'{"attention_backend": "triton", "mm_attention_backend": "triton_attn", "sampling_backend": "pytorch", "grammar_backend": "none"}'}
 else
   export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ALLREDUCE_USE_SYMM_MEM=0
 fi
