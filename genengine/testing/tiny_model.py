@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -358,14 +359,20 @@ def build_tiny_model(
 _CACHE: dict[str, Path] = {}
 
 
-def tiny_model_dir(**kwargs: Any) -> Path:
-    """``build_tiny_model(**kwargs)`` once per process, under a temporary directory keyed by the arguments."""
-    key = json.dumps(kwargs, sort_keys=True, default=str)
+def _built_once(kind: str, build: Callable[..., Path], kwargs: dict[str, Any]) -> Path:
+    """``build(dir, **kwargs)`` once per process, under a temporary directory keyed by ``kind`` and the
+    arguments (removed at exit); rebuilt if something deleted it."""
+    key = json.dumps({"kind": kind, **kwargs}, sort_keys=True, default=str)
     path = _CACHE.get(key)
     if path is None or not (path / "config.json").exists():
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        root = Path(tempfile.mkdtemp(prefix=f"genengine-tiny-{digest}-"))
+        root = Path(tempfile.mkdtemp(prefix=f"genengine-{kind}-{digest}-"))
         atexit.register(shutil.rmtree, root, True)
-        path = build_tiny_model(root / "model", **kwargs)
+        path = build(root / "model", **kwargs)
         _CACHE[key] = path
     return path
+
+
+def tiny_model_dir(**kwargs: Any) -> Path:
+    """``build_tiny_model(**kwargs)`` once per process, under a temporary directory keyed by the arguments."""
+    return _built_once("tiny", build_tiny_model, kwargs)

@@ -15,20 +15,23 @@ width 128, 2 heads (head dim 64, for the same reason). A 56x56 image is 4x4 patc
 
 from __future__ import annotations
 
-import atexit
-import hashlib
 import io
 import json
 import math
 import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from genengine.errors import InvalidArgumentError
-from genengine.testing.tiny_model import EOS_TOKEN, SPECIAL_TOKENS, _init_tensor, _write_json, _write_tokenizer
+from genengine.testing.tiny_model import (
+    EOS_TOKEN,
+    SPECIAL_TOKENS,
+    _built_once,
+    _init_tensor,
+    _write_json,
+    _write_tokenizer,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -293,20 +296,9 @@ def build_tiny_vlm(
     return out
 
 
-_CACHE: dict[str, Path] = {}
-
-
 def tiny_vlm_dir(**kwargs: Any) -> Path:
     """``build_tiny_vlm(**kwargs)`` once per process, under a temporary directory keyed by the arguments."""
-    key = json.dumps(kwargs, sort_keys=True, default=str)
-    path = _CACHE.get(key)
-    if path is None or not (path / "config.json").exists():
-        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-        root = Path(tempfile.mkdtemp(prefix=f"genengine-tiny-vlm-{digest}-"))
-        atexit.register(shutil.rmtree, root, True)
-        path = build_tiny_vlm(root / "model", **kwargs)
-        _CACHE[key] = path
-    return path
+    return _built_once("tiny-vlm", build_tiny_vlm, kwargs)
 
 
 def tiny_image(seed: int = 0, *, size: tuple[int, int] = (56, 56)) -> Image.Image:
