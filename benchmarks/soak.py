@@ -2,20 +2,20 @@
 
     python benchmarks/soak.py --backend B [--model PATH] --cycles N [--option K=V ...] [--json FILE]
 
-A trainer runs for days; an engine that leaks a little per step dies on day two. Each cycle is the RL
-step a trainer makes: ``generate`` → ``sleep(level)`` → ``wake(["weights"])`` → ``load_weights`` →
-``wake(["kv_cache"])``, through the protocol only, alternating two weight sets so every load really
-changes the weights (and greedy outputs are checked against each set's first outputs). After each
-cycle, and while asleep, it records GPU memory (device-wide used memory and this process's
-``torch.cuda.memory_allocated``), the RSS of this process and of its children (the engine's
-processes), open file descriptors, threads (OS and Python) and child processes. After ``--warmup``
-cycles nothing may grow: GPU memory by more than ``--gpu-tolerance`` of the device (1%), either RSS by
-more than ``--rss-slope-mib`` per cycle (a robust slope over the second half), fds, threads or children
-by even one (judged on the last samples, so a transient one does not count). Exit status 0 when the
-run is clean, 1 with one line per leak, 2 when a cycle raised. ``--inject-leak KIND`` leaks one
-fd/thread/child/memory chunk per cycle, to prove the detector fires. Without ``--model`` a tiny random
-model is built; backend options come as with ``genengine generate`` (``--option attention_backend=triton``),
-and SGLang also reads ``$GENENGINE_SGLANG_OPTIONS``.
+A trainer runs for days; an engine that leaks a little per step dies on day two. Each cycle is the RL step a
+trainer makes: ``generate`` → ``sleep(level)`` → ``wake(["weights"])`` → ``load_weights`` →
+``wake(["kv_cache"])``, through the protocol only, alternating two weight sets so every load really changes
+the weights (and greedy outputs are checked against each set's first outputs). After each cycle, and while
+asleep, it records GPU memory (device-wide used memory and this process's ``torch.cuda.memory_allocated``),
+the RSS of this process and of its children (the engine's processes), open file descriptors, threads (OS and
+Python) and child processes. After ``--warmup`` cycles nothing may grow: GPU memory by more than ``--gpu-
+tolerance`` of the device (1%), either RSS by more than ``--rss-slope-mib`` per cycle (a robust slope over the
+second half), fds, threads or children by even one (judged on the last samples, so a transient one does not
+count). Exit status 0 when the run is clean, 1 with one line per leak, 2 when a cycle raised. ``--max-seconds
+T`` stops starting cycles after T seconds and judges the ones done, so a run under a time limit still ends
+with its verdict. ``--inject-leak KIND`` leaks one fd/thread/child/memory chunk per cycle, to prove the
+detector fires. Without ``--model`` a tiny random model is built; backend options come as with ``genengine
+generate`` (``--option attention_backend=triton``), and SGLang also reads ``$GENENGINE_SGLANG_OPTIONS``.
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) each rank takes the GPU of its ``LOCAL_RANK``, the default group is
 started (NCCL on GPUs, gloo on CPU), rank 0 builds the tiny model for everyone, and each rank judges its own
@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_arguments(p)
     p.add_argument("--cycles", type=int, default=200, help="RL cycles to run (default 200)")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="stop starting cycles after this many seconds of cycling and judge the cycles done (a time limit)",
+    )
     p.add_argument("--warmup", type=int, default=None, help="cycles before growth counts (default: 10%%, >= 3)")
     p.add_argument("--sleep-level", type=int, choices=(1, 2), default=2, help="sleep level of each cycle (default 2)")
     p.add_argument("--mem-util", type=float, default=None, help="share of GPU memory the engine may take")
@@ -234,6 +240,21 @@ def weight_sets(model_dir: str, device: str, same: bool) -> list[list[tuple[str,
     return [list(first.items()), list(second.items())]
 
 
+def out_of_time(since: float, limit: float | None) -> bool:
+    """Whether ``limit`` seconds have passed since ``since``; under torchrun every rank gets rank 0's answer
+    (they must stop at the same cycle, or the ones going on wait on the others' collectives)."""
+    if limit is None:
+        return False
+    late = time.perf_counter() - since > limit
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = [late]
+        dist.broadcast_object_list(flag, src=0)
+        late = bool(flag[0])
+    return late
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     start = time.perf_counter()
     out = fn()
@@ -313,8 +334,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["engine_start_seconds"] = time.perf_counter() - start
     report["engine_started"] = probe.sample()
     failure: str | None = None
+    cycling_since = time.perf_counter()
     try:
         for cycle in range(args.cycles):
+            if out_of_time(cycling_since, args.max_seconds):
+                report["stopped_at_max_seconds"] = cycle
+                break
             current = cycle % len(sets)
             results, t_gen = _timed(lambda: engine.generate(PROMPTS, params))
             tokens = [r.outputs[0].token_ids for r in results]
@@ -385,7 +410,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def summarize(report: dict[str, Any]) -> str:
     records = report["records"]
     who = f" rank {report['rank']}/{report['world_size']}" if report.get("world_size", 1) > 1 else ""
-    lines = [f"soak{who}: {report['backend']} on {report['model']}, {len(records)} cycles (warm-up {report['warmup']})"]
+    cut = report.get("stopped_at_max_seconds")
+    done = (
+        f"{len(records)} of {report['cycles']} cycles (--max-seconds)" if cut is not None else f"{len(records)} cycles"
+    )
+    lines = [f"soak{who}: {report['backend']} on {report['model']}, {done} (warm-up {report['warmup']})"]
     if records:
         per = {k: statistics.median(r["seconds"][k] for r in records) for k in records[0]["seconds"]}
         lines.append("  median seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in per.items()))

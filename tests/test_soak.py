@@ -87,7 +87,8 @@ def test_soak_under_torchrun_judges_each_rank(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SOAK), "--backend",
-         "transformers", "--dtype", "float32", "--cycles", "5", "--max-new-tokens", "4", "--json", str(out)],
+         "transformers", "--dtype", "float32", "--cycles", "400", "--max-seconds", "4", "--warmup", "2", "--max-new-tokens", "4",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path,
     )  # fmt: skip
     output = proc.stdout + proc.stderr
@@ -96,7 +97,11 @@ def test_soak_under_torchrun_judges_each_rank(tmp_path: Path) -> None:
     assert not out.exists()
     assert [(r["rank"], r["world_size"]) for r in reports] == [(0, 2), (1, 2)]
     assert reports[0]["model"] == reports[1]["model"], "every rank loads rank 0's model"
-    assert all(len(r["records"]) == 5 and not r["failures"] and "error" not in r for r in reports)
+    # --max-seconds: rank 0's clock decides for both, so both stop at the same cycle (else one would hang)
+    cut = [r["stopped_at_max_seconds"] for r in reports]
+    assert cut[0] == cut[1] == len(reports[0]["records"]) == len(reports[1]["records"]) and 5 <= cut[0] < 400
+    assert all(not r["failures"] and "error" not in r for r in reports)
+    assert f"{cut[0]} of 400 cycles (--max-seconds)" in output
     assert output.count("soak: OK") == 2 and "soak rank 1/2:" in output
 
 
