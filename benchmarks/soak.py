@@ -8,14 +8,15 @@ trainer makes: ``generate`` → ``sleep(level)`` → ``wake(["weights"])`` → `
 the weights (and greedy outputs are checked against each set's first outputs). After each cycle, and while
 asleep, it records GPU memory (device-wide used memory and this process's ``torch.cuda.memory_allocated``),
 the RSS of this process and of its children (the engine's processes), open file descriptors, threads (OS and
-Python) and child processes. After ``--warmup`` cycles nothing may grow: GPU memory by more than ``--gpu-
-tolerance`` of the device (1%), either RSS by more than ``--rss-slope-mib`` per cycle (a robust slope over the
-second half), fds, threads or children by even one (judged on the last samples, so a transient one does not
-count). Exit status 0 when the run is clean, 1 with one line per leak, 2 when a cycle raised. ``--max-seconds
-T`` stops starting cycles after T seconds and judges the ones done, so a run under a time limit still ends
-with its verdict. ``--inject-leak KIND`` leaks one fd/thread/child/memory chunk per cycle, to prove the
-detector fires. Without ``--model`` a tiny random model is built; backend options come as with ``genengine
-generate`` (``--option attention_backend=triton``), and SGLang also reads ``$GENENGINE_SGLANG_OPTIONS``.
+Python) and child processes. After ``--warmup`` cycles nothing may grow: GPU memory by more than
+``--gpu-tolerance`` of the device (1%), either RSS by more than ``--rss-slope-mib`` per cycle (a robust slope
+over the second half), fds, threads or children by even one (judged on the last samples, so a transient one
+does not count). Exit status 0 when the run is clean, 1 with one line per leak, 2 when a cycle raised.
+``--max-seconds T`` stops starting cycles after T seconds and judges the ones done, so a run under a time
+limit still ends with its verdict. ``--inject-leak KIND`` leaks one fd/thread/child/memory chunk per cycle, to
+prove the detector fires. Without ``--model`` a tiny random model is built; backend options come as with
+``genengine generate`` (``--option attention_backend=triton``), and SGLang also reads
+``$GENENGINE_SGLANG_OPTIONS``.
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) each rank takes the GPU of its ``LOCAL_RANK``, the default group is
 started (NCCL on GPUs, gloo on CPU), rank 0 builds the tiny model for everyone, and each rank judges its own
