@@ -25,6 +25,7 @@ this process, driven as a trainer drives it.
       GPU) and level 2 give back, what each process keeps (NVML), wake times; raw SGLang's release of every
       tag beside it. RL cycle: sleep(2) + wake(weights) + load_weights + wake(kv_cache), median of 3 after a
       warm-up. Targets: level 2 >= 99%; cycle <= 0.5 s.
+      ``--p3-mem-util F`` (repeatable) also measures the level-2 share with the engine at fraction F.
 
 Prints a table and ``BENCH_SGLANG_RESULT {json}``; ``--json`` writes the same JSON to a file. ``--strict``
 exits 1 if a target is missed.
@@ -97,10 +98,35 @@ def log(msg: str) -> None:
     print(f"[bench-sglang {time.time() - T0:7.1f}s] {msg}", flush=True)
 
 
-def engine_config(model: str) -> Any:
+def engine_config(model: str, mem_util: float = MEM_UTIL) -> Any:
     from genengine.config import EngineConfig
 
-    return EngineConfig(backend="sglang", model=model, mem_util=MEM_UTIL, options=dict(OPTIONS))
+    return EngineConfig(backend="sglang", model=model, mem_util=mem_util, options=dict(OPTIONS))
+
+
+def sleep_share_at(model: str, mem_util: float) -> dict[str, Any]:
+    """P3's share with the engine at another memory fraction: what SGLang keeps after a release is about
+    fixed (its scheduler's context and buffers), so the share depends on the pool it is compared with."""
+    from genengine.testing.gpu_checks import gpu_memory_by_process
+    from genengine_sglang.engine import RLGenerationEngine
+
+    free0 = free_bytes()
+    engine = RLGenerationEngine.from_config(engine_config(model, mem_util))
+    try:
+        awake = free_bytes()
+        engine.sleep(2)
+        freed = free_bytes() - awake
+        kept = gpu_memory_by_process()
+    finally:
+        engine.shutdown()
+    held = free0 - awake
+    return {
+        "mem_util": mem_util,
+        "engine_gib": round(held / GIB, 2),
+        "freed_gib": round(freed / GIB, 2),
+        "share": round(freed / held, 4),
+        "left_per_process_gib": kept,
+    }
 
 
 # ---- the raw engine (child process) ---------------------------------------------------------------------------
@@ -413,6 +439,14 @@ def table(r: dict[str, Any]) -> str:
                 )
     if "cycle_s" in p3:
         rows.append(("P3 RL cycle", f"{p3['cycle_s']} s (sleep 2, wake weights, load, wake kv)", ""))
+    for other in r.get("p3_other_mem_util", []):
+        rows.append(
+            (
+                f"P3 sleep(2) at mem_util {other['mem_util']}",
+                f"frees {other['freed_gib']} of {other['engine_gib']} GiB = {other['share']:.2%}",
+                "",
+            )
+        )
     widths = [max(len(x[i]) for x in [("what", "genengine", "raw sglang"), *rows]) for i in range(3)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(("what", "genengine", "raw sglang"), widths, strict=True))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
@@ -431,6 +465,13 @@ def main() -> int:
     ap.add_argument("--skip-raw", action="store_true", help="measure ours only")
     ap.add_argument(
         "--variants", default=",".join(v[0] for v in VARIANTS), help="weight-sync variants to measure (comma-separated)"
+    )
+    ap.add_argument(
+        "--p3-mem-util",
+        type=float,
+        action="append",
+        default=[],
+        help="also measure the sleep(2) share with the engine at this memory fraction (repeatable)",
     )
     ap.add_argument("--raw-child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -453,6 +494,10 @@ def main() -> int:
         report["raw"] = run_raw(a.model)
     try:
         ours(a.model, variants, report)
+        for mem_util in a.p3_mem_util:
+            share = sleep_share_at(a.model, mem_util)
+            log(f"ours P3 at mem_util={mem_util}: {share}")
+            report.setdefault("p3_other_mem_util", []).append(share)
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
         report["traceback"] = traceback.format_exc()[-3000:]
