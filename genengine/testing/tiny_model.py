@@ -48,6 +48,8 @@ _PRETOKENIZE_REGEX = (  # Qwen2's
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 _DTYPES = ("bfloat16", "float16", "float32")
+_NORM_SCALES = ("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight")
+"""1-D weights that start at 1 (RMSNorm and LayerNorm scales, the vision tower's included); others are 0."""
 _SHARD_BYTES = 4 << 30
 _COMMON_WORDS = (  # noqa: SIM905 (a word list reads better as text)
     "the of and to in is that it was for on are as with his they at be this from have or by one had not but "
@@ -219,9 +221,20 @@ def _init_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: in
     if len(shape) >= 2:
         gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
         return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen).to(dtype)
-    if name.endswith("norm.weight"):
+    if name.endswith(_NORM_SCALES):
         return torch.ones(shape, dtype=dtype)
     return torch.zeros(shape, dtype=dtype)  # biases
+
+
+def _check_args(dtype: str, seed: int, ints: dict[str, int]) -> None:
+    """The builders' argument errors, raised before anything is written."""
+    if dtype not in _DTYPES:
+        raise InvalidArgumentError(f"dtype={dtype!r} is not supported; allowed: {', '.join(_DTYPES)}")
+    for key, value in ints.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"{key}={value!r} must be a positive integer")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InvalidArgumentError(f"seed={seed!r} must be an integer")
 
 
 def _save_weights(
@@ -285,8 +298,6 @@ def build_tiny_model(
 
     if arch not in ARCHITECTURES:
         raise InvalidArgumentError(f"arch={arch!r} is not supported; allowed: {', '.join(ARCHITECTURES)}")
-    if dtype not in _DTYPES:
-        raise InvalidArgumentError(f"dtype={dtype!r} is not supported; allowed: {', '.join(_DTYPES)}")
     ints = {
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
@@ -296,9 +307,7 @@ def build_tiny_model(
         "num_kv_heads": num_kv_heads,
         "max_position_embeddings": max_position_embeddings,
     }
-    for key, value in ints.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidArgumentError(f"{key}={value!r} must be a positive integer")
+    _check_args(dtype, seed, ints)
     if vocab_size < 300:
         raise InvalidArgumentError(f"vocab_size={vocab_size} must be >= 300 (256 byte tokens + specials + merges)")
     if num_params is not None:
@@ -312,8 +321,6 @@ def build_tiny_model(
             f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}, "
             f"and num_heads by num_kv_heads={num_kv_heads}"
         )
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InvalidArgumentError(f"seed={seed!r} must be an integer")
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)

@@ -28,13 +28,13 @@ from genengine.testing.tiny_model import (
     EOS_TOKEN,
     SPECIAL_TOKENS,
     _built_once,
-    _init_tensor,
+    _check_args,
+    _save_weights,
     _write_json,
     _write_tokenizer,
 )
 
 if TYPE_CHECKING:
-    import torch
     from PIL import Image
 
 __all__ = [
@@ -85,9 +85,6 @@ MAX_PIXELS = 112 * 112
 """At most 64 patches, 16 image tokens: vLLM profiles memory with an image this large."""
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's, as Qwen2-VL's processor
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-_ONES = ("norm1.weight", "norm2.weight", "ln_q.weight")
-"""The vision tower's LayerNorm scales; ``tiny_model``'s init only knows names ending in ``norm.weight``."""
-_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _mrope_section(head_dim: int) -> list[int]:
@@ -157,14 +154,6 @@ def _write_processor(path: Path) -> None:
     _write_json(path / "chat_template.json", {"chat_template": VLM_CHAT_TEMPLATE})
 
 
-def _vlm_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int, std: float) -> torch.Tensor:
-    import torch
-
-    if name.endswith(_ONES):
-        return torch.ones(shape, dtype=dtype)
-    return _init_tensor(name, shape, dtype, seed, std)
-
-
 def _hub_name(name: str) -> str:
     """The published checkpoints' weight name of a parameter (transformers ≥ 4.52 nests both towers in ``model``)."""
     for new, old in (("model.visual.", "visual."), ("model.language_model.", "model.")):
@@ -197,12 +186,8 @@ def build_tiny_vlm(
     """
     import torch
     import transformers
-    from safetensors.torch import save_file
 
-    if dtype not in _DTYPES:
-        raise InvalidArgumentError(f"dtype={dtype!r} is not supported; allowed: {', '.join(_DTYPES)}")
     ints = {
-        "seed": seed,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": intermediate_size,
@@ -214,9 +199,7 @@ def build_tiny_vlm(
         "vision_num_heads": vision_num_heads,
         "max_position_embeddings": max_position_embeddings,
     }
-    for key, value in ints.items():
-        if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and key != "seed"):
-            raise InvalidArgumentError(f"{key}={value!r} must be {'an' if key == 'seed' else 'a positive'} integer")
+    _check_args(dtype, seed, ints)
     if vocab_size < 300:
         raise InvalidArgumentError(f"vocab_size={vocab_size} must be >= 300 (256 byte tokens + specials + merges)")
     if hidden_size % num_heads or num_heads % num_kv_heads or (hidden_size // num_heads) % 8:
@@ -289,10 +272,7 @@ def build_tiny_vlm(
     with torch.device("meta"):
         meta_model = getattr(transformers, ARCHITECTURE)(hf_config)
     spec = sorted((_hub_name(name), tuple(t.shape)) for name, t in meta_model.state_dict().items())
-    std = 0.1 * math.sqrt(256 / hidden_size)
-    torch_dtype = getattr(torch, dtype)
-    tensors = {name: _vlm_tensor(name, shape, torch_dtype, seed, std) for name, shape in spec}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    _save_weights(out, spec, getattr(torch, dtype), seed, 0.1 * math.sqrt(256 / hidden_size))
     return out
 
 
