@@ -267,14 +267,11 @@ def start_ranks() -> tuple[int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
-    import torch
     import torch.distributed as dist
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")  # as tests/gpu/tp2_vllm.py: no eager device binding
-    else:
-        dist.init_process_group("gloo")
+    from genengine.testing.tp2_run import init_trainer_world
+
+    init_trainer_world()  # as tests/gpu/tp2_vllm.py: no eager device binding
     return dist.get_rank(), world
 
 

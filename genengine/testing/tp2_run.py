@@ -1,6 +1,6 @@
 """What the two-rank GPU scripts (``tests/gpu/tp2_*.py``) share: PASS/FAIL lines, results gathered on a
 gloo group, and the ending every colocated engine must allow: after ``shutdown()`` the trainer's default
-group still exists and still reduces.
+group still exists and still reduces. ``init_trainer_world`` also starts ``benchmarks/soak.py``'s ranks.
 
 They are scripts under ``torchrun``, not pytest tests, because two ranks must run one engine together.
 """
@@ -15,7 +15,24 @@ import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-__all__ = ["Tp2Run", "exit_with"]
+__all__ = ["Tp2Run", "exit_with", "init_trainer_world"]
+
+
+def init_trainer_world(*, bind_device: bool = False) -> None:
+    """The default group as a torchrun trainer starts it: NCCL on this rank's GPU (``LOCAL_RANK``), gloo
+    without one. ``bind_device`` binds NCCL to the device at once (``device_id``) instead of lazily."""
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        dist.init_process_group("gloo")
+        return
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    if bind_device:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:
+        dist.init_process_group("nccl")
 
 
 class Tp2Run:
@@ -40,19 +57,10 @@ class Tp2Run:
         return cond
 
     def start(self, *, bind_device: bool) -> int:
-        """The trainer's NCCL world on this rank's GPU (gloo without one), plus a gloo group for the results."""
-        import torch
+        """The trainer's world (``init_trainer_world``), plus a gloo group for the results; the world size."""
         import torch.distributed as dist
 
-        if not torch.cuda.is_available():
-            dist.init_process_group("gloo")
-        else:
-            local = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local)
-            if bind_device:
-                dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-            else:
-                dist.init_process_group("nccl")
+        init_trainer_world(bind_device=bind_device)
         self.world = dist.group.WORLD
         self.gloo = dist.new_group(backend="gloo")
         return int(dist.get_world_size())
