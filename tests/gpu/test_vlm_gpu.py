@@ -80,11 +80,16 @@ def _hf_logprobs(model: Any, vlm: dict[str, Any], prompt: str, image: Any, token
     """transformers' log-probabilities of ``tokens`` after ``prompt`` with ``image`` (one forward pass)."""
     inputs = vlm["processor"](text=[prompt], images=[image], return_tensors="pt").to("cuda")
     prompt_len = inputs["input_ids"].shape[1]
-    ids = torch.cat([inputs["input_ids"], torch.tensor([tokens], device="cuda")], dim=1)
-    mask = torch.ones_like(ids)
-    pixels = inputs["pixel_values"].to(next(model.parameters()).dtype)
+    extra = torch.tensor([tokens], device="cuda")
+    kwargs = dict(inputs)
+    kwargs["input_ids"] = torch.cat([inputs["input_ids"], extra], dim=1)
+    kwargs["attention_mask"] = torch.ones_like(kwargs["input_ids"])
+    # transformers >= 5 computes M-RoPE positions from the per-token modality (0 = text): the answer is text.
+    if "mm_token_type_ids" in kwargs:
+        kwargs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros_like(extra)], dim=1)
+    kwargs["pixel_values"] = inputs["pixel_values"].to(next(model.parameters()).dtype)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, pixel_values=pixels, image_grid_thw=inputs["image_grid_thw"])
+        out = model(**kwargs)
     logp = torch.log_softmax(out.logits[0, prompt_len - 1 : -1].float(), dim=-1)
     return logp.gather(1, torch.tensor(tokens, device="cuda")[:, None])[:, 0].tolist()
 

@@ -36,6 +36,8 @@ if [ "$ENGINE" = sglang ]; then
   export GENENGINE_SGLANG_OPTIONS=${GENENGINE_SGLANG_OPTIONS:-'{"attention_backend": "triton", "mm_attention_backend": "triton_attn", "sampling_backend": "pytorch", "grammar_backend": "none"}'}
 else
   export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_ALLREDUCE_USE_SYMM_MEM=0
+  # The kit carries no blake3 wheel; vLLM hashes image inputs with it by default (sha256 is its FIPS choice).
+  python3 -c 'import blake3' 2>/dev/null || export VLLM_MM_HASHER_ALGORITHM=${VLLM_MM_HASHER_ALGORITHM:-sha256}
 fi
 
 save_jit() {
