@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from genengine.testing.gpu_checks import free_gpu_memory as free_bytes
+
 GIB = 1 << 30
 CFG = {
     "hidden_size": 3584,
@@ -128,15 +130,6 @@ def trainer_state() -> list[tuple[str, Any]]:
 def prompts(seed: int) -> list[list[int]]:
     rnd = random.Random(seed)
     return [[rnd.randrange(1, CFG["vocab_size"]) for _ in range(PROMPT_LEN)] for _ in range(N_PROMPTS)]
-
-
-def free_bytes() -> int:
-    """The device's free memory once this process's finished work and unused cached blocks are gone."""
-    import torch
-
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    return int(torch.cuda.mem_get_info()[0])
 
 
 def warm_trainer_process() -> None:

@@ -25,8 +25,10 @@ __all__ = [
     "SleepReading",
     "assert_loads_like_fresh",
     "assert_sleep_freed",
+    "current_gpu_uuid",
     "free_gpu_memory",
     "gpu_memory_by_process",
+    "gpu_memory_by_process_per_gpu",
     "installed_engine",
     "sleep_and_wake",
     "token_ids",
@@ -65,20 +67,41 @@ def free_gpu_memory() -> int:
     return int(torch.cuda.mem_get_info()[0])
 
 
+def current_gpu_uuid() -> str:
+    """NVML's name of the current CUDA device (``GPU-<uuid>``), the same under any ``CUDA_VISIBLE_DEVICES``."""
+    import torch
+
+    return f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+
+
+def gpu_memory_by_process_per_gpu() -> dict[str, dict[int, float]]:
+    """GiB that NVML charges to each process on every GPU of the host, keyed by ``current_gpu_uuid``'s
+    names: which GPU each of an engine's processes landed on. {} where NVML is missing."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        usage: dict[str, dict[int, float]] = {}
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            usage[uuid.decode() if isinstance(uuid, bytes) else str(uuid)] = {
+                int(p.pid): round((p.usedGpuMemory or 0) / GIB, 3) for p in procs
+            }
+    except Exception:  # a reading for the failure message, never a failure of its own
+        return {}
+    return usage
+
+
 def gpu_memory_by_process() -> dict[int, float]:
     """GiB that NVML charges to each process on the current device: when a sleep leaves memory behind,
     this says whether the trainer's process or an engine process keeps it. {} where NVML is missing."""
     try:
-        import pynvml
-        import torch
-
-        pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    except Exception:  # a reading for the failure message, never a failure of its own
+        uuid = current_gpu_uuid()
+    except Exception:
         return {}
-    return {int(p.pid): round((p.usedGpuMemory or 0) / GIB, 3) for p in procs}
+    return gpu_memory_by_process_per_gpu().get(uuid, {})
 
 
 def token_ids(results: Sequence[GenerationResult]) -> list[list[list[int]]]:

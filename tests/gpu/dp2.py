@@ -44,22 +44,6 @@ RANK, RESULT = RUN.rank, RUN.result
 log, check = RUN.log, RUN.check
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a distant galaxy far away", "Hello", "my name is", "one"]
 MODEL_DIR = "/tmp/genengine-dp2/model"
-GIB = 1 << 30
-
-
-def gib_by_pid_on_each_gpu() -> dict[str, dict[int, float]]:
-    """NVML: GiB per process on every GPU of the host, keyed by the GPU's UUID."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    out: dict[str, dict[int, float]] = {}
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-        uuid = pynvml.nvmlDeviceGetUUID(handle)
-        uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
-        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        out[uuid] = {int(p.pid): round((p.usedGpuMemory or 0) / GIB, 3) for p in procs}
-    return out
 
 
 def main() -> int:
@@ -79,19 +63,20 @@ def main() -> int:
     from genengine import create_engine
     from genengine.protocol import SamplingParams
     from genengine.testing.conformance import load_checkpoint
+    from genengine.testing.gpu_checks import (
+        GIB,
+        current_gpu_uuid,
+        free_gpu_memory,
+        gpu_memory_by_process_per_gpu,
+    )
     from genengine.testing.processes import descendants
     from genengine.testing.tiny_model import build_tiny_model
 
     if RANK == 0:
         build_tiny_model(MODEL_DIR, seed=0)
     dist.barrier(group=gloo)
-    my_uuid = "GPU-" + str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
-
-    def free() -> int:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return int(torch.cuda.mem_get_info()[0])
-
+    my_uuid = current_gpu_uuid()
+    free = free_gpu_memory
     free0 = free()
     options: dict[str, Any] = {"tp_size": 1, "mem_util": a.mem, "disable_cuda_graph": True}
     if a.backend == "vllm":
@@ -111,7 +96,7 @@ def main() -> int:
     tree = [os.getpid(), *(p.pid for p in descendants(os.getpid()))]
     everyone = gather({"uuid": my_uuid, "tree": tree})
     if RANK == 0:
-        usage = gib_by_pid_on_each_gpu()
+        usage = gpu_memory_by_process_per_gpu()
         RESULT["nvml_gib"] = usage
         for r, info in enumerate(everyone):
             mine = sum(g for pid, g in usage.get(info["uuid"], {}).items() if pid in info["tree"])
@@ -162,8 +147,9 @@ def main() -> int:
     if RANK == 0:
         awake = free()
         engine.sleep(2)
-        RESULT["rank0_sleep_freed_gib"] = round((free() - awake) / GIB, 2)
-        check(free() - awake > 0.5 * held, f"rank 0 asleep: freed {(free() - awake) / GIB:.1f} GiB on GPU 0")
+        freed = free() - awake
+        RESULT["rank0_sleep_freed_gib"] = round(freed / GIB, 2)
+        check(freed > 0.5 * held, f"rank 0 asleep: freed {freed / GIB:.1f} GiB on GPU 0")
     dist.barrier(group=gloo)
     if RANK == 1:  # flushed: a prefix-cache hit is another kernel path, with other last bits
         engine.flush_cache()
@@ -200,7 +186,7 @@ def main() -> int:
     took = f"{returned / GIB:.2f} of the {held / GIB:.2f} GiB the engine took"
     check(returned >= 0.98 * held, f"shutdown gave back {took}")
     tree_now = {p.pid for p in descendants(os.getpid())}
-    usage = gib_by_pid_on_each_gpu()
+    usage = gpu_memory_by_process_per_gpu()
     RESULT["trainer_gib_after_shutdown"] = usage.get(my_uuid, {}).get(os.getpid())
     on_gpu = {pid: g for procs in usage.values() for pid, g in procs.items() if pid in tree_now}
     check(not on_gpu, f"no process started by this rank holds GPU memory after shutdown ({on_gpu})")

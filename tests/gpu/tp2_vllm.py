@@ -57,6 +57,7 @@ def main() -> int:
 
     from genengine.errors import InconsistentInputsError
     from genengine.protocol import SamplingParams
+    from genengine.testing.gpu_checks import free_gpu_memory
     from genengine.testing.tiny_model import build_tiny_model
     from genengine_vllm import get_vllm_engine
 
@@ -117,11 +118,7 @@ def main() -> int:
     check(run("greedy after the refused calls") == base, "the engine works after the refused calls")
 
     # --- sleep / staged wake / load_weights --------------------------------------------------------------------
-    def free() -> int:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return int(torch.cuda.mem_get_info()[0])
-
+    free = free_gpu_memory
     for level in (1, 2):
         awake = free()
         t = time.time()
