@@ -235,6 +235,10 @@ def _check_args(dtype: str, seed: int, ints: dict[str, int]) -> None:
             raise InvalidArgumentError(f"{key}={value!r} must be a positive integer")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise InvalidArgumentError(f"seed={seed!r} must be an integer")
+    if ints["vocab_size"] < 300:  # the shared tokenizer's floor
+        raise InvalidArgumentError(
+            f"vocab_size={ints['vocab_size']} must be >= 300 (256 byte tokens + specials + merges)"
+        )
 
 
 def _save_weights(
@@ -308,8 +312,6 @@ def build_tiny_model(
         "max_position_embeddings": max_position_embeddings,
     }
     _check_args(dtype, seed, ints)
-    if vocab_size < 300:
-        raise InvalidArgumentError(f"vocab_size={vocab_size} must be >= 300 (256 byte tokens + specials + merges)")
     if num_params is not None:
         if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 100_000:
             raise InvalidArgumentError(f"num_params={num_params!r} must be an integer >= 100000")

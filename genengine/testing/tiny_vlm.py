@@ -200,8 +200,6 @@ def build_tiny_vlm(
         "max_position_embeddings": max_position_embeddings,
     }
     _check_args(dtype, seed, ints)
-    if vocab_size < 300:
-        raise InvalidArgumentError(f"vocab_size={vocab_size} must be >= 300 (256 byte tokens + specials + merges)")
     if hidden_size % num_heads or num_heads % num_kv_heads or (hidden_size // num_heads) % 8:
         raise InvalidArgumentError(
             f"hidden_size={hidden_size} must be num_heads={num_heads} times a multiple of 8 (mrope splits "
