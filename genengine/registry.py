@@ -1,6 +1,7 @@
 """Finding backends: entry points → pluggy → ``create_engine``.
 
-Plugins load on first use. A plugin that fails to import does not break listing (it is reported
+Plugins load on first use. A plugin that fails to import, whose hook does not match the hookspec, whose
+hook raises, or that registers no backend does not break listing or the other backends (it is reported
 with a warning and as not loadable); selecting it raises an error naming its distribution with the
 original exception chained.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -59,6 +61,10 @@ class BackendInfo:
     raw_runner: Any = None
     error: BaseException | None = None
     """Set when the plugin itself failed to import or to register."""
+    stage: str = "import"
+    """What failed when ``error`` is set: ``"import"`` (``ep.load()``) or ``"register"`` (the hook)."""
+    detail: str | None = None
+    """A readable explanation of ``error``, when its own message is not one."""
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -69,14 +75,29 @@ class BackendInfo:
         return self.error is None and not self.missing
 
     @property
+    def _failure(self) -> str:
+        return f"failed to {self.stage}: {self.detail or _describe(self.error)}" if self.error else ""
+
+    @property
     def reason(self) -> str | None:
         """Why the backend cannot be used, or None if it can."""
         if self.error is not None:
-            return f"plugin failed to import: {type(self.error).__name__}: {self.error}"
+            return f"plugin {self._failure}"
         missing = self.missing
         if missing:
             return "not installed: " + (self.install_hint or f"missing module(s) {', '.join(missing)}")
         return None
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` on one line (a backends table row), for an error raised by a plugin's own code."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def _hook_signatures() -> str:
+    """The hooks genengine calls, as a plugin must spell them (for errors about a plugin's hooks)."""
+    specs = [obj for obj in vars(hookspecs).values() if callable(obj) and hasattr(obj, "genengine_spec")]
+    return ", ".join(f"{f.__name__}({', '.join(inspect.signature(f).parameters)})" for f in specs)
 
 
 class _Registry:
@@ -87,26 +108,71 @@ class _Registry:
         self.sources: dict[str, tuple[str | None, str | None]] = {}
 
     def load(self) -> None:
+        contributed: dict[str, bool] = {}
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             dist = ep.dist.name if ep.dist is not None else None
             version = ep.dist.version if ep.dist is not None else None
             self.sources[ep.name] = (dist, version)
+            stage = "import"
             try:
                 module = ep.load()
+                if self.pm.is_registered(module):
+                    continue  # the same module reached through a second entry point
+                stage = "register"
+                self.pm.register(module, name=ep.name)
             except Exception as exc:
-                warnings.warn(
-                    f"error importing genengine plugin {ep.name!r} (distribution {dist!r}): "
-                    f"{type(exc).__name__}: {exc}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                self._add(BackendInfo(ep.name, ep.name, dist, version, error=exc))
+                if stage == "register" and self.pm.get_plugin(ep.name) is not None:
+                    self.pm.unregister(name=ep.name)  # pluggy < 1.7 kept a plugin that failed validation
+                detail = None
+                if isinstance(exc, pluggy.PluginValidationError):
+                    detail = f"{' '.join(str(exc).split())}; genengine calls {_hook_signatures()}"
+                self._fail(ep.name, dist, version, exc, stage, detail)
                 continue
-            if self.pm.is_registered(module):
-                continue  # the same module reached through a second entry point
-            self.pm.register(module, name=ep.name)
+            contributed[ep.name] = False
         for impl in self.pm.hook.register_backends.get_hookimpls():
             self._call(impl.plugin_name, impl.function)
+        for info in self.backends.values():
+            if info.plugin in contributed:
+                contributed[info.plugin] = True
+        for plugin, registered_some in contributed.items():
+            if not registered_some:
+                self._register_nothing(plugin)
+
+    def _fail(
+        self,
+        plugin: str,
+        dist: str | None,
+        version: str | None,
+        exc: BaseException,
+        stage: str,
+        detail: str | None = None,
+    ) -> None:
+        """Record one plugin as unusable (listed under its entry point's name) and warn; the others load on."""
+        info = BackendInfo(plugin, plugin, dist, version, error=exc, stage=stage, detail=detail)
+        what = "importing" if stage == "import" else "registering"
+        warnings.warn(
+            f"error {what} genengine plugin {plugin!r} (distribution {dist!r}): {detail or _describe(exc)}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        self._add(info)
+
+    def _register_nothing(self, plugin: str) -> None:
+        """A plugin that registered no backend is a broken one (usually a misspelt hook): say so."""
+        dist, version = self.sources.get(plugin, (None, None))
+        module = self.pm.get_plugin(plugin)
+        callers = self.pm.get_hookcallers(module) or []
+        unknown = sorted(c.name for c in callers if not c.has_spec())
+        known = _hook_signatures()
+        if unknown:
+            why = f"it implements {', '.join(unknown)}, which genengine does not call; genengine calls {known}"
+        elif callers:
+            why = "its register_backends hook never called register(name, factory)"
+        else:
+            why = f"it has no hook marked @genengine.hookspecs.hookimpl; genengine calls {known}"
+        detail = f"it registered no backend: {why}"
+        self.pm.unregister(name=plugin)
+        self._fail(plugin, dist, version, BackendImportError(detail), "register", detail)
 
     def _call(self, plugin: str, hook: Callable[..., object]) -> None:
         dist, version = self.sources.get(plugin, (None, None))
@@ -131,8 +197,7 @@ class _Registry:
         except DuplicateBackendError:
             raise
         except Exception as exc:
-            warnings.warn(f"genengine plugin {plugin!r} failed to register: {exc}", RuntimeWarning, stacklevel=3)
-            self._add(BackendInfo(plugin, plugin, dist, version, error=exc))
+            self._fail(plugin, dist, version, exc, "register")
 
     def _add(self, info: BackendInfo) -> None:
         old = self.backends.get(info.name)
@@ -195,11 +260,12 @@ def get_backend(name: str) -> BackendInfo:
         )
     if info.error is not None:
         raise BackendImportError(
-            f"backend {name!r} cannot be used: its plugin (distribution {info.distribution!r}) failed to "
-            f"import: {type(info.error).__name__}: {info.error}"
+            f"backend {name!r} cannot be used: its plugin (distribution {info.distribution!r}) {info._failure}"
         ) from info.error
-    if info.missing:
-        raise BackendImportError(f"backend {name!r} is not installed: {info.reason}")
+    absent = info.missing
+    if absent:
+        hint = f"; to install: {info.install_hint}" if info.install_hint else ""
+        raise BackendImportError(f"backend {name!r} is not installed (missing module(s): {', '.join(absent)}){hint}")
     return info
 
 

@@ -66,3 +66,19 @@ def test_help_imports_nothing_heavy() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])
+def test_backend_not_installed_is_said_once(backend: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 15: the message read "is not installed: not installed: pip install ..."."""
+    from genengine.registry import available_backends
+
+    if {b.name: b for b in available_backends()}[backend].loadable:
+        pytest.skip(f"{backend} is installed here")
+    assert main(["generate", "hi", "--backend", backend, "--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("not installed") == 1, err
+    assert (
+        f"genengine: error: backend {backend!r} is not installed (missing module(s): {backend}); "
+        f"to install: pip install 'genengine[{backend}]'"
+    ) in err

@@ -26,7 +26,7 @@ PLUGINS = Path(__file__).parent / "plugins"
 def plugin_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("plugins")
     dirs = {}
-    for name in ("example", "broken", "duplicate"):
+    for name in ("example", "broken", "duplicate", "badhook"):
         target = root / name
         build = tmp_path_factory.mktemp(f"src-{name}")
         subprocess.run(["cp", "-r", f"{PLUGINS / name}/.", str(build)], check=True)
@@ -115,6 +115,55 @@ def test_selecting_broken_plugin_names_distribution_and_chains(plugin_dirs: dict
     out = run_with([plugin_dirs["broken"]], code).stdout.splitlines()
     assert out[0] == "ModuleNotFoundError"
     assert "genengine-broken-backend" in out[1] and "genengine_dependency_that_does_not_exist" in out[1]
+
+
+def test_misspelt_hooks_break_only_their_own_plugin(plugin_dirs: dict[str, Path]) -> None:
+    """Issue 15: ``register_backends(reg)`` raised pluggy's PluginValidationError out of every registry call."""
+    from genengine.testing.tiny_model import tiny_model_dir
+
+    dirs = [plugin_dirs["example"], plugin_dirs["badhook"]]
+    model = str(tiny_model_dir())
+    code = (
+        "import json, warnings\n"
+        "warnings.simplefilter('ignore')\n"
+        "import genengine\n"
+        "from genengine.errors import BackendImportError\n"
+        "rows = {b.name: [b.loadable, b.reason, b.distribution] for b in genengine.available_backends()}\n"
+        "errors = {}\n"
+        "for name in ('badparam', 'badname'):\n"
+        "    try:\n"
+        "        genengine.create_engine(backend=name, model='m')\n"
+        "    except BackendImportError as e:\n"
+        "        errors[name] = [str(e), type(e.__cause__).__name__]\n"
+        f"with genengine.create_engine(backend='transformers', model={model!r}, dtype='float32') as e:\n"
+        "    out = e.generate(['Hello'], {'max_new_tokens': 2, 'temperature': 0})[0].outputs[0].token_ids\n"
+        "print(json.dumps({'rows': rows, 'errors': errors, 'tokens': out}))\n"
+    )
+    proc = run_with(dirs, code)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    rows, errors = got["rows"], got["errors"]
+    assert rows["transformers"][0] and rows["example"][0], rows
+    assert len(got["tokens"]) == 2
+    loadable, reason, dist = rows["badparam"]
+    assert not loadable and dist == "genengine-badhook-backend"
+    assert reason.startswith("plugin failed to register: ") and "register_backends(reg)" in reason
+    assert "genengine calls register_backends(register)" in reason and "\n" not in reason
+    loadable, reason, dist = rows["badname"]
+    assert not loadable and dist == "genengine-badhook-backend"
+    assert "registered no backend" in reason and "register_backend," in reason
+    assert "genengine calls register_backends(register)" in reason
+    msg, cause = errors["badparam"]
+    assert "'badparam' cannot be used" in msg and "genengine-badhook-backend" in msg and "(reg)" in msg
+    assert cause == "PluginValidationError"
+    assert "'badname' cannot be used" in errors["badname"][0]
+
+    proc = cli_with(dirs, "backends")
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    assert "loadable" in lines["transformers"] and "loadable" in lines["example"]
+    assert "plugin failed to register" in lines["badparam"] and "plugin failed to register" in lines["badname"]
+    assert "error registering genengine plugin 'badparam' (distribution 'genengine-badhook-backend')" in proc.stderr
 
 
 def test_duplicate_backend_names_both_plugins(plugin_dirs: dict[str, Path]) -> None:
