@@ -5,6 +5,12 @@ once; each job sets torchrun's variables, initialises a fresh default group over
 port, runs one scenario from :data:`SCENARIOS`, and destroys the group again. Results (or the
 exception's type, message and base classes) come back through a queue; a worker that dies is noticed
 and restarted on the next job.
+
+Timing on a loaded 2-core machine: a scenario marks where the call under test starts
+(:func:`mark_call_start`), so ``Result.elapsed`` never includes process-group setup; and a rank that
+stays away from a call (or lingers after it) waits for its peers' done-markers in ``sync_dir`` rather
+than sleeping a fixed time, so "the peer was still there when the timeout fired" is a fact the test can
+assert, not a race between two clocks.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 ENV_KEYS = (
@@ -70,6 +77,37 @@ class Result:
 
 
 # --- scenarios (run inside the workers) ------------------------------------------------------------------
+_CALL: dict[str, float] = {}  # per job: when the call under test started (see mark_call_start)
+
+
+def mark_call_start() -> None:
+    """``Result.elapsed`` counts from here: the call under test, without the group's setup before it."""
+    _CALL["start"] = time.monotonic()
+
+
+def _done_marker(sync_dir: str, rank: int) -> Path:
+    return Path(sync_dir) / f"done-{rank}"
+
+
+@contextlib.contextmanager
+def _marks_done(sync_dir: str, rank: int) -> Iterator[None]:
+    """Leave this rank's done-marker when the call under test ends, returned or raised."""
+    try:
+        yield
+    finally:
+        _done_marker(sync_dir, rank).touch()
+
+
+def _wait_for_done(sync_dir: str, ranks: list[int], cap_s: float) -> bool:
+    """Whether every rank in ``ranks`` left its done-marker within ``cap_s`` seconds."""
+    deadline = time.monotonic() + cap_s
+    while not all(_done_marker(sync_dir, r).exists() for r in ranks):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def _helpers(tp_size: int, base_port: int, allow_multi_node: bool = False) -> dict[str, Any]:
     """Build the groups and use every helper once; report what each rank saw."""
     import dataclasses
@@ -151,13 +189,17 @@ def _consistency(tp_size: int, odd_ranks: list[int], timeout_s: float = 30) -> s
 def _absent(
     tp_size: int,
     plan: dict[int, str],
+    sync_dir: str,
     absent_for_s: float,
     timeout_s: float | None = None,
     linger_s: float = 0.0,
 ) -> str:
-    """Ranks in ``plan`` call that helper; the others never join it (they sleep, then leave).
+    """Ranks in ``plan`` call that helper; the others never join it.
 
-    Ranks whose helper returns stay ``linger_s`` more, so a diverged peer is stuck, not gone.
+    An absent rank stays away until every rank of its group that calls a helper has finished its call
+    (returned or raised), for at most ``absent_for_s``; a rank whose helper returns stays likewise, for at
+    most ``linger_s``, so a diverged peer is stuck, not gone. Each returns "absent" (resp. "returned")
+    when its peers finished first, i.e. they gave up while it was still there, and says otherwise.
     """
     import torch
     import torch.distributed as dist
@@ -166,10 +208,12 @@ def _absent(
 
     rank = dist.get_rank()
     eg = engine_group(tp_size, check_port=False, timeout_s=timeout_s)
+    callers = [r for r in eg.topology.tp_group_ranks if r in plan and r != rank]
     op = plan.get(rank)
     if op is None:
-        time.sleep(absent_for_s)
-        return "absent"
+        if _wait_for_done(sync_dir, callers, absent_for_s):
+            return "absent"
+        return f"absent, then left after {absent_for_s:g} s: ranks {callers} were still inside their calls"
     calls: dict[str, Callable[[], object]] = {
         "broadcast_object": lambda: eg.broadcast_object("x" if eg.is_leader else None),
         "broadcast_tensor": lambda: eg.broadcast_tensor(torch.ones(3) if eg.is_leader else None),
@@ -179,26 +223,38 @@ def _absent(
         # A leader that diverged: it sends what looks like broadcast_tensor's metadata, then leaves.
         "broadcast_meta": lambda: eg.broadcast_object(((3,), torch.float32)),
     }
-    calls[op]()
-    time.sleep(linger_s)
-    return "returned"
+    mark_call_start()
+    with _marks_done(sync_dir, rank):
+        calls[op]()
+    if _wait_for_done(sync_dir, callers, linger_s):
+        return "returned"
+    return f"returned, then left after {linger_s:g} s: ranks {callers} were still inside their calls"
 
 
-def _dies(tp_size: int, plan: dict[int, str], die_after_s: float, leader_delay_s: float) -> str:
-    """Every rank enters ``plan[rank]``; ranks marked ``die:`` are killed by a timer while inside it."""
+def _dies(tp_size: int, plan: dict[int, str], die_after_s: float, timeout_s: float) -> str:
+    """Every rank enters ``plan[rank]``; ranks marked ``die:`` are killed by a timer while inside it.
+
+    A leader enters its helper only once its group's victims are gone (``dead_ranks``), so a victim can
+    never be sent what it waits for and return before its timer fires: it dies inside the helper.
+    """
     import torch.distributed as dist
 
     from genengine.distributed import engine_group
 
     rank = dist.get_rank()
-    eg = engine_group(tp_size, check_port=False, timeout_s=20)
+    eg = engine_group(tp_size, check_port=False, timeout_s=timeout_s)
     eg.barrier()
     op = plan[rank]
     if op.startswith("die:"):
         op = op[4:]
         threading.Timer(die_after_s, os._exit, args=(3,)).start()
     if eg.is_leader:
-        time.sleep(leader_delay_s)
+        victims = {r for r in eg.topology.tp_group_ranks if plan[r].startswith("die:")}
+        deadline = time.monotonic() + 60
+        while not victims <= set(eg.dead_ranks()):
+            assert time.monotonic() < deadline, f"victims {sorted(victims)} still alive after 60 s"
+            time.sleep(0.02)
+    mark_call_start()
     if op == "broadcast_object":
         eg.broadcast_object("outputs" if eg.is_leader else None)
     elif op == "gather_object":
@@ -245,6 +301,7 @@ def _serve(inbox: Any, outbox: Any) -> None:
         for key in ENV_KEYS:
             os.environ.pop(key, None)
         os.environ.update(env)
+        _CALL.clear()
         start = time.monotonic()
         try:
             if "nccl" in backend:
@@ -254,7 +311,7 @@ def _serve(inbox: Any, outbox: Any) -> None:
             dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=60))
             start = time.monotonic()
             value = SCENARIOS[scenario](**kwargs)
-            res = Result(rank, "ok", value, elapsed=time.monotonic() - start)
+            res = Result(rank, "ok", value, elapsed=time.monotonic() - _CALL.get("start", start))
         except BaseException as exc:
             res = Result(
                 rank,
@@ -262,7 +319,7 @@ def _serve(inbox: Any, outbox: Any) -> None:
                 error_type=type(exc).__name__,
                 message=str(exc),
                 mro=[c.__name__ for c in type(exc).__mro__],
-                elapsed=time.monotonic() - start,
+                elapsed=time.monotonic() - _CALL.get("start", start),
                 value=traceback.format_exc(),
             )
         if exit_after:

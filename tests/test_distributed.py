@@ -424,27 +424,45 @@ def test_consistency_majority_and_per_group(pool: Any) -> None:
     assert all(r.raised("InconsistentInputsError") and "rank(s) [0] of" in r.message for r in results)
 
 
-def test_rank_that_never_joins_times_out(pool: Any) -> None:
+# How long an absent rank stays away at most. It leaves as soon as its group's callers have given up, so
+# this is only paid when a timeout fails to fire: then the callers could only fail once the absent rank
+# leaves, and its report says so. Far above CEILING_S, so "gave up too late" and "never gave up" both fail.
+ABSENT_CAP_S = 30.0
+# Generous ceiling for a 1 s timeout to fire, counted from the call itself (not from group setup): scheduling
+# on a loaded 2-core machine can add seconds, never CEILING_S - 1; a timeout that does not fire takes
+# ABSENT_CAP_S. The floor is the timeout itself: a deadline never fires early (the 50 ms is the milliseconds
+# gloo rounds the remaining time down to).
+CEILING_S = 12.0
+EARLY_S = 0.05
+
+
+def test_rank_that_never_joins_times_out(pool: Any, tmp_path: Path) -> None:
     # Four groups of two, each with a different helper and one absent rank (the leader in the last).
     plan = {0: "broadcast_object", 2: "gather_object", 4: "check_consistent", 7: "barrier"}
-    results = pool.run("absent", 8, tp_size=2, plan=plan, absent_for_s=3.0, timeout_s=1.0)
+    results = pool.run(
+        "absent", 8, tp_size=2, plan=plan, sync_dir=str(tmp_path), absent_for_s=ABSENT_CAP_S, timeout_s=1.0
+    )
     for rank in (1, 3, 5, 6):
-        assert results[rank].value == "absent"
+        # Still away when its peer's call ended: the peer gave up on its deadline, not because this rank left.
+        assert results[rank].value == "absent", (rank, results[rank].value)
     for rank, op in plan.items():
         r = results[rank]
         assert r.raised("CollectiveTimeoutError") and r.raised("TimeoutError"), (rank, r.status, r.message)
         assert f"{op} in TP group [{rank - rank % 2}, {rank - rank % 2 + 1}]" in r.message
-        assert "timeout 1 s" in r.message and 0.9 < r.elapsed < 2.5, (rank, r.elapsed)
+        assert "timeout 1 s" in r.message and 1.0 - EARLY_S <= r.elapsed < CEILING_S, (rank, r.elapsed)
     assert "rank(s) [5] did not arrive" in results[4].message  # the roll call names who is missing
     assert "the leader rank 6 did not answer" in results[7].message
 
 
-def test_timeout_from_env_applies_to_tensor_broadcast(pool: Any) -> None:
+def test_timeout_from_env_applies_to_tensor_broadcast(pool: Any, tmp_path: Path) -> None:
     env = {gd.TIMEOUT_ENV: "1"}
-    results = pool.run("absent", 2, env=env, tp_size=2, plan={0: "broadcast_tensor"}, absent_for_s=2.5)
+    results = pool.run(
+        "absent", 2, env=env, tp_size=2, plan={0: "broadcast_tensor"}, sync_dir=str(tmp_path), absent_for_s=ABSENT_CAP_S
+    )
     r = results[0]
     assert r.raised("CollectiveTimeoutError") and "broadcast_tensor" in r.message, r.message
-    assert "timeout 1 s" in r.message and r.elapsed < 2.2
+    assert "timeout 1 s" in r.message and 1.0 - EARLY_S <= r.elapsed < CEILING_S, r.elapsed
+    assert results[1].value == "absent", results[1].value  # rank 1 was still away: the 1 s deadline fired
 
 
 def test_engine_port_in_use(pool: Any) -> None:
@@ -463,15 +481,18 @@ def test_engine_port_in_use(pool: Any) -> None:
 
 
 def test_rank_dying_mid_collective_fails_fast(pool: Any) -> None:
-    # Ranks 1 and 3 die (by timer) while waiting inside the helper; their leaders are inside it too.
+    # Ranks 1 and 3 die (by timer) while waiting inside the helper; their leaders enter it once they are gone.
     plan = {0: "broadcast_object", 1: "die:broadcast_object", 2: "gather_object", 3: "die:gather_object"}
-    results = pool.run("dies", 4, tp_size=2, plan=plan, die_after_s=0.5, leader_delay_s=1.0)
+    # A timeout far above any scheduling delay: raising well before it means the death itself was noticed.
+    # (Were it only noticed at the timeout, elapsed would be >= 60 s; pool.run waits 120 s to report that.)
+    timeout_s = 60.0
+    results = pool.run("dies", 4, tp_size=2, plan=plan, die_after_s=0.5, timeout_s=timeout_s, timeout=120)
     assert [r.status for r in results[1::2]] == ["died", "died"]
     for rank in (0, 2):
         r = results[rank]
         assert r.raised("CollectiveTimeoutError"), (r.status, r.message)
         assert f"{plan[rank]} in TP group [{rank}, {rank + 1}]" in r.message and "died" in r.message
-        assert r.elapsed < 10, r.elapsed  # well inside the 20 s timeout: a dead peer is noticed at once
+        assert r.elapsed < timeout_s / 3, r.elapsed  # counted from entering the helper, with the peer already dead
 
 
 def _cuda_devices() -> int:
@@ -482,17 +503,28 @@ def _cuda_devices() -> int:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_cuda_devices() < 2, reason="needs 2 CUDA GPUs")
-def test_nccl_device_group_on_two_gpus(pool: Any) -> None:
+def test_nccl_device_group_on_two_gpus(pool: Any, tmp_path: Path) -> None:
     base = dw.free_port_block(2)
     values = _ok(pool.run("helpers", 2, backend="nccl", tp_size=2, base_port=base))
     _check_helpers(values, 2, 2, 2, base, backend="nccl")
     # The leader diverges: it sends what looks like broadcast_tensor's metadata (over gloo), then never
     # joins the NCCL half. Rank 1 waits on NCCL, whose Work.wait(timeout) must turn that into an error.
+    # The leader stays diverged (alive, not joining) until rank 1's call has ended, ABSENT_CAP_S at most.
     plan = {0: "broadcast_meta", 1: "broadcast_tensor"}
     results = pool.run(
-        "absent", 2, backend="nccl", exit_after=True, tp_size=2, plan=plan, absent_for_s=0, timeout_s=2.0, linger_s=4.0
+        "absent",
+        2,
+        backend="nccl",
+        exit_after=True,
+        tp_size=2,
+        plan=plan,
+        sync_dir=str(tmp_path),
+        absent_for_s=0,
+        timeout_s=2.0,
+        linger_s=ABSENT_CAP_S,
     )
     r = results[1]
     assert r.raised("CollectiveTimeoutError"), (r.status, r.message)
     assert "broadcast_tensor in TP group [0, 1]" in r.message and "did not join in time" in r.message
-    assert 1.9 < r.elapsed < 5, r.elapsed
+    assert 2.0 - EARLY_S <= r.elapsed < CEILING_S, r.elapsed
+    assert results[0].value == "returned", results[0].value  # the leader was still there: the deadline fired

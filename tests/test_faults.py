@@ -8,14 +8,17 @@
    weight handles gathered to the leader per bucket. One rank is SIGKILLed by this test while the call is
    under way, or diverges into another call; the others must fail within the configured timeout with an
    error naming the rank, never hang. Real gloo process groups in spawned processes, nothing mocked.
+
+   Nothing here rests on how fast a loaded machine runs: the victim is killed while it is held at a point it
+   reported from (inside the model's forward pass during generate, or stalled before a bucket), detection is
+   timed from the kill, and no rank exits before the test has every rank's result, so a rank that failed
+   first is never mistaken for a second death.
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
-import queue
 import signal
 import socket
 import sys
@@ -23,6 +26,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +96,10 @@ def test_streaming_engine_refuses_until_a_complete_load() -> None:
 
 
 # ---- 2. TP ranks that die or diverge ------------------------------------------------------------------------
-TIMEOUT_S = 20.0  # the group's configured timeout: a dead rank must be named well before it
+TIMEOUT_S = 60.0  # the group's configured timeout: a dead rank must be named well before it
+DETECT_S = TIMEOUT_S / 3  # generous bound on kill -> error; a death noticed only at the timeout takes ~TIMEOUT_S
 DIVERGED_TIMEOUT_S = 2.0
+HOLD_S = 150.0  # how long a victim stays held where it reported from; the test kills it long before
 
 
 @dataclass
@@ -105,6 +111,9 @@ class RankResult:
     mro: list[str] = field(default_factory=list)
     elapsed: float = 0.0
     value: Any = None
+    #: ``time.monotonic()`` (one clock for all processes of the host) when the call ended on this rank; for a
+    #: rank the test killed, when the kill was sent.
+    ended_at: float = 0.0
 
     def raised(self, name: str) -> bool:
         return self.status == "err" and name in self.mro
@@ -116,7 +125,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _rank_main(rank: int, world: int, port: int, scenario: str, kwargs: dict[str, Any], out: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, scenario: str, kwargs: dict[str, Any], out: Any, release: Any) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -132,7 +141,7 @@ def _rank_main(rank: int, world: int, port: int, scenario: str, kwargs: dict[str
         dist.init_process_group("gloo")
 
         def at(label: str) -> None:
-            out.put(("at", rank, label, os.getpid()))
+            out.send(("at", rank, label, os.getpid()))  # synchronous: in the pipe when this returns
 
         value = _SCENARIOS[scenario](rank, at, **kwargs)
         res = RankResult(rank, "ok", value=value)
@@ -145,11 +154,13 @@ def _rank_main(rank: int, world: int, port: int, scenario: str, kwargs: dict[str
             [c.__name__ for c in type(exc).__mro__],
             value=traceback.format_exc(),
         )
-    res.elapsed = time.monotonic() - _CALL_START.get("t", start)
-    out.put(("done", rank, res, os.getpid()))
+    res.ended_at = time.monotonic()
+    res.elapsed = res.ended_at - _CALL_START.get("t", start)
+    out.send(("done", rank, res, os.getpid()))
     out.close()
-    out.join_thread()
-    time.sleep(1.5)  # as a trainer still handling the error: the rank that died first stays the only dead one
+    # As a trainer still handling the error, stay until the test has every rank's result (it then closes the
+    # release pipe): the rank the test killed stays the only dead one, whatever order the others report in.
+    release.poll(HOLD_S)
     os._exit(0)  # a group with a dead member cannot be torn down cleanly; the process just leaves
 
 
@@ -168,16 +179,27 @@ def _generate_step(rank: int, at: Any, model: str, timeout_s: float) -> Any:
 
     group = engine_group(2, check_port=False, timeout_s=timeout_s)
     engine = TransformersEngine(model, dtype="float32") if group.is_leader else None
-    # Long enough (8 x 1000 tokens) that the test's SIGKILL, 0.2 s in, always lands inside the generation.
     prompts = [f"the quick brown fox {i}" for i in range(8)]
-    params = {"temperature": 0.0, "max_new_tokens": 1000, "ignore_eos": True}
+    params = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True}
+    if engine is not None:
+        forwards = [0]
+
+        def inside_generate(module: Any, args: Any, kwargs: Any) -> None:
+            # The third forward pass of generate (prefill, then decode steps): report from inside it, then stay
+            # here, so the test's SIGKILL lands mid-generate whatever the machine's speed.
+            forwards[0] += 1
+            if forwards[0] == 3:
+                at("leader generating")
+                time.sleep(HOLD_S)
+
+        engine.model.register_forward_pre_hook(inside_generate, with_kwargs=True)
     group.barrier()
     _start_call(at, "generate")
     group.check_consistent((prompts, params), what="generate inputs")
     payload = None
     if engine is not None:
-        at("leader generating")
         payload = ("ok", engine.generate(prompts, params))
+        at("leader generated")
     _, results = group.broadcast_object(payload, op="generate")
     return len(results[0].outputs[0].token_ids)
 
@@ -196,7 +218,7 @@ def _load_weights_step(rank: int, at: Any, model: str, timeout_s: float, victim:
     for i, bucket in enumerate(buckets):
         if rank == victim and i == 2:
             at("stalled")
-            time.sleep(60)
+            time.sleep(HOLD_S)  # held here until the test kills it
         gathered = group.gather_object(([n for n, _ in bucket], bucket))
         payload = None
         if engine is not None:
@@ -229,43 +251,77 @@ _SCENARIOS: dict[str, Callable[..., Any]] = {
 
 
 def _run_world(
-    scenario: str, world: int, *, kill: tuple[int, str] | None = None, limit_s: float = 90.0, **kwargs: Any
+    scenario: str, world: int, *, kill: tuple[int, str] | None = None, limit_s: float = 120.0, **kwargs: Any
 ) -> list[RankResult]:
-    """Run ``scenario`` on ``world`` spawned ranks; SIGKILL rank ``kill[0]`` once it reports ``kill[1]``."""
+    """Run ``scenario`` on ``world`` spawned ranks; SIGKILL rank ``kill[0]`` once it reports ``kill[1]``.
+
+    A killed rank's result holds, as ``value``, every label it reported (those still in its pipe at the
+    kill too), and as ``ended_at`` the moment the kill was sent. Each rank reports through its own one-way
+    pipe, and all wait for the end on a pipe the test closes: no lock is shared with a rank that may be killed
+    (a ``multiprocessing.Queue``'s writers share one, which a rank killed while its feeder thread held it
+    keeps forever; an ``Event``'s ``set`` waits for every waiter, a killed one too).
+    """
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    release, release_all = ctx.Pipe(duplex=False)
     port = _free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
     procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, scenario, kwargs, out), daemon=True) for r in range(world)
+        ctx.Process(target=_rank_main, args=(r, world, port, scenario, kwargs, w, release), daemon=True)
+        for r, (_, w) in enumerate(pipes)
     ]
     for p in procs:
         p.start()
+    release.close()
+    for _, w in pipes:
+        w.close()  # the children hold the write ends: a reader sees EOF once its rank is gone
+    readers = {reader: rank for rank, (reader, _) in enumerate(pipes)}
     results: dict[int, RankResult] = {}
+    trails: dict[int, list[str]] = {r: [] for r in range(world)}
+
+    def receive(conn: Any) -> Any:
+        try:
+            return conn.recv()
+        except EOFError:  # the rank is gone; if it left no result, it is reported as lost
+            rank = readers.pop(conn)
+            results.setdefault(rank, RankResult(rank, "lost"))
+            return None
+
     deadline = time.monotonic() + limit_s
     try:
         while len(results) < world:
-            try:
-                msg = out.get(timeout=0.2)
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    for r in range(world):
-                        results.setdefault(r, RankResult(r, "hung"))
-                continue
-            kind, rank = msg[0], msg[1]
-            if kind == "at" and kill is not None and (rank, msg[2]) == kill:
-                time.sleep(0.2)  # inside the call
-                os.kill(msg[3], signal.SIGKILL)
-                results[rank] = RankResult(rank, "died")
-            elif kind == "done":
-                results[rank] = msg[2]
+            if time.monotonic() > deadline:
+                for r in range(world):
+                    results.setdefault(r, RankResult(r, "hung"))
+                break
+            for conn in wait(list(readers), timeout=0.2):
+                msg = receive(conn)
+                if msg is None:
+                    continue
+                kind, rank = msg[0], msg[1]
+                if kind == "at":
+                    trails[rank].append(msg[2])
+                if kind == "at" and kill is not None and (rank, msg[2]) == kill:
+                    # The victim is held where it sent this from (it waits HOLD_S there): it dies right there.
+                    killed_at = time.monotonic()
+                    os.kill(msg[3], signal.SIGKILL)
+                    results[rank] = RankResult(rank, "died", value=trails[rank], ended_at=killed_at)
+                elif kind == "done":
+                    results[rank] = msg[2]
+        if kill is not None:  # labels still in the victim's pipe join its trail; EOF once they are read
+            victim = next((c for c, r in readers.items() if r == kill[0]), None)
+            while victim in readers and victim.poll(5):
+                msg = receive(victim)
+                if msg is not None and msg[0] == "at":
+                    trails[kill[0]].append(msg[2])
     finally:
+        release_all.close()  # EOF on every rank's end of the release pipe: they may leave now
         for p in procs:
             p.join(5)
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        with contextlib.suppress(Exception):
-            out.close()
+        for reader, _ in pipes:
+            reader.close()
     return [results[r] for r in range(world)]
 
 
@@ -307,27 +363,40 @@ def worlds() -> dict[str, list[RankResult]]:
 def test_leader_killed_while_generating(worlds: dict[str, list[RankResult]]) -> None:
     rank0, rank1 = worlds["leader killed while generating"]
     assert rank0.status == "died"
+    # The kill landed mid-generate: the leader had reported from inside generate's forward pass and never that
+    # generate returned.
+    assert rank0.value == ["generate", "leader generating"], rank0.value
     assert rank1.raised("CollectiveTimeoutError") and rank1.raised("TimeoutError"), (rank1.status, rank1.message)
     assert "generate in TP group [0, 1]" in rank1.message
     assert "rank(s) [0] of the group died" in rank1.message, rank1.message
-    assert rank1.elapsed < TIMEOUT_S / 2, rank1.elapsed  # noticed when the leader died, not at the timeout
+    # Noticed when the leader died (after the kill, well before a timeout could fire), not at the timeout.
+    assert 0 < rank1.ended_at - rank0.ended_at < DETECT_S, rank1.ended_at - rank0.ended_at
+    assert rank1.elapsed < TIMEOUT_S, rank1.elapsed
 
 
 def test_member_killed_during_load_weights(worlds: dict[str, list[RankResult]]) -> None:
     results = worlds["member killed during load_weights"]
     assert results[2].status == "died"
+    assert results[2].value == ["load_weights", "stalled"], results[2].value  # killed while stalled, not after
     for r in results[:2]:  # the leader and the other member, both waiting in the gather of bucket 2
         assert r.raised("CollectiveTimeoutError"), (r.rank, r.status, r.message)
         assert "gather_object in TP group [0, 1, 2]" in r.message, r.message
         assert "rank(s) [2] of the group died" in r.message, r.message
-        assert r.elapsed < TIMEOUT_S / 2, (r.rank, r.elapsed)
+        assert 0 < r.ended_at - results[2].ended_at < DETECT_S, (r.rank, r.ended_at - results[2].ended_at)
+        assert r.elapsed < TIMEOUT_S, (r.rank, r.elapsed)
 
 
 def test_diverged_rank_fails_both_within_the_timeout(worlds: dict[str, list[RankResult]]) -> None:
     rank0, rank1 = worlds["diverged"]
+    # Neither rank exits before both have reported, so neither error comes from a peer that left: each is a
+    # deadline firing while the other rank was alive and stuck in the other call (a deadline that never fired
+    # would leave the world "hung"). The first deadline to fire closes gloo's connection, so the other rank may
+    # fail on that rather than on its own deadline a few ms later: the floor is the earlier deadline.
     assert rank0.raised("CollectiveTimeoutError"), (rank0.status, rank0.message)
     assert "check_consistent in TP group [0, 1]" in rank0.message and "rank(s) [1] did not arrive" in rank0.message
     assert rank1.raised("CollectiveTimeoutError"), (rank1.status, rank1.message)
     assert "gather_object in TP group [0, 1] (leader rank 0, this rank 1" in rank1.message
+    first_deadline = min(r.ended_at - r.elapsed for r in (rank0, rank1)) + DIVERGED_TIMEOUT_S
     for r in (rank0, rank1):
-        assert DIVERGED_TIMEOUT_S - 0.1 < r.elapsed < DIVERGED_TIMEOUT_S + 3, (r.rank, r.elapsed)
+        assert r.ended_at >= first_deadline - 0.05, (r.rank, r.ended_at - first_deadline)  # never before a deadline
+        assert r.elapsed < DIVERGED_TIMEOUT_S + DETECT_S, (r.rank, r.elapsed)  # generous slack for a loaded machine
