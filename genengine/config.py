@@ -122,13 +122,32 @@ class EngineConfig:
 
 
 def check_options(backend: str, options: Mapping[str, Any], allowed: Iterable[str]) -> None:
-    """Reject backend options the backend does not know, naming the closest known one."""
+    """Reject backend options the backend does not know, naming the closest known one.
+
+    An engine-config field (``tp_size``, ``mem_util``, ...) put under ``options``, or a misspelling of one
+    (``create_engine(tp_sze=2)`` lands there too), is named as such: it belongs at the config's top level.
+    """
     allowed = list(allowed)
+    fields_ = EngineConfig.field_names()
     for key in options:
-        if key not in allowed:
-            hint = closest(key, [*allowed, *EngineConfig.field_names()])
-            raise ConfigError(
-                f"unknown option {key!r} for backend {backend!r}"
-                + (f" (did you mean {hint!r}?)" if hint else "")
-                + f"; allowed options: {', '.join(sorted(allowed)) or 'none'}"
+        if key in allowed:
+            continue
+        listed = f"allowed options: {', '.join(sorted(allowed)) or 'none'}"
+        hint = closest(key, [*allowed, *fields_])
+        if hint in fields_ and hint not in allowed:
+            where = (
+                f"give it as create_engine({hint}=...) or at the top level of the engine config, not under 'options'"
             )
+            if hint == key:
+                raise ConfigError(
+                    f"option {key!r} for backend {backend!r} is an engine config field: {where}; {listed}"
+                )
+            raise ConfigError(
+                f"unknown option {key!r} for backend {backend!r} (did you mean the engine config field {hint!r}? "
+                f"{where}); {listed}"
+            )
+        raise ConfigError(
+            f"unknown option {key!r} for backend {backend!r}"
+            + (f" (did you mean {hint!r}?)" if hint else "")
+            + f"; {listed}"
+        )

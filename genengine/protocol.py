@@ -7,6 +7,7 @@ trainers type against it and ``import genengine`` stays fast.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -36,13 +37,139 @@ TAG_KV_CACHE = "kv_cache"
 FinishReason = Literal["stop", "length"]
 
 
-def _check_number(name: str, value: Any, *, integer: bool = False) -> None:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        kind = "an integer" if integer else "a number"
-        raise InvalidArgumentError(f"{name}={value!r} is not {kind}")
-    if not integer and not math.isfinite(value):
-        raise InvalidArgumentError(f"{name}={value!r} must be finite")
+def _show(value: Any) -> str:
+    """``repr(value)`` for an error message; an int too long to print as text is described instead."""
+    try:
+        return repr(value)
+    except ValueError:  # Python refuses to print ints of more than 4300 digits
+        return f"<an int of {value.bit_length()} bits>"
+
+
+def _scalar(value: Any) -> Any:
+    """A numpy scalar or 0-d numpy/torch array as the Python number (or bool) it holds; anything else as is.
+
+    Duck-typed (``.tolist()`` and ``.dtype``) so that neither numpy nor torch is imported here.
+    """
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):
+        plain = value.tolist()
+        if not isinstance(plain, list):
+            return plain
+    return value
+
+
+def _real(name: str, value: Any, allowed: str) -> float:
+    """``value`` as a finite float: any real number (``np.float32`` too), not a bool, a string or NaN."""
+    plain = _scalar(value)
+    if isinstance(plain, bool) or not isinstance(plain, numbers.Real):
+        raise InvalidArgumentError(f"{name}={_show(value)} is not a number; allowed: {allowed}")
+    try:
+        number = float(plain)
+    except OverflowError:  # an int beyond float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise InvalidArgumentError(f"{name}={_show(value)} must be finite; allowed: {allowed}")
+    return number
+
+
+def _integer(name: str, value: Any, allowed: str) -> int:
+    """``value`` as an int: any integral number (``np.int64`` too), not a bool or a float such as 2.0."""
+    plain = _scalar(value)
+    if isinstance(plain, bool) or not isinstance(plain, numbers.Integral):
+        raise InvalidArgumentError(f"{name}={_show(value)} is not an integer; allowed: {allowed}")
+    return int(plain)
+
+
+def _flag(name: str, value: Any, extra: str = "") -> bool:
+    plain = _scalar(value)  # np.bool_ is a bool
+    if not isinstance(plain, bool):
+        raise InvalidArgumentError(f"{name}={_show(value)} must be a bool (True or False){extra}")
+    return plain
+
+
+def _is_sequence(value: Any) -> bool:
+    """A list, tuple or other ordered sequence (OmegaConf's ListConfig): not a string, mapping, set or iterator."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
+
+
+def as_token_ids(name: str, value: Any) -> tuple[int, ...]:
+    """A 1-D sequence of token ids as a tuple of ints, or an ``InvalidArgumentError`` naming ``name``.
+
+    Takes a list or tuple of ints (numpy integers and 0-d tensors too) or a 1-D numpy/torch array of an
+    integer dtype; refuses a float or bool array, iterators, sets and mappings (a dict would give its keys).
+    """
+    allowed = "a list of token ids (ints >= 0) or a 1-D integer numpy/torch array"
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and hasattr(value, "tolist"):
+        items = value.tolist()
+        if not isinstance(items, list):
+            raise InvalidArgumentError(f"{name}={_show(value)} is a single value, not a list; allowed: {allowed}")
+        if any(isinstance(i, list) for i in items):
+            shape = tuple(getattr(value, "shape", ()))
+            raise InvalidArgumentError(f"{name} is an array of shape {shape}; allowed: {allowed}")
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+            raise InvalidArgumentError(
+                f"{name} is an array of dtype {dtype}: token ids must be integers; allowed: {allowed}"
+            )
+        value = items
+    if not _is_sequence(value):
+        raise InvalidArgumentError(f"{name}={_show(value)} ({type(value).__name__}) is not {allowed}")
+    ids = []
+    for tok in value:
+        plain = _scalar(tok)
+        if isinstance(plain, bool) or not isinstance(plain, numbers.Integral) or plain < 0:
+            raise InvalidArgumentError(f"{name} holds {_show(tok)}: token ids are ints >= 0")
+        ids.append(int(plain))
+    return tuple(ids)
+
+
+UNSUPPORTED_SAMPLING_PARAMS: Mapping[str, str] = {
+    # the same setting under another engine's name
+    "max_tokens": "it is vLLM's name: use max_new_tokens",
+    "max_completion_tokens": "it is OpenAI's name: use max_new_tokens",
+    "sampling_seed": "it is SGLang's name: use seed",
+    "return_logprob": "it is SGLang's name: use logprobs=True",
+    # settings genengine fixes for every backend
+    "skip_special_tokens": "text is always decoded with special tokens skipped (token_ids keep them)",
+    "spaces_between_special_tokens": "text is always decoded by the tokenizer's defaults",
+    "detokenize": "text is always decoded",
+    "include_stop_str_in_output": "text is always cut before the stop string (token_ids keep its tokens)",
+    "no_stop_trim": "text is always cut before the stop string (token_ids keep its tokens)",
+    "flat_logprobs": "logprobs=True returns one float per sampled token",
+    "top_logprobs_num": "only the sampled token's logprob is returned: use logprobs=True",
+    "prompt_logprobs": "only the sampled tokens' logprobs are returned: use logprobs=True",
+    "output_kind": "generate returns whole completions, never a stream",
+    "stream_interval": "generate returns whole completions, never a stream",
+    # sampling features genengine does not offer
+    "min_tokens": "there is no minimum length (ignore_eos=True turns EOS off entirely)",
+    "min_new_tokens": "there is no minimum length (ignore_eos=True turns EOS off entirely)",
+    "best_of": "sample n completions and pick the best yourself",
+    "use_beam_search": "there is no beam search",
+    "length_penalty": "there is no beam search",
+    "min_p": "use top_p or top_k",
+    "presence_penalty": "there are no penalties",
+    "frequency_penalty": "there are no penalties",
+    "repetition_penalty": "there are no penalties",
+    "logit_bias": "logits cannot be changed",
+    "allowed_token_ids": "logits cannot be changed",
+    "bad_words": "logits cannot be changed",
+    "logits_processors": "logits cannot be changed",
+    "custom_params": "logits cannot be changed",
+    "custom_logit_processor": "logits cannot be changed",
+    "truncate_prompt_tokens": "truncate the prompt yourself",
+    "regex": "there is no constrained decoding",
+    "stop_regex": "there is no constrained decoding; stop takes plain strings",
+    "json_schema": "there is no constrained decoding",
+    "ebnf": "there is no constrained decoding",
+    "structural_tag": "there is no constrained decoding",
+    "guided_decoding": "there is no constrained decoding",
+    "structured_outputs": "there is no constrained decoding",
+    "extra_args": "there is no place for engine-specific sampling arguments",
+}
+"""vLLM and SGLang sampling parameters that ``SamplingParams`` does not take, with what to do instead.
+
+Named in the error for an unknown sampling parameter, so that a vLLM or SGLang user gets the real answer rather than
+the nearest spelling of one of our fields (``min_tokens`` is not ``max_new_tokens``).
+"""
 
 
 @dataclass(frozen=True)
@@ -67,44 +194,47 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        _check_number("max_new_tokens", self.max_new_tokens, integer=True)
-        if self.max_new_tokens <= 0:
-            raise InvalidArgumentError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        _check_number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise InvalidArgumentError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
-        _check_number("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise InvalidArgumentError(f"top_p={self.top_p} must be in (0, 1]")
+        set_ = object.__setattr__  # frozen: normalised values (np.float32 → float, list → tuple) are set here
+        steps = _integer("max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        if steps <= 0:
+            raise InvalidArgumentError(f"max_new_tokens={steps} must be >= 1")
+        set_(self, "max_new_tokens", steps)
+        temperature = _real("temperature", self.temperature, "a number >= 0 (0 is greedy)")
+        if temperature < 0:
+            raise InvalidArgumentError(f"temperature={_show(self.temperature)} must be >= 0 (0 is greedy)")
+        set_(self, "temperature", temperature)
+        top_p = _real("top_p", self.top_p, "a number in (0, 1]")
+        if not 0 < top_p <= 1:
+            raise InvalidArgumentError(f"top_p={_show(self.top_p)} must be in (0, 1]")
+        set_(self, "top_p", top_p)
         if self.top_k is not None:
-            _check_number("top_k", self.top_k, integer=True)
-            if self.top_k != -1 and self.top_k < 1:
-                raise InvalidArgumentError(f"top_k={self.top_k} must be None or -1 (off) or an integer >= 1")
-        _check_number("n", self.n, integer=True)
-        if self.n < 1:
-            raise InvalidArgumentError(f"n={self.n} must be >= 1")
+            allowed = "None or -1 (off) or an integer >= 1"
+            top_k = _integer("top_k", self.top_k, allowed)
+            if top_k != -1 and top_k < 1:
+                raise InvalidArgumentError(f"top_k={top_k} must be {allowed}")
+            set_(self, "top_k", top_k)
+        n = _integer("n", self.n, "an integer >= 1")
+        if n < 1:
+            raise InvalidArgumentError(f"n={n} must be >= 1")
+        set_(self, "n", n)
         if self.seed is not None:
-            _check_number("seed", self.seed, integer=True)
-        for flag in ("logprobs", "ignore_eos"):
-            if not isinstance(getattr(self, flag), bool):
-                raise InvalidArgumentError(f"{flag}={getattr(self, flag)!r} must be a bool")
+            set_(self, "seed", _integer("seed", self.seed, "None or an integer"))
+        vllm_logprobs = " (only the sampled token's logprob is returned: vLLM's logprobs=0)"
+        set_(self, "logprobs", _flag("logprobs", self.logprobs, vllm_logprobs))
+        set_(self, "ignore_eos", _flag("ignore_eos", self.ignore_eos))
         stop = self.stop
-        if isinstance(stop, str):
-            stop = (stop,)
         if stop is None:
             stop = ()
-        if not isinstance(stop, Iterable) or not all(isinstance(s, str) and s for s in stop):
-            raise InvalidArgumentError(f"stop={self.stop!r} must be a string or a sequence of non-empty strings")
-        object.__setattr__(self, "stop", tuple(stop))
-        ids = self.stop_token_ids
-        if ids is None:
-            ids = ()
-        if not isinstance(ids, Iterable) or isinstance(ids, (str, bytes)):
-            raise InvalidArgumentError(f"stop_token_ids={ids!r} must be a sequence of token ids (int >= 0)")
-        ids = tuple(ids)
-        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-            raise InvalidArgumentError(f"stop_token_ids={ids!r} must be a sequence of token ids (int >= 0)")
-        object.__setattr__(self, "stop_token_ids", ids)
+        elif isinstance(stop, str):
+            stop = (stop,)
+        allowed = "a non-empty string or a list/tuple of non-empty strings"
+        if not _is_sequence(stop):
+            raise InvalidArgumentError(f"stop={_show(self.stop)} ({type(self.stop).__name__}) is not {allowed}")
+        if not all(isinstance(s, str) and s for s in stop):
+            raise InvalidArgumentError(f"stop={_show(self.stop)} must be {allowed}")
+        set_(self, "stop", tuple(stop))
+        ids = () if self.stop_token_ids is None else as_token_ids("stop_token_ids", self.stop_token_ids)
+        set_(self, "stop_token_ids", ids)
 
     @property
     def greedy(self) -> bool:
@@ -126,12 +256,14 @@ class SamplingParams:
             names = [f.name for f in fields(cls)]
             unknown = [k for k in value if k not in names]
             if unknown:
-                hint = closest(str(unknown[0]), names)
-                raise InvalidArgumentError(
-                    f"unknown sampling parameter {unknown[0]!r}"
-                    + (f" (did you mean {hint!r}?)" if hint else "")
-                    + f"; allowed: {', '.join(names)}"
-                )
+                key = unknown[0]
+                instead = UNSUPPORTED_SAMPLING_PARAMS.get(key) if isinstance(key, str) else None
+                if instead is not None:
+                    what = f"vLLM/SGLang sampling parameter {key!r} is not supported by genengine: {instead}"
+                else:
+                    hint = closest(str(key), names)
+                    what = f"unknown sampling parameter {key!r}" + (f" (did you mean {hint!r}?)" if hint else "")
+                raise InvalidArgumentError(f"{what}; allowed: {', '.join(names)}")
             return cls(**dict(value))
         raise InvalidArgumentError(f"sampling_params={value!r} must be a SamplingParams, a mapping, or a list of them")
 
@@ -226,17 +358,27 @@ class GenerationEngine(Protocol):
         ...
 
     def wake(self, tags: Sequence[str] | None = None) -> None:
-        """Take memory back for ``tags`` (all when None), in ``supported_tags`` order. No-op when awake."""
+        """Take memory back for ``tags`` (all when None), in ``supported_tags`` order.
+
+        A no-op when those tags are awake, and for an empty list (a trainer's computed tag list may be empty).
+        """
         ...
 
     def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int | None = None
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int | None = None,
+        check_finite: bool = False,
     ) -> LoadReport:
-        """Copy the trainer's (HF name, tensor) pairs into the engine in bounded buckets.
+        """Copy the trainer's (HF name, tensor) pairs into the engine in buckets of at most ``bucket_bytes``.
 
-        Each bucket's names, shapes and dtypes are checked before anything of it is written; the prefix
-        cache is flushed afterwards. If the stream fails after a bucket was written, the engine refuses
-        to generate until a ``load_weights`` covers every weight.
+        Tensors may be views, any floating dtype, or DTensors (gathered, a collective on every rank); meta,
+        sparse and freed tensors are refused. Each bucket's names, shapes, dtypes and kinds are checked
+        before anything of it is written (a dict, list or tuple: the whole call before the first write);
+        ``check_finite`` also refuses NaN/inf values (off by default: it reads every tensor). The prefix
+        cache is flushed afterwards. If the call fails once writing began, the engine refuses to generate
+        until a ``load_weights`` covers every weight.
         """
         ...
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from genengine.errors import InvalidArgumentError
-from genengine.protocol import SamplingParams
+from genengine.protocol import SamplingParams, _scalar, as_token_ids
 
 __all__ = ["Request", "normalize_requests"]
 
@@ -29,6 +30,27 @@ def _as_list(name: str, value: Any) -> list[Any]:
     return list(value)
 
 
+def _token_rows(value: Any) -> list[Any]:
+    """``prompt_token_ids`` as a list of rows: a list, or a 2-D numpy/torch integer array (``.tolist()``)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or not hasattr(value, "tolist"):
+        return _as_list("prompt_token_ids", value)
+    rows = value.tolist()
+    if not isinstance(rows, list):
+        raise InvalidArgumentError("prompt_token_ids is a 0-d array: give a list of token-id lists or a 2-D array")
+    leaves = [t for row in rows for t in (row if isinstance(row, list) else [row])]
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in leaves):
+        raise InvalidArgumentError(
+            f"prompt_token_ids is an array of dtype {dtype}: token ids must be integers (ints >= 0)"
+        )
+    return rows
+
+
+def _is_token(value: Any) -> bool:
+    plain = _scalar(value)
+    return isinstance(plain, numbers.Integral) and not isinstance(plain, bool)
+
+
 def normalize_requests(
     prompts: str | Sequence[str] | None = None,
     sampling_params: Any = None,
@@ -40,8 +62,10 @@ def normalize_requests(
 ) -> list[Request]:
     """Validate everything ``generate`` was given before any engine work starts.
 
-    A bare string is one prompt. ``sampling_params`` is one value for all prompts or a list with one per
-    prompt. Raises ``InvalidArgumentError`` naming the bad value; nothing else happens on error.
+    A bare string is one prompt. ``prompt_token_ids`` may also be a 2-D numpy/torch integer array or a list of
+    1-D ones (trainers hold token ids as tensors); they become tuples of ints. ``sampling_params`` is one value
+    for all prompts or a list with one per prompt. Raises ``InvalidArgumentError`` naming the bad value;
+    nothing else happens on error.
     """
     if prompts is not None and prompt_token_ids is not None:
         raise InvalidArgumentError("give either prompts (text) or prompt_token_ids, not both")
@@ -68,26 +92,25 @@ def normalize_requests(
                 ) from None
         count = len(texts)
     else:
-        raw = _as_list("prompt_token_ids", prompt_token_ids)
+        raw = _token_rows(prompt_token_ids)
         if not raw:
             raise InvalidArgumentError("prompt_token_ids is empty: give at least one prompt")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in raw):
+        if all(_is_token(t) for t in raw):
             raise InvalidArgumentError(
                 "prompt_token_ids must be a list of token-id lists; wrap a single prompt as [[...]]"
             )
         ids = []
-        for i, seq in enumerate(raw):
-            seq = _as_list(f"prompt_token_ids[{i}]", seq)
+        for i, row in enumerate(raw):
+            seq = as_token_ids(f"prompt_token_ids[{i}]", row)
             if not seq:
                 raise InvalidArgumentError(f"prompt_token_ids[{i}] is empty")
-            for tok in seq:
-                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-                    raise InvalidArgumentError(f"prompt_token_ids[{i}] holds {tok!r}: token ids are ints >= 0")
-                if vocab_size is not None and tok >= vocab_size:
-                    raise InvalidArgumentError(
-                        f"prompt_token_ids[{i}] holds {tok}, outside the vocabulary [0, {vocab_size})"
-                    )
-            ids.append(tuple(seq))
+            if vocab_size is not None:
+                for tok in seq:
+                    if tok >= vocab_size:
+                        raise InvalidArgumentError(
+                            f"prompt_token_ids[{i}] holds {tok}, outside the vocabulary [0, {vocab_size})"
+                        )
+            ids.append(seq)
         count = len(ids)
 
     if isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes, Mapping)):

@@ -83,3 +83,26 @@ def test_check_options() -> None:
     check_options("sglang", {"port": 1}, ["port", "attention_backend"])
     with pytest.raises(ConfigError, match=r"'atention_backend'.*did you mean 'attention_backend'"):
         check_options("sglang", {"atention_backend": "triton"}, ["port", "attention_backend"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key", "field"),
+    [
+        ({"tp_sze": 2}, "tp_sze", "tp_size"),  # a misspelt field keyword lands in options
+        ({"options": {"tp_sze": 2}}, "tp_sze", "tp_size"),
+        ({"options": {"tp_size": 2}}, "tp_size", "tp_size"),  # a real field, in the wrong place
+        ({"mem_utl": 0.5}, "mem_utl", "mem_util"),
+    ],
+)
+def test_engine_config_field_under_options_is_named_as_one(kwargs: dict[str, object], key: str, field: str) -> None:
+    """Issue 20: the hint said "did you mean 'tp_size'" for an *option*, which tp_size is not (and hinted
+    'tp_size' for 'tp_size' itself); it now says where the field goes."""
+    from genengine.registry import create_engine
+
+    with pytest.raises(ConfigError) as info:
+        create_engine(backend="transformers", model="/nonexistent", **kwargs)
+    msg = str(info.value)
+    assert repr(key) in msg and "'transformers'" in msg
+    assert f"engine config field{'' if key == field else f' {field!r}'}" in msg
+    assert f"create_engine({field}=...)" in msg and "not under 'options'" in msg
+    assert "allowed options: " in msg and "max_batch_size" in msg

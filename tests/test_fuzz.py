@@ -13,6 +13,9 @@ Four properties, one shared engine per module (the session's default tiny model)
   (streaming, after buckets were written) makes ``generate`` refuse until a complete load.
 * The sleep/wake/load/generate state machine against a model of the contract: every greedy output equals the
   reference of the weight set the model says is loaded, every refusal is the documented one.
+* Because the cases above take their expected errors from the validation code itself, an independent oracle:
+  a hand-written table of boundary cases (``BOUNDARIES``) and a per-field predicate of the contract
+  (``CONTRACT``) that ``SamplingParams`` must agree with.
 
 ``GENENGINE_FUZZ_SCALE`` multiplies the example counts (benchmarks/fuzz_nightly.py runs with a large scale and a
 random seed; CI runs derandomized, so a failure here reproduces).
@@ -28,6 +31,7 @@ from typing import Any
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
+import numpy as np  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test  # noqa: E402
@@ -158,17 +162,55 @@ TEXT = st.one_of(
 TOKEN = st.one_of(st.integers(0, 511), st.sampled_from([-1, 512, 513, 10**9, 2**63, 2**70]), ANY)
 TOKEN_PROMPT = st.one_of(st.lists(TOKEN, max_size=6), st.builds(lambda k: [7] * k, st.integers(1000, 1500)), ANY)
 
+NUMPY: st.SearchStrategy[Any] = st.sampled_from(
+    [
+        np.float32(0.5),
+        np.float32(1.5),
+        np.float32("nan"),
+        np.float64(0.0),
+        np.int64(3),
+        np.int64(0),
+        np.int64(-1),
+        np.uint8(2),
+        np.array(2),
+        np.array(0.5),
+        np.bool_(True),
+        np.array([1, 2]),
+        np.array([1.0]),
+        np.array([[1]]),
+        np.array([-1]),
+    ]
+)
+"""numpy scalars and arrays, which trainers pass (the contract takes numbers and integer arrays of any kind)."""
+
 SAMPLING_FIELDS: dict[str, st.SearchStrategy[Any]] = {
-    "max_new_tokens": st.one_of(st.sampled_from([1, 2, 0, -1, 1030, 10**6, 2**63, 2.0, 1.5]), ANY),
-    "temperature": st.one_of(st.floats(0, 5), st.sampled_from([0, 0.0, 5e-324, 1e-300, 1e-30, 1e30, -0.0, 1]), ANY),
-    "top_p": st.one_of(st.floats(-1, 2), st.sampled_from([1e-300, 0.5, 1, 1.0000001]), ANY),
-    "top_k": st.one_of(st.none(), st.integers(-3, 600), st.sampled_from([-1, 10**9, 2**70]), ANY),
-    "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=3), ANY),
-    "stop_token_ids": st.one_of(st.lists(st.integers(-2, 2**40), max_size=3), ANY),
-    "n": st.sampled_from([1, 2, 0, -1, 2.0, True, "2", None, [1]]),  # never a huge valid n: that is a big job
-    "seed": st.one_of(st.none(), st.integers(-(2**80), 2**80), ANY),
-    "logprobs": st.one_of(st.booleans(), ANY),
-    "ignore_eos": st.one_of(st.booleans(), ANY),
+    "max_new_tokens": st.one_of(st.sampled_from([1, 2, 0, -1, 1030, 10**6, 2**63, 2.0, 1.5]), ANY, NUMPY),
+    "temperature": st.one_of(
+        st.floats(0, 5), st.sampled_from([0, 0.0, 5e-324, 1e-300, 1e-30, 1e30, -0.0, 1]), ANY, NUMPY
+    ),
+    "top_p": st.one_of(st.floats(-1, 2), st.sampled_from([1e-300, 0.5, 1, 1.0000001]), ANY, NUMPY),
+    "top_k": st.one_of(st.none(), st.integers(-3, 600), st.sampled_from([-1, 10**9, 2**70]), ANY, NUMPY),
+    "stop": st.one_of(
+        st.text(max_size=4),
+        st.lists(st.text(max_size=4), max_size=3),
+        st.lists(st.text(max_size=4), max_size=3).map(tuple),
+        st.sampled_from([set(), {"a"}, {}, {"a": 1}, b"", b"a"]),
+        st.lists(st.text(max_size=4), max_size=2).map(iter),
+        ANY,
+        NUMPY,
+    ),
+    "stop_token_ids": st.one_of(
+        st.lists(st.integers(-2, 2**40), max_size=3),
+        st.lists(st.integers(0, 600), max_size=3).map(lambda ids: np.array(ids, dtype=np.int64)),
+        st.sampled_from([set(), {3}, {}, {3: 1}, b"", (np.int64(1), np.uint8(2))]),
+        st.lists(st.integers(0, 9), max_size=2).map(iter),
+        ANY,
+        NUMPY,
+    ),
+    "n": st.sampled_from([1, 2, 0, -1, 2.0, True, "2", None, [1], np.int64(2), np.float32(1)]),  # never a huge n
+    "seed": st.one_of(st.none(), st.integers(-(2**80), 2**80), ANY, NUMPY),
+    "logprobs": st.one_of(st.booleans(), ANY, NUMPY),
+    "ignore_eos": st.one_of(st.booleans(), ANY, NUMPY),
 }
 PARAMS_DICT = st.fixed_dictionaries({}, optional=SAMPLING_FIELDS)
 PARAMS = st.one_of(
@@ -272,6 +314,177 @@ def test_tiny_temperature_is_the_greedy_limit(engine: TransformersEngine) -> Non
     tiny = engine.generate(PROBE, {**GREEDY2, "temperature": 1e-300, "seed": 1})
     assert _tokens(tiny) == _tokens(greedy)
     assert all(lp == pytest.approx(0.0, abs=1e-6) for r in tiny for lp in r.outputs[0].logprobs or [math.nan])
+
+
+# ---- an oracle independent of the validation code -----------------------------------------------------------
+# The cases above take their expected errors from ``normalize_requests``, the function ``generate`` calls, so a
+# validation bug would be invisible to them. The table and the predicate below say what the contract
+# (docs/contract.md) accepts, written out by hand.
+VOCAB = 512  # the tiny model's vocabulary: ids 0..511
+CONTEXT = 1024  # its max_position_embeddings: prompt + max_new_tokens must fit
+OK = None
+_OK_PROMPT: dict[str, Any] = {"prompts": ["Hello"]}
+
+
+def _gen() -> Any:
+    return (s for s in ["x"])
+
+
+BOUNDARIES: list[tuple[dict[str, Any], dict[str, Any], str | None]] = [
+    # (generate's prompt arguments, sampling parameters, None if accepted else a fragment of the error)
+    *[(_OK_PROMPT, {"top_p": v}, OK) for v in (5e-324, 1e-300, 1e-6, 0.5, 1, 1.0, np.float32(0.5), np.float64(1))],
+    *[
+        (_OK_PROMPT, {"top_p": v}, f"top_p={v!r}")
+        for v in (0, 0.0, -0.0, -1e-300, 1.0000001, 2, math.nan, math.inf, -math.inf, np.float32(1.5))
+    ],
+    (_OK_PROMPT, {"top_p": True}, "top_p=True"),
+    (_OK_PROMPT, {"top_p": "0.5"}, "top_p='0.5'"),
+    (_OK_PROMPT, {"top_p": None}, "top_p=None"),
+    *[(_OK_PROMPT, {"temperature": v}, OK) for v in (0, 0.0, -0.0, 5e-324, 1e-300, 0.7, 1, 1e30, np.float32(0.7))],
+    *[
+        (_OK_PROMPT, {"temperature": v}, f"temperature={v!r}")
+        for v in (-1e-300, -0.5, -1, math.nan, math.inf, -math.inf, np.float32("nan"), 10**400)
+    ],
+    (_OK_PROMPT, {"temperature": True}, "temperature=True"),
+    (_OK_PROMPT, {"temperature": "1"}, "temperature='1'"),
+    *[(_OK_PROMPT, {"max_new_tokens": v}, OK) for v in (1, 2, np.int64(1), np.uint8(2))],
+    *[(_OK_PROMPT, {"max_new_tokens": v}, f"max_new_tokens={v!r}") for v in (0, -1, 1.0, 1.5, True, "1", None)],
+    *[(_OK_PROMPT, {"top_k": v}, OK) for v in (None, -1, 1, 2, VOCAB, VOCAB + 1, np.int32(3))],
+    *[(_OK_PROMPT, {"top_k": v}, f"top_k={v!r}") for v in (0, -2, 1.0, True, "1")],
+    *[(_OK_PROMPT, {"n": v}, OK) for v in (1, 2, np.int64(2))],
+    *[(_OK_PROMPT, {"n": v}, f"n={v!r}") for v in (0, -1, 1.0, True, None)],
+    *[(_OK_PROMPT, {"seed": v}, OK) for v in (None, 0, -5, 2**80, np.int64(3))],
+    *[(_OK_PROMPT, {"seed": v}, f"seed={v!r}") for v in (1.5, "1", True)],
+    *[(_OK_PROMPT, {"stop": v}, OK) for v in (None, "x", ["x", "yz"], ("x",), [])],
+    *[(_OK_PROMPT, {"stop": v}, f"stop={v!r}") for v in ("", [""], ["x", 1], {"x": 1}, {"x"}, b"x", 5, {}, b"")],
+    (_OK_PROMPT, {"stop": _gen()}, "(generator)"),
+    *[
+        (_OK_PROMPT, {"stop_token_ids": v}, OK)
+        for v in (None, [], [0], [VOCAB - 1], [VOCAB], (1, 2), np.array([1, 2]), [np.int64(3)])
+    ],
+    *[(_OK_PROMPT, {"stop_token_ids": v}, f"stop_token_ids={v!r}") for v in ("12", 12, {1: 2}, {1}, {})],
+    *[(_OK_PROMPT, {"stop_token_ids": v}, f"holds {v[0]!r}") for v in ([-1], [1.0], [True])],
+    (_OK_PROMPT, {"stop_token_ids": np.array([1.0])}, "dtype float64"),
+    (_OK_PROMPT, {"stop_token_ids": _gen()}, "(generator)"),
+    *[(_OK_PROMPT, {"logprobs": v, "ignore_eos": v}, OK) for v in (True, False, np.bool_(True))],
+    *[(_OK_PROMPT, {"logprobs": v}, f"logprobs={v!r}") for v in (1, 0, None, "true")],
+    (_OK_PROMPT, {"ignore_eos": 1}, "ignore_eos=1"),
+    (
+        _OK_PROMPT,
+        {"max_tokens": 1},
+        "'max_tokens' is not supported by genengine: it is vLLM's name: use max_new_tokens",
+    ),
+    (_OK_PROMPT, {"min_tokens": 1}, "'min_tokens' is not supported by genengine"),
+    (_OK_PROMPT, {"temprature": 1}, "unknown sampling parameter 'temprature' (did you mean 'temperature'?)"),
+    # prompts
+    ({"prompts": "Hello"}, {}, OK),
+    ({"prompts": [" "]}, {}, OK),
+    ({"prompts": ["Hello", "🦊"]}, [{}, {"n": 2}], OK),
+    ({"prompts": []}, {}, "prompts is empty"),
+    ({"prompts": [""]}, {}, "prompts[0] is an empty string"),
+    ({"prompts": ["a", ""]}, {}, "prompts[1] is an empty string"),
+    ({"prompts": [None]}, {}, "prompts[0]=None is not a string"),
+    ({"prompts": [b"hi"]}, {}, "prompts[0]=b'hi' is not a string"),
+    ({"prompts": ["a\ud800"]}, {}, "prompts[0] is not valid Unicode"),
+    ({"prompts": ["a", "b"]}, [{}, {}, {}], "3 entries for 2 prompts"),
+    ({}, {}, "needs prompts"),
+    ({"prompts": ["a"], "prompt_token_ids": [[1]]}, {}, "not both"),
+    # token prompts
+    *[({"prompt_token_ids": v}, {}, OK) for v in ([[0]], [[VOCAB - 1]], [[1, 2], [3]], np.array([[1, VOCAB - 1]]))],
+    ({"prompt_token_ids": [[7] * (CONTEXT - 1)]}, {"max_new_tokens": 1}, OK),  # exactly fills the context
+    ({"prompt_token_ids": [[7] * CONTEXT]}, {"max_new_tokens": 1}, "exceeds the model's context of 1024 tokens"),
+    ({"prompt_token_ids": [[7] * (CONTEXT - 1)]}, {"max_new_tokens": 2}, "with max_new_tokens=2 it exceeds"),
+    ({"prompt_token_ids": [[1, VOCAB]]}, {}, f"prompt_token_ids[0] holds {VOCAB}, outside the vocabulary [0, {VOCAB})"),
+    ({"prompt_token_ids": [[2**63]]}, {}, "outside the vocabulary"),
+    ({"prompt_token_ids": [[-1]]}, {}, "prompt_token_ids[0] holds -1"),
+    ({"prompt_token_ids": [[1.0]]}, {}, "prompt_token_ids[0] holds 1.0"),
+    ({"prompt_token_ids": [[True]]}, {}, "prompt_token_ids[0] holds True"),
+    ({"prompt_token_ids": []}, {}, "prompt_token_ids is empty"),
+    ({"prompt_token_ids": [[]]}, {}, "prompt_token_ids[0] is empty"),
+    ({"prompt_token_ids": [1, 2]}, {}, "wrap a single prompt"),
+    ({"prompt_token_ids": np.array([[1.0, 2.0]])}, {}, "array of dtype float64"),
+]
+
+
+def _case_id(i: int, case: tuple[dict[str, Any], Any, str | None]) -> str:
+    prompt, params, error = case
+    keys = list(params) if isinstance(params, dict) and params else list(prompt) or ["no prompt"]
+    return f"{i}-{'+'.join(keys)}-{'ok' if error is None else 'refused'}"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "error"), BOUNDARIES, ids=[_case_id(i, c) for i, c in enumerate(BOUNDARIES)]
+)
+def test_boundaries_against_the_contract(
+    engine: TransformersEngine, snapshot: list[Any], prompt: dict[str, Any], params: Any, error: str | None
+) -> None:
+    assert engine.model.config.vocab_size == VOCAB and engine.model.config.max_position_embeddings == CONTEXT
+    if isinstance(params, dict) and not any(k.endswith("_tokens") for k in params):
+        params = {**params, "max_new_tokens": 1}  # keep accepted cases cheap
+    kwargs = dict(prompt)
+    args = (kwargs.pop("prompts"),) if "prompts" in kwargs else ()
+    try:
+        if error is None:
+            results = engine.generate(*args, sampling_params=params, **kwargs)
+            assert results and all(r.outputs for r in results)
+            assert all(0 <= t < VOCAB for r in results for o in r.outputs for t in o.token_ids)
+        else:
+            with pytest.raises(InvalidArgumentError) as info:
+                engine.generate(*args, sampling_params=params, **kwargs)
+            assert error in str(info.value)
+    finally:
+        assert _unchanged(engine, snapshot) and not engine.is_sleeping
+
+
+def _int(v: Any) -> bool:
+    return (isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))) or (
+        isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in "iu"
+    )
+
+
+def _real(v: Any) -> bool:
+    number = (
+        _int(v)
+        or isinstance(v, (float, np.floating))
+        or (isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind == "f")
+    )
+    return number and math.isfinite(float(v))
+
+
+CONTRACT: dict[str, Any] = {
+    "max_new_tokens": lambda v: _int(v) and v >= 1,
+    "temperature": lambda v: _real(v) and v >= 0,
+    "top_p": lambda v: _real(v) and 0 < v <= 1,
+    "top_k": lambda v: v is None or (_int(v) and (v == -1 or v >= 1)),
+    "stop": lambda v: (
+        v is None
+        or (isinstance(v, str) and v != "")
+        or (isinstance(v, (list, tuple)) and all(isinstance(s, str) and s != "" for s in v))
+    ),
+    "stop_token_ids": lambda v: (
+        v is None
+        or (isinstance(v, (list, tuple)) and all(_int(t) and t >= 0 for t in v))
+        or (isinstance(v, np.ndarray) and v.ndim == 1 and v.dtype.kind in "iu" and bool((v >= 0).all()))
+    ),
+    "n": lambda v: _int(v) and v >= 1,
+    "seed": lambda v: v is None or _int(v),
+    "logprobs": lambda v: isinstance(v, (bool, np.bool_)),
+    "ignore_eos": lambda v: isinstance(v, (bool, np.bool_)),
+}
+"""Per field, what the contract accepts: numbers (numpy's too) in range, strings or lists of them, bools."""
+
+
+@_settings(3000)
+@given(params=PARAMS_DICT)
+def test_fuzz_sampling_params_against_the_contract(params: dict[str, Any]) -> None:
+    bad = sorted(k for k, v in params.items() if not CONTRACT[k](v))
+    try:
+        SamplingParams.coerce(params)
+    except InvalidArgumentError as exc:
+        assert bad, f"{params!r} is valid by the contract but was refused: {exc}"
+        assert any(str(exc).startswith(k) or f"{k}=" in str(exc) or f"{k} " in str(exc) for k in bad), exc
+        return
+    assert not bad, f"{params!r} was accepted, but the contract refuses {bad}"
 
 
 @_settings(500)
@@ -448,7 +661,7 @@ class ContractModel(RuleBasedStateMachine):
 
     @rule(tags=st.one_of(st.none(), st.lists(st.sampled_from([TAG_WEIGHTS, TAG_KV_CACHE, "cuda_graph", "x"]))))
     def wake(self, tags: list[str] | None) -> None:
-        if tags is not None and (not tags or not set(tags) <= {TAG_WEIGHTS, TAG_KV_CACHE}):
+        if tags is not None and not set(tags) <= {TAG_WEIGHTS, TAG_KV_CACHE}:  # wake([]) is a no-op
             with pytest.raises(InvalidArgumentError):
                 self.engine.wake(tags)
             return

@@ -31,7 +31,7 @@ from genengine.requests import normalize_requests
         ({"stop": [""]}, "stop=['']"),
         ({"stop": ["a", 1]}, "stop=['a', 1]"),
         ({"stop_token_ids": "12"}, "stop_token_ids='12'"),
-        ({"stop_token_ids": [-1]}, "stop_token_ids=(-1,)"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids holds -1"),
         ({"seed": "x"}, "seed='x'"),
         ({"logprobs": 1}, "logprobs=1"),
     ],
@@ -82,3 +82,142 @@ def test_requests_keep_order_and_per_prompt_params() -> None:
     assert [r.prompt for r in normalize_requests("solo")] == ["solo"]
     reqs = normalize_requests(prompt_token_ids=[[1, 2], [3]], sampling_params=SamplingParams(seed=1))
     assert [r.prompt_token_ids for r in reqs] == [(1, 2), (3,)] and all(r.params.seed == 1 for r in reqs)
+
+
+# ---- issue 15 item 6: sequences, numpy/torch values, other engines' parameter names ---------------------------
+def _generator() -> object:
+    return (s for s in ["a"])
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "kind"),
+    [
+        ("stop", _generator(), "generator"),  # was silently ()
+        ("stop", {"###": 1}, "dict"),  # was its keys
+        ("stop", {"###"}, "set"),
+        ("stop_token_ids", (i for i in [3]), "generator"),
+        ("stop_token_ids", {3: "x"}, "dict"),
+        ("stop_token_ids", {3}, "set"),
+    ],
+)
+def test_sequence_fields_take_only_sequences(field: str, value: object, kind: str) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+    msg = str(info.value)
+    assert msg.startswith(f"{field}=") and f"({kind})" in msg
+    assert "list/tuple of non-empty strings" in msg if field == "stop" else "a list of token ids (ints >= 0)" in msg
+
+
+def test_numpy_and_torch_numbers_are_taken_as_python_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    p = SamplingParams(
+        max_new_tokens=np.int64(8),
+        temperature=np.float32(0.5),
+        top_p=np.float32(0.25),
+        top_k=np.int32(5),
+        n=torch.tensor(2),
+        seed=np.uint16(7),
+        logprobs=np.bool_(True),
+    )
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.n, p.seed, p.logprobs) == (8, 0.5, 0.25, 5, 2, 7, True)
+    assert [type(v) for v in (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.n, p.seed, p.logprobs)] == [
+        int,
+        float,
+        float,
+        int,
+        int,
+        int,
+        bool,
+    ]
+    with pytest.raises(InvalidArgumentError, match=r"top_p=np\.float32\(2\.0\) must be in \(0, 1\]"):
+        SamplingParams(top_p=np.float32(2.0))
+    with pytest.raises(InvalidArgumentError, match=r"max_new_tokens=np\.float64\(8\.0\) is not an integer; allowed"):
+        SamplingParams(max_new_tokens=np.float64(8.0))
+    with pytest.raises(InvalidArgumentError, match=r"temperature=np\.float32\(nan\) must be finite; allowed: a number"):
+        SamplingParams(temperature=np.float32("nan"))
+
+
+def test_numpy_and_torch_token_ids_are_taken_as_ints() -> None:
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    want = [(1, 2, 3), (4, 5, 6)]
+    for ids in (
+        np.array([[1, 2, 3], [4, 5, 6]]),
+        torch.tensor([[1, 2, 3], [4, 5, 6]]),
+        [torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6], dtype=torch.int32)],
+        [np.array([1, 2, 3], dtype=np.int16), [np.int64(4), np.uint8(5), torch.tensor(6)]],
+        [list(torch.tensor([1, 2, 3])), (4, 5, 6)],  # 0-d tensors, as list(tensor) gives them
+    ):
+        reqs = normalize_requests(prompt_token_ids=ids, vocab_size=7)
+        assert [r.prompt_token_ids for r in reqs] == want
+        assert all(type(t) is int for r in reqs for t in r.prompt_token_ids or ())
+    for stops in (np.array([3, 4]), torch.tensor([3, 4]), [np.int64(3), torch.tensor(4)]):
+        p = SamplingParams(stop_token_ids=stops)
+        assert p.stop_token_ids == (3, 4) and all(type(t) is int for t in p.stop_token_ids)
+
+
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [
+        (
+            lambda np, torch: {"prompt_token_ids": np.array([[1.0, 2.0]])},
+            "prompt_token_ids is an array of dtype float64",
+        ),
+        (
+            lambda np, torch: {"prompt_token_ids": [torch.tensor([1.0, 2.0])]},
+            "prompt_token_ids[0] is an array of dtype",
+        ),
+        (lambda np, torch: {"prompt_token_ids": torch.tensor([[True]])}, "prompt_token_ids is an array of dtype"),
+        (lambda np, torch: {"prompt_token_ids": np.array([1, 2])}, "wrap a single prompt as [[...]]"),
+        (
+            lambda np, torch: {"prompt_token_ids": [np.float32(1.0)]},
+            "[0]=np.float32(1.0) is a single value, not a list",
+        ),
+        (lambda np, torch: {"sampling_params": {"stop_token_ids": np.array([1.5])}}, "stop_token_ids is an array"),
+        (lambda np, torch: {"sampling_params": {"stop_token_ids": np.array([[1]])}}, "shape (1, 1)"),
+    ],
+)
+def test_float_and_misshapen_token_arrays_are_refused_clearly(make: object, fragment: str) -> None:
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    kwargs = make(np, torch)  # type: ignore[operator]
+    kwargs.setdefault("prompt_token_ids", [[1]])
+    with pytest.raises(InvalidArgumentError) as info:
+        normalize_requests(**kwargs)
+    assert fragment in str(info.value)
+    assert "integer" in str(info.value) or "wrap" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "advice", "wrong_hint"),
+    [
+        ("min_tokens", "no minimum length", "max_new_tokens"),
+        ("logit_bias", "logits cannot be changed", "logprobs"),
+        ("best_of", "sample n completions", "stop"),
+        ("skip_special_tokens", "special tokens skipped", "stop_token_ids"),
+        ("max_tokens", "use max_new_tokens", None),
+        ("sampling_seed", "use seed", None),
+        ("min_new_tokens", "no minimum length", "max_new_tokens"),
+    ],
+)
+def test_vllm_and_sglang_names_are_named_unsupported(name: str, advice: str, wrong_hint: str | None) -> None:
+    with pytest.raises(InvalidArgumentError) as info:
+        SamplingParams.coerce({name: 1})
+    msg = str(info.value)
+    assert f"sampling parameter {name!r} is not supported by genengine" in msg and advice in msg
+    assert "did you mean" not in msg
+    assert "allowed: max_new_tokens, temperature" in msg
+
+
+def test_unsupported_table_advice_names_real_fields() -> None:
+    import re
+    from dataclasses import fields
+
+    from genengine.protocol import UNSUPPORTED_SAMPLING_PARAMS
+
+    names = {f.name for f in fields(SamplingParams)}
+    assert not names & set(UNSUPPORTED_SAMPLING_PARAMS)
+    for advice in UNSUPPORTED_SAMPLING_PARAMS.values():
+        for field in re.findall(r"use (\w+)", advice):
+            assert field in names, advice
