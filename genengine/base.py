@@ -77,7 +77,7 @@ class EngineBase(abc.ABC):
 
     @abc.abstractmethod
     def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """Write one validated bucket into the engine."""
+        """Write one validated bucket into the engine: plain contiguous tensors (DTensors already gathered)."""
 
     @abc.abstractmethod
     def _flush_cache(self) -> None: ...
@@ -87,6 +87,12 @@ class EngineBase(abc.ABC):
 
     def _vocab_size(self) -> int | None:
         return None
+
+    def _bucket_cost(self, tensor: torch.Tensor) -> int:
+        """Bytes ``_apply_weights`` must copy to write ``tensor``: what ``bucket_bytes`` bounds. All of them
+        here; a backend that reads some tensors in place counts those as 0, so they travel in one call. Every
+        rank of a TP group must count alike (it depends only on the tensor's kind and device)."""
+        return tensor_nbytes(tensor)
 
     def _finish_weights(self) -> None:
         """After a load: make sure no cache computed with the old weights survives."""
@@ -162,16 +168,23 @@ class EngineBase(abc.ABC):
             self._broken_reason = None
 
     def wake(self, tags: str | Sequence[str] | None = None) -> None:
+        """Take back memory for ``tags`` (every tag when None), weights first; an empty list wakes nothing.
+
+        ``wake([])`` is a no-op, like waking a tag that is awake, so that a trainer computing the tags to wake
+        needs no special case; any tag not in ``supported_tags`` is refused before anything is woken.
+        """
         self._check_open()
         if tags is None:
             wanted = set(self.supported_tags)
         else:
-            wanted = {tags} if isinstance(tags, str) else set(tags)
-            unknown = sorted(t for t in wanted if t not in self.supported_tags)
-            if unknown or not wanted:
-                raise InvalidArgumentError(
-                    f"wake tags {unknown or list(wanted)!r}: allowed are {list(self.supported_tags)} or None for all"
-                )
+            allowed = f"allowed: a list of tags from {list(self.supported_tags)}, one tag, or None for all"
+            if not isinstance(tags, str) and not isinstance(tags, Iterable):
+                raise InvalidArgumentError(f"wake tags={tags!r}: {allowed}")
+            items = [tags] if isinstance(tags, str) else list(tags)
+            unknown = [t for t in items if not isinstance(t, str) or t not in self.supported_tags]
+            if unknown:
+                raise InvalidArgumentError(f"wake tags {unknown!r}: {allowed}")
+            wanted = set(items)
         todo = tuple(t for t in self.supported_tags if t in wanted and t in self._released)
         if not todo:
             return
@@ -183,14 +196,25 @@ class EngineBase(abc.ABC):
         if not self._released:
             self._level = None
 
+    @property
+    def default_bucket_bytes(self) -> int:
+        """The bucket size ``load_weights`` uses when its ``bucket_bytes`` is None."""
+        return self._bucket_bytes
+
     def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int | None = None
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int | None = None,
+        check_finite: bool = False,
     ) -> LoadReport:
         self._check_open()
         if bucket_bytes is not None and (
             isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
         ):
             raise InvalidArgumentError(f"bucket_bytes={bucket_bytes!r} must be a positive integer or None")
+        if not isinstance(check_finite, bool):
+            raise InvalidArgumentError(f"check_finite={check_finite!r} must be True or False")
         if TAG_WEIGHTS in self._released:
             raise EngineSleepingError("the weights are asleep: call wake(['weights']) before load_weights")
         if isinstance(named_tensors, (str, bytes)) or not isinstance(named_tensors, (Iterable, Mapping)):
@@ -198,37 +222,48 @@ class EngineBase(abc.ABC):
                 f"load_weights takes an iterable of (name, tensor) pairs, got {type(named_tensors).__name__}"
             )
         start = time.perf_counter()
-        validator = WeightValidator(self._weight_spec())
+        validator = WeightValidator(self._weight_spec(), check_finite=check_finite)
         buckets = iter_buckets(
             named_tensors,
             validator,
-            bucket_bytes or self._bucket_bytes,
+            self._bucket_bytes if bucket_bytes is None else bucket_bytes,
             validate_all_first=self.validate_all_weights_first,
+            cost=self._bucket_cost,
         )
         written: list[str] = []
+        writing: list[tuple[str, torch.Tensor]] = []  # the bucket in _apply_weights: how much of it landed is unknown
+        touched = False  # _apply_weights was called: from here on the old weights may no longer be whole
         num_bytes = num_buckets = 0
         try:
             for bucket in buckets:
-                self._apply_weights(bucket)
+                writing = validator.prepare(bucket)
+                touched = True
+                self._apply_weights(writing)
                 num_buckets += 1
-                for name, tensor in bucket:
+                for name, tensor in writing:
                     written.append(name)
                     num_bytes += tensor_nbytes(tensor)
-        except BaseException as exc:
+                writing = []
+            self._missing.difference_update(written)
+            if not self._missing:
+                self._broken_reason = None
             if written:
+                if TAG_KV_CACHE in self._released:
+                    self._flush_pending = True  # flushed as soon as the KV cache is back
+                else:
+                    self._finish_weights()
+        except BaseException as exc:
+            # Only an error before the first write (a rejected entry, a stream or gather failing first) leaves the
+            # old weights whole. Any later one, inside a bucket, further on or in the cache flush, leaves a mix of
+            # old and new weights or a stale cache: refuse to generate until a load covers every weight.
+            if touched:
                 self._missing = {n for n, info in self._weight_spec().items() if info.required}
+                during = f" and while writing {len(writing)} more" if writing else ""
                 self._broken_reason = (
-                    f"a load_weights call failed after writing {len(written)} weight(s) ({type(exc).__name__}: {exc})"
+                    f"a load_weights call failed after writing {len(written)} weight(s){during} "
+                    f"({type(exc).__name__}: {exc})"
                 )
             raise
-        self._missing.difference_update(written)
-        if not self._missing:
-            self._broken_reason = None
-        if written:
-            if TAG_KV_CACHE in self._released:
-                self._flush_pending = True  # flushed as soon as the KV cache is back
-            else:
-                self._finish_weights()
         return LoadReport(
             num_tensors=len(written),
             num_bytes=num_bytes,

@@ -1,12 +1,16 @@
-"""Checking and bucketing the trainer's (name, tensor) stream, shared by every backend.
+"""Checking, bucketing and materialising the trainer's (name, tensor) stream, shared by every backend.
 
 Silent name mismatches degrade training without an error (LightRFT PR #55), so every tensor is
-checked against the engine's own list of weights before a byte of its bucket is written.
+checked against the engine's own list of weights before a byte of its bucket is written. What a
+trainer hands over varies (FSDP2 gives ``DTensor`` shards, ``named_parameters()`` views, bf16 copies),
+so the tensor kinds are handled here once: each backend's ``_apply_weights`` receives plain, dense,
+contiguous tensors of the engine's shapes and nothing else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +24,12 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "WeightInfo", "WeightValidator", "iter_bucket
 DEFAULT_BUCKET_BYTES = 512 << 20
 """Default bucket: big enough that per-call overhead vanishes, small enough for any colocated GPU."""
 
+_ALLOWED = "allowed are dense (strided) tensors with data, on any device, views and DTensors included"
+
+_HOLDS_ITS_TENSORS: tuple[type, ...] = (list, tuple, type({}.items()))
+"""Sources whose tensors all exist already (OrderedDict's items view subclasses dict's): checking them
+all before the first write holds no extra memory, so such a call is all-or-nothing on every backend."""
+
 
 @dataclass(frozen=True)
 class WeightInfo:
@@ -32,14 +42,71 @@ class WeightInfo:
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of the whole tensor (a DTensor's full size: what its gathered copy holds)."""
     return int(tensor.numel()) * int(tensor.element_size())
 
 
-class WeightValidator:
-    """Checks one ``load_weights`` call's tensors: known name, not seen before, tensor, floating, shape."""
+def _dtensor_type() -> type | None:
+    """``DTensor`` if torch.distributed.tensor was imported; no object can be one otherwise (and importing
+    it costs seconds, so a plain trainer never pays for it)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
-    def __init__(self, spec: Mapping[str, WeightInfo]) -> None:
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def _storage_bytes_needed(tensor: torch.Tensor) -> int:
+    if tensor.numel() == 0:
+        return 0
+    last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    return int(last + 1) * tensor.element_size()
+
+
+def _check_data(name: str, tensor: torch.Tensor, info: WeightInfo) -> None:
+    """The metadata checks (no data is read): a kind with data, a floating dtype, the engine's shape."""
+    import torch
+
+    if tensor.is_meta:
+        raise WeightLoadError(f"weight {name!r} is a meta tensor (a shape without data); {_ALLOWED}")
+    if tensor.is_nested or tensor.layout != torch.strided:
+        kind = "nested" if tensor.is_nested else str(tensor.layout)
+        raise WeightLoadError(f"weight {name!r} is a {kind} tensor; {_ALLOWED} (convert it with .to_dense())")
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter):  # subclasses (DTensor) manage their own memory
+        have, need = tensor.untyped_storage().nbytes(), _storage_bytes_needed(tensor)
+        if have < need:
+            # Reading it can crash the process (torch does not always check): FSDP frees unsharded parameters so.
+            raise WeightLoadError(
+                f"weight {name!r} has no data: its storage holds {have} bytes, its shape needs {need} "
+                f"(was it freed, e.g. by FSDP's reshard, before load_weights wrote it?); {_ALLOWED}"
+            )
+    if not tensor.is_floating_point():
+        raise WeightLoadError(
+            f"weight {name!r} has dtype {tensor.dtype}; a floating dtype is required "
+            f"(it is cast to the engine's {info.dtype})"
+        )
+    if tuple(tensor.shape) != info.shape:
+        raise WeightLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, the engine expects {info.shape}")
+
+
+def _check_finite(name: str, tensor: torch.Tensor) -> None:
+    import torch
+
+    if not bool(torch.isfinite(tensor).all()):
+        raise WeightLoadError(
+            f"weight {name!r} holds NaN or infinite values (check_finite=True); only finite weights are loaded"
+        )
+
+
+class WeightValidator:
+    """Checks one ``load_weights`` call's tensors: known name, not seen before, a tensor of a kind with data,
+    floating, the engine's shape (and, with ``check_finite``, finite values)."""
+
+    def __init__(self, spec: Mapping[str, WeightInfo], *, check_finite: bool = False) -> None:
         self.spec = spec
+        self.check_finite = check_finite
         self.seen: set[str] = set()
 
     def check(self, index: int, item: Any) -> tuple[str, torch.Tensor]:
@@ -62,15 +129,35 @@ class WeightValidator:
             raise WeightLoadError(f"weight {name!r} given twice in one load_weights call")
         if not isinstance(tensor, torch.Tensor):
             raise WeightLoadError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
-        if not tensor.is_floating_point():
-            raise WeightLoadError(
-                f"weight {name!r} has dtype {tensor.dtype}; a floating dtype is required "
-                f"(it is cast to the engine's {info.dtype})"
-            )
-        if tuple(tensor.shape) != info.shape:
-            raise WeightLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, the engine expects {info.shape}")
+        _check_data(name, tensor, info)
+        if self.check_finite and not _is_dtensor(tensor):  # a DTensor's values are checked once gathered
+            _check_finite(name, tensor)
         self.seen.add(name)
         return name, tensor
+
+    def prepare(self, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """A checked bucket as ``_apply_weights`` takes it, right before it is written.
+
+        The metadata is checked again: a trainer may free or re-point a tensor after handing it over (the
+        engine holds up to a bucket of them), and reading freed storage crashes the process. DTensors are
+        gathered with ``full_tensor()``, a collective over their mesh: every rank reaches it in stream order,
+        since every rank prepares the same buckets in order. Views are made contiguous.
+        """
+        import torch
+
+        ready = []
+        with torch.no_grad():
+            for name, tensor in bucket:
+                _check_data(name, tensor, self.spec[name])
+                if _is_dtensor(tensor):
+                    tensor = tensor.full_tensor()  # type: ignore[attr-defined]
+                    if self.check_finite:
+                        _check_finite(name, tensor)  # the whole tensor: every rank decides alike
+                tensor = tensor.detach()
+                if not tensor.is_contiguous():
+                    tensor = tensor.contiguous()
+                ready.append((name, tensor))
+        return ready
 
 
 def iter_buckets(
@@ -79,22 +166,30 @@ def iter_buckets(
     bucket_bytes: int,
     *,
     validate_all_first: bool,
+    cost: Callable[[torch.Tensor], int] = tensor_nbytes,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group validated pairs into buckets of at most ``bucket_bytes`` (a larger tensor is a bucket alone).
+    """Group checked pairs into buckets of at most ``bucket_bytes`` (a larger tensor is a bucket alone).
 
-    With ``validate_all_first`` the whole stream is read and checked before the first bucket is
-    yielded, which makes a call all-or-nothing at the price of holding every reference at once.
+    ``cost`` is what a tensor adds to its bucket: the bytes the backend must copy to write it (by default
+    all of them). A tensor the backend reads in place costs nothing, so such tensors share one bucket.
+
+    The whole source is checked before the first bucket is yielded when ``validate_all_first`` is set
+    (all-or-nothing at the price of holding every reference at once) and when the source is a dict (or
+    its items view), list or tuple, which holds every reference anyway. A one-pass iterator is otherwise
+    checked bucket by bucket: a bad entry is found before its own bucket is written, not before earlier ones.
     """
     source: Iterable[Any] = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    if validate_all_first:
-        checked = [validator.check(i, item) for i, item in enumerate(source)]
-        source_iter: Iterable[tuple[str, torch.Tensor]] = checked
+    if validate_all_first or isinstance(source, _HOLDS_ITS_TENSORS):
+        # Pulled first, checked after: no trainer code runs between these checks and the writes, so a tensor
+        # the trainer released after handing it over (see WeightValidator.prepare) is caught here too.
+        pulled = list(source)
+        source_iter: Iterable[tuple[str, torch.Tensor]] = [validator.check(i, item) for i, item in enumerate(pulled)]
     else:
         source_iter = (validator.check(i, item) for i, item in enumerate(source))
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in source_iter:
-        nbytes = tensor_nbytes(tensor)
+        nbytes = cost(tensor)
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0

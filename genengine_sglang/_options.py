@@ -55,7 +55,9 @@ WEIGHT_SYNC_MODES = ("handles", "flattened", "per_param")
 """
 
 DEFAULT_BUCKET_BYTES = {"handles": 1 << 30, "flattened": 512 << 20, "per_param": 512 << 20}
-"""Handles cost no memory, so their buckets only bound the payload; flattened buckets are copies."""
+"""What a bucket may copy. A handle to a tensor already on the engine's GPU copies nothing and counts 0
+(``RLGenerationEngine._bucket_cost``): such tensors all go in one call, whatever the bucket; host tensors and
+flattened buckets are copies, bounded by these."""
 
 SYNC_LOADER = "genengine_sglang._scheduler_hooks.load_weights_and_sync"
 """Registered as SGLang's ``custom_weight_loader``: loads, then synchronises the scheduler's GPU, so the

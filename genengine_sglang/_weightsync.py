@@ -42,14 +42,8 @@ def serialize(obj: Any) -> bytes:
 
 
 def _materialize(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
-    """A plain tensor on this rank's GPU: DTensors are gathered (collective over their mesh, in stream
-    order on every rank), host tensors copied up (one bucket at a time)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        DTensor = ()  # type: ignore[assignment,misc]
-    if isinstance(tensor, DTensor):
-        tensor = tensor.full_tensor()
+    """A plain tensor on this rank's GPU, host tensors copied up (one bucket at a time). DTensors arrive
+    gathered and views contiguous: ``EngineBase.load_weights`` prepared the bucket (genengine.weights)."""
     tensor = tensor.detach()
     if device is not None and tensor.device != device:
         tensor = tensor.to(device, non_blocking=True)

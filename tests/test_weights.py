@@ -1,0 +1,198 @@
+"""load_weights with what trainers really hand over, and failures once writing began, on the embedded engine.
+
+1. The conformance suite's trainer-tensor tests on the embedded engine in streaming mode (``validate_all_weights_first
+   = False``, as SGLang and vLLM write each bucket as it comes); test_conformance_transformers runs them in its
+   all-first mode.
+2. Trainer behaviour the suite cannot stage on every backend: a tensor freed or re-pointed after it was handed over
+   (FSDP frees unsharded parameters on reshard), a real FakeTensor failing inside the write, check_finite on a
+   one-pass stream, and the backend's own default bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from genengine.backends.transformers import TransformersEngine
+from genengine.errors import WeightLoadError, WeightsNotLoadedError
+from genengine.protocol import GenerationEngine
+from genengine.testing.conformance import GREEDY, PROMPTS, EngineConformance, load_checkpoint
+from genengine.testing.tiny_model import tiny_model_dir
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class StreamingTransformersEngine(TransformersEngine):
+    """The embedded engine writing each bucket as it is checked, as SGLang and vLLM do."""
+
+    validate_all_weights_first = False
+
+
+# ---- 1. the suite's trainer-tensor tests on a streaming engine ---------------------------------------------------
+_TRAINER_TENSOR_TESTS = {
+    "test_failure_inside_a_bucket_refuses_until_a_full_load",
+    "test_tensors_without_usable_data_are_rejected_before_any_write",
+    "test_check_finite_refuses_nan_and_inf_before_any_write",
+    "test_buckets_are_at_most_bucket_bytes",
+    "test_views_and_bf16_copies_load_like_plain_tensors",
+}
+
+
+class TestTrainerTensorsOnAStreamingEngine(EngineConformance):
+    def make_engine(self, model_dir: str, **options: Any) -> GenerationEngine:
+        return StreamingTransformersEngine(model_dir, dtype="float32", **options)
+
+
+for _name in dir(EngineConformance):
+    if _name.startswith("test_") and _name not in _TRAINER_TENSOR_TESTS:
+        setattr(TestTrainerTensorsOnAStreamingEngine, _name, None)  # pytest collects only callables
+
+
+# ---- 2. trainer behaviour on the embedded engine ------------------------------------------------------------------
+ENGINES = [TransformersEngine, StreamingTransformersEngine]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(tiny_model_dir())
+
+
+@pytest.fixture(scope="module")
+def weights(model_dir: str) -> dict[str, dict[str, Any]]:
+    return {"A": load_checkpoint(model_dir), "B": load_checkpoint(tiny_model_dir(seed=1))}
+
+
+@pytest.fixture(scope="module")
+def outputs(model_dir: str, weights: dict[str, dict[str, Any]]) -> dict[str, list[Any]]:
+    """Greedy tokens of each model, from engines that loaded nothing else."""
+    with TransformersEngine(model_dir, dtype="float32") as engine:
+        a = _tokens(engine)
+        engine.load_weights(weights["B"])
+        return {"A": a, "B": _tokens(engine)}
+
+
+def _tokens(engine: GenerationEngine) -> list[Any]:
+    return [[o.token_ids for o in r.outputs] for r in engine.generate(PROMPTS, GREEDY)]
+
+
+def _assert_refused_until_a_full_load(engine: GenerationEngine, weights: dict[str, Any], expected: list[Any]) -> None:
+    assert not engine.state.weights_loaded
+    with pytest.raises(WeightsNotLoadedError, match="failed"):
+        engine.generate(PROMPTS, GREEDY)
+    engine.load_weights(weights)
+    assert _tokens(engine) == expected
+
+
+def _handing_over(items: list[tuple[str, Any]], at: int, how: str) -> Iterator[tuple[str, Any]]:
+    """A trainer streaming its weights that releases tensor ``at`` as soon as it moves on to the next one, while
+    the engine still holds it in the bucket being filled (FSDP2's reshard resizes the unsharded storage to 0;
+    FSDP1 leaving ``summon_full_params`` points ``.data`` back at the local shard, empty here)."""
+    import torch
+
+    for i, (name, tensor) in enumerate(items):
+        if i != at:
+            yield name, tensor
+            continue
+        mine = tensor.clone()
+        yield name, mine
+        if how == "freed":
+            mine.untyped_storage().resize_(0)
+        else:
+            mine.data = torch.empty(0, dtype=mine.dtype)
+
+
+@pytest.mark.parametrize("how", ["freed", "repointed"])
+@pytest.mark.parametrize("engine_type", ENGINES, ids=["all-first", "streaming"])
+def test_tensor_released_after_handover_is_rejected_before_its_bucket(
+    model_dir: str, weights: dict[str, dict[str, Any]], outputs: dict[str, list[Any]], engine_type: type, how: str
+) -> None:
+    """Checked again right before its bucket is written: a clean WeightLoadError, not a read of freed memory
+    (which can crash the process) or a failed copy half-way through the bucket."""
+    items = list(weights["B"].items())
+    at = len(items) // 2
+    with engine_type(model_dir, dtype="float32") as engine:
+        with pytest.raises(WeightLoadError, match=rf"weight '{items[at][0]}' has (no data|shape \(0,\))"):
+            engine.load_weights(_handing_over(items, at, how), bucket_bytes=1)
+        if engine_type is TransformersEngine:  # all checked first, nothing written
+            assert engine.state.weights_loaded and _tokens(engine) == outputs["A"]
+        else:  # the buckets before it were written
+            _assert_refused_until_a_full_load(engine, weights["B"], outputs["B"])
+
+
+@pytest.mark.parametrize("engine_type", ENGINES, ids=["all-first", "streaming"])
+def test_real_fake_tensor_fails_inside_the_bucket_and_the_engine_refuses(
+    model_dir: str, weights: dict[str, dict[str, Any]], outputs: dict[str, list[Any]], engine_type: type
+) -> None:
+    """A FakeTensor (a model built under FakeTensorMode) passes every metadata check and fails on copy, in the
+    middle of the one bucket: the tensors before it are written, the engine must refuse."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    items = list(weights["B"].items())
+    at = len(items) // 2
+    name, tensor = items[at]
+    with FakeTensorMode():
+        fake = torch.empty(tensor.shape, dtype=tensor.dtype)
+    items[at] = (name, fake)
+    with engine_type(model_dir, dtype="float32") as engine:
+        with pytest.raises(AssertionError, match="FakeTensor"):
+            engine.load_weights(items)
+        _assert_refused_until_a_full_load(engine, weights["A"], outputs["A"])
+
+
+@pytest.mark.parametrize("engine_type", ENGINES, ids=["all-first", "streaming"])
+def test_check_finite_on_a_one_pass_stream(
+    model_dir: str, weights: dict[str, dict[str, Any]], outputs: dict[str, list[Any]], engine_type: type
+) -> None:
+    """NaN in the last tensor of a generator, one tensor per bucket: refused before any write where the whole
+    stream is checked first, before its own bucket (so after the others: refused to generate) where it streams."""
+    items = list(weights["B"].items())
+    name, tensor = items[-1]
+    bad = tensor.clone()
+    bad.view(-1)[0] = float("nan")
+    with engine_type(model_dir, dtype="float32") as engine:
+        with pytest.raises(WeightLoadError, match=rf"weight '{name}' holds NaN"):
+            engine.load_weights(iter([*items[:-1], (name, bad)]), bucket_bytes=1, check_finite=True)
+        if engine_type is TransformersEngine:
+            assert engine.state.weights_loaded and _tokens(engine) == outputs["A"]
+        else:
+            _assert_refused_until_a_full_load(engine, weights["B"], outputs["B"])
+
+
+def test_none_uses_the_engines_own_default_bucket(model_dir: str, weights: dict[str, dict[str, Any]]) -> None:
+    from genengine.testing.conformance import _bucket_count
+
+    sizes = [t.numel() * t.element_size() for t in weights["A"].values()]
+    largest = max(sizes)
+    with TransformersEngine(model_dir, dtype="float32", bucket_bytes=largest) as engine:
+        assert engine.default_bucket_bytes == largest
+        report = engine.load_weights(weights["A"])
+        assert report.num_buckets == _bucket_count(sizes, largest) > 1
+        assert engine.load_weights(weights["A"], bucket_bytes=sum(sizes)).num_buckets == 1
+
+
+class _InPlaceEmbedded(TransformersEngine):
+    """The real embedded engine, told that it reads 1-D tensors in place (as SGLang reads CUDA tensors
+    through their IPC handles): those must cost nothing in a bucket."""
+
+    def _bucket_cost(self, tensor: Any) -> int:
+        return 0 if tensor.dim() == 1 else super()._bucket_cost(tensor)
+
+
+def test_tensors_read_in_place_do_not_count_towards_a_bucket(
+    model_dir: str, weights: dict[str, dict[str, Any]]
+) -> None:
+    from genengine.testing.conformance import _bucket_count
+
+    items = list(weights["A"].items())
+    largest = max(t.numel() * t.element_size() for _, t in items)
+    copied = [t.numel() * t.element_size() for _, t in items if t.dim() != 1]
+    assert len(copied) < len(items)  # the tiny model has norms (1-D) and matrices
+    with _InPlaceEmbedded(model_dir, dtype="float32") as engine:
+        report = engine.load_weights(items, bucket_bytes=largest)
+        assert report.num_tensors == len(items)
+        assert report.num_buckets == _bucket_count(copied, largest)
+        assert engine.load_weights([(n, t) for n, t in items if t.dim() == 1], bucket_bytes=1).num_buckets == 1
+        assert engine.generate(PROMPTS, GREEDY)  # what was loaded in shared buckets is the model
