@@ -444,15 +444,19 @@ class VLLMEngine(EngineBase):
         return super().generate(prompts, sampling_params, prompt_token_ids=prompt_token_ids, image_data=image_data)
 
     def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int | None = None
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int | None = None,
+        check_finite: bool = False,
     ) -> LoadReport:
         self._check_open()
         if self._tp_checked:
             assert self._group is not None
             self._group.check_consistent(
-                ("load_weights", bucket_bytes, self.state), what="load_weights arguments or engine state"
+                ("load_weights", bucket_bytes, check_finite, self.state), what="load_weights arguments or engine state"
             )
-        return super().load_weights(named_tensors, bucket_bytes=bucket_bytes)
+        return super().load_weights(named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite)
 
     # -- EngineBase hooks -----------------------------------------------------------------------------------
     def _vocab_size(self) -> int | None:
@@ -573,10 +577,13 @@ class VLLMEngine(EngineBase):
                 _STATE.live.discard(self)
             self._restore_allocator()
             release_sleep_slot(self)
+        # Only now is the last reference to vLLM's objects gone (this frame's ``llm`` kept the model and the
+        # KV cache alive through ``_teardown``'s own cleanup): collect their cycles and hand the blocks back,
+        # so the memory is free when shutdown returns, while the caller still holds the engine.
+        del llm
+        _free_gpu_memory()
 
     def _teardown(self, llm: Any, *, last: bool) -> None:
-        import torch
-
         client = llm.llm_engine.engine_core
         if last:
             # EngineCore.shutdown → cleanup_dist_env_and_memory destroys vLLM's groups and the default group:
@@ -594,10 +601,6 @@ class VLLMEngine(EngineBase):
             core.scheduler.shutdown()
             gc.unfreeze()
         del client, llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
 
     def _restore_allocator(self) -> None:
         if self._expandable_off:
@@ -607,6 +610,15 @@ class VLLMEngine(EngineBase):
                 os.environ["PYTORCH_CUDA_ALLOC_CONF"] = self._alloc_conf
             _set_expandable_segments(True)
             self._expandable_off = False
+
+
+def _free_gpu_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def get_vllm_engine(

@@ -33,6 +33,7 @@ from genengine.testing.gpu_checks import (  # noqa: E402
     assert_loads_like_fresh,
     assert_sleep_freed,
     free_gpu_memory,
+    prefix_cache_drift,
     sleep_and_wake,
     token_ids,
     weight_sync_mode,
@@ -241,3 +242,55 @@ def test_shutdown_keeps_the_trainer_world_and_frees_memory(trainer_world: Any) -
     left = _RECORD["free_before"] - free_gpu_memory()
     assert left < GIB // 2, f"{left / GIB:.2f} GiB still held after shutdown"
     assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True"  # restored for the trainer
+
+
+def _free_device_wide() -> int:
+    """Free bytes on the GPU as nvidia-smi sees it: without first emptying this process's cache (which
+    would hide blocks the engine left cached in the trainer's allocator)."""
+    torch.cuda.synchronize()
+    return int(torch.cuda.mem_get_info()[0])
+
+
+@pytest.mark.parametrize("cycles", [0, 2])
+def test_shutdown_returns_the_memory_while_the_engine_is_still_referenced(trainer_world: Any, cycles: int) -> None:
+    """A ``with`` block leaves its name bound: shutdown itself must give the memory back (<= 0.5 GiB left,
+    device-wide, nothing emptied by the caller), with sleep/load cycles before it or none."""
+    from genengine.testing.conformance import load_checkpoint
+
+    model_dir = str(tiny_model_dir())
+    weights = {n: t.to("cuda", torch.bfloat16) for n, t in load_checkpoint(model_dir).items()}
+    free_before = free_gpu_memory()
+    with create_engine(backend="vllm", model=model_dir, mem_util=MEM_UTIL, max_model_len=1024) as engine:
+        engine.generate(PROMPTS, {"temperature": 0.0, "max_new_tokens": 8})
+        for _ in range(cycles):
+            engine.sleep(level=2)
+            engine.wake(["weights"])
+            engine.load_weights(weights.items())
+            engine.wake(["kv_cache"])
+            engine.generate(PROMPTS, {"temperature": 0.0, "max_new_tokens": 8})
+    assert engine.state.closed  # the name is still bound: the caller holds the engine
+    del weights
+    left = free_before - _free_device_wide()
+    assert left <= GIB // 2, f"{left / GIB:.2f} GiB still held right after shutdown (engine still referenced)"
+
+
+def test_prefix_cache_drift_and_the_setting_that_removes_it(trainer_world: Any) -> None:
+    """A prefix-cache hit may change greedy logprobs in the last bits (measured, printed for docs/benchmarks.md);
+    with ``enable_prefix_caching=False`` (the documented setting) repeated prompts give equal logprobs."""
+    model_dir = str(tiny_model_dir())
+    drifts = {}
+    for caching in (True, False):
+        with create_engine(
+            backend="vllm",
+            model=model_dir,
+            mem_util=MEM_UTIL,
+            max_model_len=1024,
+            enable_sleep=False,
+            enable_prefix_caching=caching,
+        ) as engine:
+            drifts[caching] = prefix_cache_drift(
+                engine, PROMPTS, {"temperature": 0.0, "max_new_tokens": 12, "logprobs": True}
+            )
+        print(f"VLLM_CACHE_DRIFT prefix_caching={caching}: " + drifts[caching].describe())
+    assert drifts[True].tokens_equal and drifts[False].tokens_equal
+    assert drifts[False].hit == 0.0, drifts[False].describe()
