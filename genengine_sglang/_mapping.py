@@ -17,7 +17,18 @@ from genengine.requests import Request
 from genengine_sglang._options import LOGIT_PROCESSOR_PARAM
 from genengine_sglang.errors import SGLangEngineError
 
-__all__ = ["SglEntry", "build_entries", "output_from_sglang", "results_from_sglang", "sampling_to_sglang"]
+__all__ = [
+    "SEEDED_TOP_K",
+    "SglEntry",
+    "build_entries",
+    "output_from_sglang",
+    "results_from_sglang",
+    "sampling_to_sglang",
+]
+
+
+SEEDED_TOP_K = (1 << 30) - 1
+"""Below SGLang's "whole vocabulary" marker (``TOP_K_ALL = 1 << 30``), above any vocabulary: masks nothing."""
 
 
 def sampling_to_sglang(params: SamplingParams, *, deterministic: bool, sample: int = 0) -> tuple[dict[str, Any], bool]:
@@ -43,6 +54,12 @@ def sampling_to_sglang(params: SamplingParams, *, deterministic: bool, sample: i
         out["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None and deterministic:
         out["sampling_seed"] = params.seed + sample
+        if not params.greedy:
+            # SGLang samples a seeded row on one of two paths, chosen per batch: over the vocabulary when no row
+            # needs top-k/top-p, over the sorted probabilities otherwise (a greedy row is top_k=1), and the same
+            # seed picks different tokens on the two. A top-k that keeps every token puts the row on the sorted
+            # path in every batch, so its samples no longer depend on the other requests.
+            out["top_k"] = SEEDED_TOP_K
     top_k = params.top_k_or_none
     use_filter = not params.greedy and (top_k is not None or params.top_p < 1.0)
     if use_filter:

@@ -35,7 +35,13 @@ from genengine.protocol import SamplingParams
 from genengine.requests import normalize_requests
 from genengine.testing.tiny_model import tiny_model_dir
 from genengine_sglang import _options
-from genengine_sglang._mapping import build_entries, output_from_sglang, results_from_sglang, sampling_to_sglang
+from genengine_sglang._mapping import (
+    SEEDED_TOP_K,
+    build_entries,
+    output_from_sglang,
+    results_from_sglang,
+    sampling_to_sglang,
+)
 from genengine_sglang._options import (
     OPTIONS_ENV,
     SYNC_LOADER,
@@ -445,6 +451,19 @@ def test_sampling_mapping() -> None:
     seeded = SamplingParams(temperature=1.0, seed=11)
     assert "sampling_seed" not in sampling_to_sglang(seeded, deterministic=False)[0]
     assert sampling_to_sglang(seeded, deterministic=True, sample=2)[0]["sampling_seed"] == 13
+
+
+def test_seeded_rows_take_sglangs_sorted_path_in_every_batch() -> None:
+    """SGLang picks a seeded row's token on the top-k/top-p path whenever any row of the batch needs it (a greedy
+    row is top_k=1), and the same seed gives another token there: every seeded sampled row asks for that path
+    with a top-k that masks nothing, so its samples do not depend on its batch (seen on the H200)."""
+    seeded, _ = sampling_to_sglang(SamplingParams(temperature=1.0, seed=11), deterministic=True)
+    assert seeded["top_k"] == SEEDED_TOP_K
+    assert 10**7 < SEEDED_TOP_K < 1 << 30  # above any vocabulary, below SGLang's TOP_K_ALL marker
+    filtered, filt = sampling_to_sglang(SamplingParams(temperature=1.0, top_p=0.9, seed=11), deterministic=True)
+    assert filt and filtered["top_k"] == SEEDED_TOP_K  # our filter still applies top-p
+    for params, deterministic in ((SamplingParams(temperature=0.0, seed=11), True), (SamplingParams(seed=11), False)):
+        assert "top_k" not in sampling_to_sglang(params, deterministic=deterministic)[0]
 
 
 def test_entries_expand_n_and_check_tokenizer_needs() -> None:

@@ -21,6 +21,7 @@ from genengine.testing.parity import bf16_copy, mean_logprob_gap, parity_bound
 __all__ = [
     "DRIFT_SLACK",
     "GIB",
+    "CacheDrift",
     "ParityOverSyncs",
     "SleepReading",
     "assert_loads_like_fresh",
@@ -30,6 +31,7 @@ __all__ = [
     "gpu_memory_by_process",
     "gpu_memory_by_process_per_gpu",
     "installed_engine",
+    "prefix_cache_drift",
     "sleep_and_wake",
     "token_ids",
     "weight_sync_mode",
@@ -231,3 +233,38 @@ class ParityOverSyncs:
         assert max(self.gaps) <= bound, f"mean |Δlogprob| per sync: {gaps} (bound {bound:.4f}; bf16 floors: {floors})"
         first, last = statistics.mean(self.gaps[:5]), statistics.mean(self.gaps[-5:])
         assert last <= first + DRIFT_SLACK, f"drift grows with syncs: {gaps}"
+
+
+@dataclass(frozen=True)
+class CacheDrift:
+    """Greedy logprobs of the same prompts: a prefix-cache miss, a hit right after it, a miss after a flush."""
+
+    tokens_equal: bool
+    hit: float
+    """Largest |Δlogprob| between the miss and the hit."""
+    flushed: float
+    """Largest |Δlogprob| between the two misses (the floor: the kernels' own run-to-run noise)."""
+
+    def describe(self) -> str:
+        return (
+            f"tokens equal: {self.tokens_equal}; max |Δlogprob| hit vs miss {self.hit:.4g}, "
+            f"miss vs miss {self.flushed:.4g}"
+        )
+
+
+def prefix_cache_drift(engine: GenerationEngine, prompts: list[str], params: Any) -> CacheDrift:
+    """Measure what a prefix-cache hit does to greedy logprobs (RL losses consume them)."""
+
+    def logprobs(results: list[GenerationResult]) -> list[float]:
+        return [lp for r in results for o in r.outputs for lp in (o.logprobs or [])]
+
+    engine.flush_cache()
+    miss = engine.generate(prompts, params)
+    hit = engine.generate(prompts, params)
+    engine.flush_cache()
+    again = engine.generate(prompts, params)
+
+    def gap(a: list[GenerationResult], b: list[GenerationResult]) -> float:
+        return max((abs(x - y) for x, y in zip(logprobs(a), logprobs(b), strict=True)), default=0.0)
+
+    return CacheDrift(token_ids(miss) == token_ids(hit) == token_ids(again), gap(miss, hit), gap(miss, again))
