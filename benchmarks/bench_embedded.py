@@ -2,18 +2,25 @@
 
     .venv/bin/python benchmarks/bench_embedded.py [--model DIR] [--dtype float32] [--batch 16]
         [--max-new-tokens 64] [--repeats 7] [--threads N] [--json PATH]
+        [--stop-batch 8] [--stop-max-new-tokens 900] [--stop-repeats 5] [--stop-only]
 
 Both sides load the model in this process (float32 on the CPU by default). Each repetition runs the
 engine and ``generate`` back to back, alternating which goes first, so machine noise hits both alike;
 the figure is the ratio of the medians of output tokens/s (goal: >= 1.0). Scenarios: greedy, and
 temperature-1 sampling with top-p 0.9. Every output has exactly ``--max-new-tokens`` tokens on both
 sides (EOS ignored), and the engine's prompt cache is flushed before each of its runs, so prefill is
-counted for both. Prints a table and ``BENCH_EMBEDDED_RESULT {json}``.
+counted for both.
+
+Then the cost of stop strings (issue 15): the engine alone, greedy on ``--stop-batch`` prompts of
+``--stop-max-new-tokens`` tokens, with one stop string that never matches and without, alternated the same
+way; the figure is the ratio of the median times, with / without (goal: <= 1.05). ``--stop-only`` runs only
+this part. Prints a table and ``BENCH_EMBEDDED_RESULT {json}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -25,6 +32,10 @@ from typing import Any
 
 for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_key, _value)
+
+
+_NEVER = "\x00never\x00"
+"""The stop string of the stop-string runs: every output still runs to its length (checked)."""
 
 
 def _prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:
@@ -43,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the result as JSON here")
+    p.add_argument("--stop-batch", type=int, default=8)
+    p.add_argument("--stop-max-new-tokens", type=int, default=900)
+    p.add_argument("--stop-repeats", type=int, default=5)
+    p.add_argument("--stop-only", action="store_true", help="only the stop-string ratio")
     args = p.parse_args(argv)
 
     import torch
@@ -122,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "scenarios": {},
     }
-    print(f"{'scenario':<22} {'engine tok/s':>13} {'HF generate tok/s':>18} {'ratio':>6}")
-    for name, (params, hf_kwargs) in scenarios.items():
+    if not args.stop_only:
+        print(f"{'scenario':<22} {'engine tok/s':>13} {'HF generate tok/s':>18} {'ratio':>6}")
+    for name, (params, hf_kwargs) in scenarios.items() if not args.stop_only else ():
         run_engine(params)  # warm-up both
         run_hf(hf_kwargs)
         ours: list[float] = []
@@ -144,12 +160,70 @@ def main(argv: list[str] | None = None) -> int:
             "hf_runs": [round(x, 1) for x in theirs],
         }
         print(f"{name:<22} {a:>13.0f} {b:>18.0f} {a / b:>6.2f}")
+    report["stop_strings"] = _stop_ratio(engine, args, vocab, sync)
     engine.shutdown()
     print("BENCH_EMBEDDED_RESULT " + json.dumps(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=2)
     return 0
+
+
+def _stop_ratio(engine: Any, args: argparse.Namespace, vocab: int, sync: Any) -> dict[str, Any]:
+    """Greedy batches with one never-matching stop string and without, alternated: the ratio with / without.
+
+    Wall seconds as in issue 15, and this process's CPU seconds beside them: on a shared machine other jobs'
+    load stretches wall time run by run, CPU time much less. Each pair runs back to back, so the median of
+    the pairs' ratios is given too.
+    """
+    from genengine.protocol import SamplingParams
+
+    prompts = _prompts(args.stop_batch, vocab, args.seed + 1)
+    plain = SamplingParams(temperature=0.0, max_new_tokens=args.stop_max_new_tokens, ignore_eos=True)
+    stopped = dataclasses.replace(plain, stop=(_NEVER,))
+    expected = len(prompts) * args.stop_max_new_tokens
+
+    def run(params: SamplingParams) -> tuple[float, float]:
+        engine.flush_cache()
+        sync()
+        wall, cpu = time.perf_counter(), time.process_time()
+        results = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+        sync()
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        assert sum(len(r.outputs[0].token_ids) for r in results) == expected, "the stop string matched"
+        return wall, cpu
+
+    run(plain)  # warm-up both
+    run(stopped)
+    without: list[tuple[float, float]] = []
+    with_stop: list[tuple[float, float]] = []
+    for rep in range(args.stop_repeats):
+        if rep % 2 == 0:
+            without.append(run(plain))
+            with_stop.append(run(stopped))
+        else:
+            with_stop.append(run(stopped))
+            without.append(run(plain))
+    out: dict[str, Any] = {"batch": len(prompts), "max_new_tokens": args.stop_max_new_tokens}
+    out["repeats"] = args.stop_repeats
+    shape = f"{len(prompts)} x {args.stop_max_new_tokens} greedy tokens"
+    for i, clock in enumerate(("wall", "cpu")):
+        yes, no = [x[i] for x in with_stop], [x[i] for x in without]
+        a, b = statistics.median(yes), statistics.median(no)
+        paired = statistics.median(y / n for y, n in zip(yes, no, strict=True))
+        out[clock] = {
+            "seconds_with_stop": round(a, 3),
+            "seconds_without": round(b, 3),
+            "ratio": round(a / b, 3),
+            "paired_ratio": round(paired, 3),
+            "runs_with_stop": [round(x, 3) for x in yes],
+            "runs_without": [round(x, 3) for x in no],
+        }
+        print(
+            f"stop string, {shape}, {clock} s: {a:.3f} with, {b:.3f} without, ratio {a / b:.3f}, "
+            f"paired {paired:.3f} (goal <= 1.05)"
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -32,3 +32,21 @@ class TestTransformersConformanceTiedLlama(EngineConformance):
             backend="transformers", model=model_dir, dtype="float32", device="cpu", **options
         )
         return engine
+
+
+class TestTransformersConformanceKeepingPrefixCache(EngineConformance):
+    """Keeps its prefix cache over a level-1 sleep, as SGLang does: the flush that a load owes while the KV
+    cache sleeps is then seen, by counted cache hits, to happen as soon as the KV cache wakes."""
+
+    prefix_cache_survives_sleep = True
+
+    def make_engine(self, model_dir: str, **options: Any) -> GenerationEngine:
+        engine: GenerationEngine = create_engine(
+            backend="transformers",
+            model=model_dir,
+            dtype="float32",
+            device="cpu",
+            keep_prefix_cache_on_sleep=True,
+            **options,
+        )
+        return engine

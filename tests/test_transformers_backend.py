@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,6 +63,7 @@ def test_registered_and_built_through_the_registry(model_dir: str) -> None:
         ({"options": {"bucket_bytes": -1}}, "bucket_bytes"),
         ({"options": {"attn_implementation": "magic"}}, "attn_implementation='magic'"),
         ({"options": {"prefix_cache_bytes": -5}}, "prefix_cache_bytes"),
+        ({"options": {"keep_prefix_cache_on_sleep": "yes"}}, "keep_prefix_cache_on_sleep='yes'"),
         ({"tp_size": 2}, "tp_size=2"),
         ({"model": "/nonexistent/model"}, "not a model directory"),
     ],
@@ -193,21 +195,57 @@ def test_stop_string_completed_across_tokens(engine: TransformersEngine) -> None
 
 
 # ---- prefix cache ------------------------------------------------------------------------------------------
+def _prefilled_rows(eng: TransformersEngine) -> list[int]:
+    """Prompts run through the model's prefill so far (a forward hook: seen on the real model, not our counter)."""
+    rows: list[int] = []
+
+    def hook(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if "logits_to_keep" in kwargs:  # the prefill's forward; decode steps keep every position's logits
+            rows.append(int(kwargs["input_ids"].shape[0]))
+
+    eng.model.register_forward_pre_hook(hook, with_kwargs=True)
+    return rows
+
+
 def test_prefix_cache_hits_and_is_dropped(model_dir: str) -> None:
-    with TransformersEngine(model_dir, dtype="float32") as eng:
-        first = eng.generate(PROMPTS, {"temperature": 0, "max_new_tokens": 4, "logprobs": True})
-        assert len(eng._prefixes) == len(PROMPTS)
-        again = eng.generate(PROMPTS, {"temperature": 0, "max_new_tokens": 4, "logprobs": True})
+    """A repeated prompt skips its prefill (counted in ``prefix_cache_hits``) with the same outputs; after a flush,
+    a sleep (unless ``keep_prefix_cache_on_sleep``, then after a level-2 one) or with no cache, it does not."""
+    params = {"temperature": 0, "max_new_tokens": 4, "logprobs": True}
+    n = len(PROMPTS)
+    eng = TransformersEngine(model_dir, dtype="float32")
+    with eng:
+        rows = _prefilled_rows(eng)
+        first = eng.generate(PROMPTS, params)
+        assert (sum(rows), eng.prefix_cache_hits) == (n, 0)
+        again = eng.generate(PROMPTS, params)
+        assert (sum(rows), eng.prefix_cache_hits) == (n, n), "the repeat should be served from the cache"
         assert [r.outputs[0].logprobs for r in again] == [r.outputs[0].logprobs for r in first]
         eng.flush_cache()
-        assert not eng._prefixes
-        eng.generate(PROMPTS[:1], {"max_new_tokens": 1})
+        eng.generate(PROMPTS, params)
+        assert (sum(rows), eng.prefix_cache_hits) == (2 * n, n), "flush_cache should empty the cache"
         eng.sleep(1)
-        assert not eng._prefixes, "sleep drops the KV cache"
         eng.wake()
-    with TransformersEngine(model_dir, dtype="float32", prefix_cache_bytes=0) as eng:
-        eng.generate(PROMPTS, {"max_new_tokens": 2})
-        assert not eng._prefixes
+        assert _tokens(eng.generate(PROMPTS, params)) == _tokens(first)
+        assert (sum(rows), eng.prefix_cache_hits) == (3 * n, n), "sleep drops the KV cache"
+    eng = TransformersEngine(model_dir, dtype="float32", keep_prefix_cache_on_sleep=True)
+    with eng:
+        rows = _prefilled_rows(eng)
+        eng.generate(PROMPTS, params)
+        eng.sleep(1)
+        eng.wake()
+        assert _tokens(eng.generate(PROMPTS, params)) == _tokens(first)
+        assert (sum(rows), eng.prefix_cache_hits) == (n, n), "a level-1 sleep keeps the cache with this option"
+        eng.sleep(2)
+        eng.wake()
+        eng.load_weights(load_checkpoint(model_dir).items())
+        assert _tokens(eng.generate(PROMPTS, params)) == _tokens(first)
+        assert (sum(rows), eng.prefix_cache_hits) == (2 * n, n), "a level-2 sleep drops it all the same"
+    eng = TransformersEngine(model_dir, dtype="float32", prefix_cache_bytes=0)
+    with eng:
+        rows = _prefilled_rows(eng)
+        eng.generate(PROMPTS, params)
+        eng.generate(PROMPTS, params)
+        assert (sum(rows), eng.prefix_cache_hits) == (2 * n, 0)
 
 
 # ---- memory ------------------------------------------------------------------------------------------------
@@ -235,9 +273,18 @@ def test_level_2_sleep_gives_the_weights_memory_back(tmp_path: Path) -> None:
 
 
 def test_shutdown_frees_the_model(model_dir: str) -> None:
+    """A trainer may keep the engine object after shutdown: the model, its weights and cached KV must still go."""
     eng = TransformersEngine(model_dir, dtype="float32")
+    eng.generate(PROMPTS, {"max_new_tokens": 3})
+    alive = {
+        "the model": weakref.ref(eng.model),
+        "a weight": weakref.ref(next(eng.model.parameters())),
+        "a cached prefix": weakref.ref(next(iter(eng._prefixes.values())).keys[0]),
+    }
+    assert all(ref() is not None for ref in alive.values())
     eng.shutdown()
     assert eng.state.closed and eng.model is None
+    assert [name for name, ref in alive.items() if ref() is not None] == [], "still alive after shutdown"
 
 
 # ---- raw runner --------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import random
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,13 +42,24 @@ if TYPE_CHECKING:
 
 __all__ = ["OPTIONS", "TransformersEngine", "hf_generate_tokens_per_second"]
 
-OPTIONS = ("device", "max_batch_size", "bucket_bytes", "attn_implementation", "prefix_cache_bytes")
+OPTIONS = (
+    "device",
+    "max_batch_size",
+    "bucket_bytes",
+    "attn_implementation",
+    "prefix_cache_bytes",
+    "keep_prefix_cache_on_sleep",
+)
 """Backend options (``EngineConfig.options``) this backend accepts."""
 
 _ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 _TINY_TEMPERATURE = 1e-30
 """Below this a temperature is its T → 0 limit: float32 ``logits / T`` would overflow to inf and give NaN."""
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_STOP_CONTEXT = 4
+"""Tokens decoded before the new ones when looking for stop strings: a decoder may treat the first token of
+what it decodes specially (SentencePiece drops its leading space), so the new text is read off a decode that
+starts this many tokens earlier, minus that earlier part."""
 
 
 # ---- option checks (all run before anything is loaded) -------------------------------------------------------
@@ -81,6 +92,27 @@ def _checkpoint_dtype(model_dir: str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _plain_decode(tokenizer: Any) -> Callable[..., str]:
+    """``tokenizer.decode``, or the Rust tokenizer's own where transformers' wrapper adds nothing to it.
+
+    Half the cost of a stop-string check is the wrapper (issue 15). It only forwards to the Rust tokenizer
+    when neither method is overridden and the space clean-up is off, so the text is the same.
+    """
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # older transformers (the GPU images)
+        return tokenizer.decode  # type: ignore[no-any-return]
+    cls = type(tokenizer)
+    plain = (
+        isinstance(tokenizer, TokenizersBackend)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is TokenizersBackend._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    )
+    return tokenizer._tokenizer.decode if plain else tokenizer.decode  # type: ignore[no-any-return]
+
+
 def _sample_seed(seed: int, index: int) -> int:
     """The seed of sample ``index`` of a request seeded with ``seed``: stable across runs and machines."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "little") & (2**63 - 1)
@@ -103,6 +135,55 @@ class _Prefix:
     nbytes: int
 
 
+class _StopStrings:
+    """Finds a row's stop strings as tokens come, decoding a few recent tokens instead of the whole output.
+
+    The rule is the full-decode one: stop after the first token at which ``decode(tokens)`` contains a stop
+    string, and cut that text before the earliest one. Decoding everything at every step made long outputs
+    quadratic (issue 15). Since the text one token earlier held no stop string, a new one ends in the new
+    text, so only the new text and the ``longest - 1`` characters before it are searched.
+
+    The full text up to the last step that ended on a whole character is taken as settled; only its last
+    characters are kept (``_tail``). The text after it is a decode from token ``_start`` (``_STOP_CONTEXT``
+    or more tokens before that step, where there are any) minus ``_anchor``, what the same decode read at that
+    step. A hit found there is decided on the full decode, which also gives the returned text; so is every
+    step where the window no longer starts with ``_anchor`` (a decoder that rewrote text behind the newest
+    token, as transformers' space clean-up does, or a multi-byte character completed). Settling only
+    on whole characters spares a character that arrives in pieces that full decode.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str]) -> None:
+        self._decode = decode
+        self._stops = tuple(stops)
+        self._keep = max(len(s) for s in self._stops) - 1
+        self._start = 0
+        self._anchor = self._tail = ""
+
+    def check(self, tokens: list[int]) -> tuple[str, str] | None:
+        """After each new token: (the stop string, the text before it) once the full text holds one, else None."""
+        count = len(tokens)
+        window = self._decode(tokens[self._start : count])
+        if window.startswith(self._anchor):
+            searched = self._tail + window[len(self._anchor) :]
+            if not any(s in searched for s in self._stops):
+                if not window.endswith("\ufffd"):  # a whole character: settle the text up to here
+                    self._tail = searched[max(0, len(searched) - self._keep) :]
+                    if count - self._start >= 2 * _STOP_CONTEXT:
+                        self._start = count - _STOP_CONTEXT
+                        window = self._decode(tokens[self._start : count])
+                    self._anchor = window
+                return None
+        text = self._decode(tokens)
+        hits = [(text.find(s), s) for s in self._stops if s in text]
+        if hits:
+            cut, stop = min(hits)
+            return stop, text[:cut]
+        self._tail = text[max(0, len(text) - self._keep) :]  # no hit after all: settle on the full text
+        self._start = max(0, count - _STOP_CONTEXT)
+        self._anchor = self._decode(tokens[self._start : count])
+        return None
+
+
 @dataclass
 class _Row:
     """One sample being generated."""
@@ -115,6 +196,7 @@ class _Row:
     finish: FinishReason | None = None
     stop_reason: str | int | None = None
     text: str | None = None
+    stops: _StopStrings | None = None
     _rng: torch.Generator | None = None
 
     def uniform(self) -> float:
@@ -227,9 +309,12 @@ class TransformersEngine(EngineBase):
 
     Options: ``device`` ("cpu", "cuda", "cuda:N"), ``max_batch_size`` (rows decoded together),
     ``bucket_bytes``, ``attn_implementation`` (transformers' name, default its own choice),
-    ``prefix_cache_bytes`` (prompt KV kept across calls; 0 disables). ``mem_util`` is not used: memory
+    ``prefix_cache_bytes`` (prompt KV kept across calls; 0 disables), ``keep_prefix_cache_on_sleep`` (CPU
+    only: a level-1 sleep keeps the prefix cache, as SGLang's does, so the flush a load owes while the KV
+    cache sleeps can be seen to happen at wake; see ``prefix_cache_hits``). ``mem_util`` is not used: memory
     grows with the batch. Sleep level 1 moves the weights to host memory (on CPU there is nothing to
-    move) and drops the prefix cache; level 2 frees the weights' storage.
+    move) and drops the prefix cache (unless ``keep_prefix_cache_on_sleep``); level 2 frees the weights'
+    storage and the cache.
     """
 
     supported_tags = (TAG_WEIGHTS, TAG_KV_CACHE)
@@ -247,6 +332,7 @@ class TransformersEngine(EngineBase):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         attn_implementation: str | None = None,
         prefix_cache_bytes: int = 256 << 20,
+        keep_prefix_cache_on_sleep: bool = False,
     ) -> None:
         model_dir = os.fspath(model)
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
@@ -263,6 +349,13 @@ class TransformersEngine(EngineBase):
             raise ConfigError(f"prefix_cache_bytes={prefix_cache_bytes!r} must be an integer >= 0")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"seed={seed!r} must be an integer")
+        if not isinstance(keep_prefix_cache_on_sleep, bool):
+            raise ConfigError(f"keep_prefix_cache_on_sleep={keep_prefix_cache_on_sleep!r} must be true or false")
+        if keep_prefix_cache_on_sleep and device != "cpu":
+            raise ConfigError(
+                "keep_prefix_cache_on_sleep=True needs device='cpu': on a GPU the kept cache would stay in the "
+                "device memory that a sleep must free"
+            )
         super().__init__(sleep_enabled=enable_sleep, bucket_bytes=bucket_bytes)
 
         import torch
@@ -273,6 +366,7 @@ class TransformersEngine(EngineBase):
         self.dtype = getattr(torch, _checkpoint_dtype(model_dir) if dtype == "auto" else dtype)
         self.max_batch_size = max_batch_size
         self.prefix_cache_bytes = prefix_cache_bytes
+        self.keep_prefix_cache_on_sleep = keep_prefix_cache_on_sleep
         self._rng = random.Random(seed)
 
         bars = transformers.utils.logging.is_progress_bar_enabled()
@@ -304,6 +398,7 @@ class TransformersEngine(EngineBase):
             elif isinstance(source, (list, tuple)):
                 eos.update(int(t) for t in source)
         self._eos = frozenset(eos)
+        self._decode_fn = _plain_decode(self._tokenizer)
         pad = self._tokenizer.pad_token_id
         self._pad = int(pad if pad is not None else min(eos, default=0))
 
@@ -324,6 +419,7 @@ class TransformersEngine(EngineBase):
         self._host_backup: list[torch.Tensor] | None = None
         self._prefixes: OrderedDict[tuple[int, ...], _Prefix] = OrderedDict()
         self._prefix_nbytes = 0
+        self._prefix_hits = 0
 
     @classmethod
     def from_config(cls, config: Any) -> TransformersEngine:
@@ -351,6 +447,15 @@ class TransformersEngine(EngineBase):
     def model(self) -> Any:
         """The underlying transformers model (read-only use: its weights belong to the engine)."""
         return self._model
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompts whose prefill came from the prefix cache, since the engine started.
+
+        Counted per distinct prompt of a ``generate`` call. The conformance suite reads it (an optional
+        attribute of any engine) to see that a flush really empties the cache.
+        """
+        return self._prefix_hits
 
     def _vocab_size(self) -> int | None:
         return self._vocab
@@ -426,6 +531,7 @@ class TransformersEngine(EngineBase):
             if hit is not None:
                 self._prefixes.move_to_end(ids)
                 found[ids] = hit
+                self._prefix_hits += 1
             else:
                 todo.append(ids)
         todo.sort(key=len)
@@ -557,28 +663,30 @@ class TransformersEngine(EngineBase):
         p = row.params
         tok = row.tokens[-1]
 
-        def decode(ids: list[int]) -> str:
-            return str(self._tokenizer.decode(ids, skip_special_tokens=True))
-
         if not p.ignore_eos and tok in self._eos:
             row.finish = "stop"
         elif tok in p.stop_token_ids:
             row.finish, row.stop_reason = "stop", tok
         if row.finish is not None:
-            row.text = decode(row.tokens[:-1])
+            row.text = self._decode_text(row.tokens[:-1])
             return False
         if p.stop:
-            text = decode(row.tokens)
-            hits = [(text.find(s), s) for s in p.stop if s in text]
-            if hits:
-                cut, stop = min(hits)
-                row.finish, row.stop_reason, row.text = "stop", stop, text[:cut]
+            if row.stops is None:
+                row.stops = _StopStrings(self._decode_text, p.stop)
+            hit = row.stops.check(row.tokens)
+            if hit is not None:
+                row.finish = "stop"
+                row.stop_reason, row.text = hit
                 return False
         if len(row.tokens) >= p.max_new_tokens:
             row.finish = "length"
-            row.text = decode(row.tokens)
+            row.text = self._decode_text(row.tokens)
             return False
         return True
+
+    def _decode_text(self, ids: list[int]) -> str:
+        """``tokenizer.decode(ids, skip_special_tokens=True)``: the text of an output."""
+        return str(self._decode_fn(ids, skip_special_tokens=True))
 
     # ---- memory --------------------------------------------------------------------------------------------
     def _drop_prefixes(self) -> None:
@@ -598,7 +706,8 @@ class TransformersEngine(EngineBase):
     def _release(self, level: int) -> None:
         import torch
 
-        self._drop_prefixes()
+        if level == 2 or not self.keep_prefix_cache_on_sleep:
+            self._drop_prefixes()
         if level == 2:
             for p in self._unique_params:
                 p.data = torch.empty(0, dtype=p.dtype, device=self.device)

@@ -108,6 +108,15 @@ def _tokens(results: list[GenerationResult]) -> list[list[list[int]]]:
     return [[o.token_ids for o in r.outputs] for r in results]
 
 
+def _prefix_cache_hits(engine: GenerationEngine) -> int | None:
+    """The engine's optional ``prefix_cache_hits`` (grows whenever a generate reuses a cached prefix), or None.
+
+    An engine that offers it promises a prefix cache that repeated prompts hit: the flush tests count on it.
+    """
+    hits = getattr(engine, "prefix_cache_hits", None)
+    return hits if isinstance(hits, int) else None
+
+
 def _expect_raises(exc_type: type[BaseException], call: Callable[[], Any]) -> BaseException:
     with pytest.raises(exc_type) as info:
         call()
@@ -123,6 +132,58 @@ def _breaking_stream(items: list[tuple[str, Any]], count: int, error: BaseExcept
     """The first ``count`` pairs, then ``error``: a trainer whose weight stream dies part-way."""
     yield from items[:count]
     raise error
+
+
+# ---- trainer tensors (issues 15 and 20): helpers of the section "trainer tensors" in EngineConformance -------
+_UNREADABLE: Any = None
+
+
+def _unreadable_like(tensor: Any) -> Any:
+    """A tensor with ``tensor``'s metadata whose data cannot be read: every operation but ``detach`` raises.
+
+    It stands for a trainer tensor that passes every check (a kind with data, floating, the right shape) and
+    fails only when the engine copies it, inside ``_apply_weights``: a lazily loaded tensor whose file went
+    away, or a FakeTensor that escaped its FakeTensorMode (copying one raises). Any read fails, so it fails on
+    every backend: ``copy_`` into a parameter, ``.to(device)``, pickling for another process.
+    """
+    import torch
+
+    global _UNREADABLE
+    if _UNREADABLE is None:
+
+        class Unreadable(torch.Tensor):
+            __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+            @staticmethod
+            def __new__(cls, like: Any) -> Any:
+                return torch.Tensor._make_wrapper_subclass(
+                    cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device
+                )
+
+            @classmethod
+            def __torch_dispatch__(  # type: ignore[override]
+                cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+            ) -> Any:
+                if func is torch.ops.aten.detach.default:
+                    return cls(args[0])
+                raise OSError(f"reading the weight's data failed ({func})")
+
+            def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+                return f"Unreadable(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+        _UNREADABLE = Unreadable
+    return _UNREADABLE(tensor)
+
+
+def _bucket_count(sizes: list[int], limit: int) -> int:
+    """Buckets of at most ``limit`` bytes over tensors of ``sizes``, in order (a larger tensor alone): fewest."""
+    buckets = size = 0
+    for n in sizes:
+        if buckets and size + n <= limit:
+            size += n
+        else:
+            buckets, size = buckets + 1, n
+    return buckets
 
 
 # Bad generate() input: (id, args, kwargs). Each must raise InvalidArgumentError and change nothing.
@@ -182,6 +243,10 @@ class EngineConformance:
     bf16-vs-float32 gap on the same tokens: no bf16 engine can beat that floor (``genengine.testing.parity``)."""
     model_kwargs: ClassVar[dict[str, Any]] = {}
     """Arguments for ``build_tiny_model``."""
+    prefix_cache_survives_sleep: ClassVar[bool] = False
+    """The engine keeps its prefix cache over a level-1 sleep (as SGLang) and offers ``prefix_cache_hits``, an
+    int that grows whenever a ``generate`` reuses a cached prefix (read by ``_prefix_cache_hits``). Then the
+    flush a load owes while the KV cache sleeps is seen to happen at wake, by counting hits."""
 
     def make_engine(self, model_dir: str, **options: Any) -> GenerationEngine:
         raise NotImplementedError("subclasses return an engine serving model_dir")
@@ -363,6 +428,11 @@ class EngineConformance:
 
     def logprob_bound(self, hf_model: Any, results: list[GenerationResult], params: SamplingParams) -> float:
         """``logprob_tolerance``, or for a bf16 engine 1.25x transformers' bf16 gap on these tokens if larger."""
+        return self.logprob_bound_rows(hf_model, [(result, params) for result in results])
+
+    def logprob_bound_rows(self, hf_model: Any, rows: list[tuple[GenerationResult, SamplingParams]]) -> float:
+        """``logprob_bound`` over results sampled with different parameters: one bound for their mean gap (a
+        single row's mean over a few tokens is noisier than the bf16 floor it is held to)."""
         if self.compute_dtype == "float32":
             return self.logprob_tolerance
         import copy
@@ -371,7 +441,7 @@ class EngineConformance:
 
         low = copy.deepcopy(hf_model).to(getattr(torch, self.compute_dtype))
         gaps = []
-        for result in results:
+        for result, params in rows:
             for out in result.outputs:
                 ref = reference_logprobs(hf_model, result.prompt_token_ids, out.token_ids, params)
                 got = reference_logprobs(low, result.prompt_token_ids, out.token_ids, params)
@@ -432,6 +502,60 @@ class EngineConformance:
             raw_mean = sum(raw_diffs) / len(raw_diffs)
             assert raw_mean > max(2 * mean, 1e-3), f"{params}: the logprobs look unprocessed (raw)"
 
+    def test_mixed_greedy_and_sampled_batch_keeps_each_rows_logprobs(
+        self, engine: GenerationEngine, hf_model: Any
+    ) -> None:
+        """Greedy and sampled requests in one batch: each row's logprobs are its own processed ones.
+
+        Held to the request run alone and to transformers' processed logprobs on the same tokens: a sampled
+        row that kept the greedy (unprocessed) logprob, or got another row's, fails here. A greedy and a
+        sampled row share a prompt, so that taking the neighbour's value cannot pass by chance. The cache is
+        flushed before each call, so that every run takes the same (uncached) path.
+        """
+        common: dict[str, Any] = {"max_new_tokens": 10, "logprobs": True, "ignore_eos": True}
+        cases = [
+            SamplingParams(temperature=0.0, **common),
+            SamplingParams(temperature=0.7, seed=31, **common),
+            SamplingParams(temperature=1.0, top_p=0.8, seed=32, **common),
+            SamplingParams(temperature=0.0, **common),
+            SamplingParams(temperature=1.3, top_k=20, top_p=0.9, seed=33, **common),
+        ]
+        prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]]
+        alone = []
+        for prompt, params in zip(prompts, cases, strict=True):
+            engine.flush_cache()
+            alone.append(engine.generate([prompt], [params])[0].outputs[0])
+        engine.flush_cache()
+        mixed = engine.generate(prompts, cases)
+        raw_params = SamplingParams(temperature=0.0)
+        # bf16: batch shapes change the last bits, so gaps are held to one bound over all rows together.
+        bound = self.logprob_bound_rows(hf_model, list(zip(mixed, cases, strict=True)))
+        alone_gaps: list[float] = []
+        ref_gaps: list[float] = []
+        for i, (params, own, result) in enumerate(zip(cases, alone, mixed, strict=True)):
+            (out,) = result.outputs
+            assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids), i
+            if self.greedy_matches_hf if params.greedy else self.seeded_batch_invariant:
+                assert out.token_ids == own.token_ids, f"row {i} ({params}): other tokens than alone"
+                alone_gaps += [abs(a - b) for a, b in zip(out.logprobs, own.logprobs or [], strict=True)]
+            ref = reference_logprobs(hf_model, result.prompt_token_ids, out.token_ids, params)
+            kept = [(got, want) for got, want in zip(out.logprobs, ref, strict=True) if math.isfinite(want)]
+            allowed = 0 if self.greedy_matches_hf else max(1, len(ref) // 20)
+            assert len(ref) - len(kept) <= allowed, f"row {i} ({params}): tokens outside top-k/top-p were sampled"
+            gaps = [abs(got - want) for got, want in kept]
+            ref_gaps += gaps
+            mean = sum(gaps) / len(gaps)
+            if not params.greedy:
+                # Per row: the processed logprobs must be much nearer than the unprocessed ones.
+                raw = reference_logprobs(hf_model, result.prompt_token_ids, out.token_ids, raw_params)
+                raw_mean = sum(abs(a - b) for a, b in zip(out.logprobs, raw, strict=True)) / len(raw)
+                assert raw_mean > max(2 * mean, 1e-3), f"row {i} ({params}): the logprobs look unprocessed"
+        if alone_gaps:
+            mean_alone = sum(alone_gaps) / len(alone_gaps)
+            assert mean_alone <= bound, f"logprobs in the batch differ from alone: mean {mean_alone:.2e} > {bound:.2e}"
+        mean_ref = sum(ref_gaps) / len(ref_gaps)
+        assert mean_ref <= bound, f"mean |Δlogprob| {mean_ref:.2e} vs processed > {bound:.2e} over all rows"
+
     def test_top_k_1_and_tiny_top_p_sample_greedily(
         self, engine: GenerationEngine, baseline: list[GenerationResult]
     ) -> None:
@@ -481,16 +605,25 @@ class EngineConformance:
             assert out.finish_reason == "length" and out.stop_reason is None
 
     def test_stop_token_ids(self, engine: GenerationEngine, tokenizer: Any) -> None:
-        full = engine.generate(PROMPTS[0], {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True})
-        tokens = full[0].outputs[0].token_ids
+        """The stop token is kept in ``token_ids`` with its logprob: the one it has in the run without the stop."""
+        greedy = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True, "logprobs": True}
+        engine.flush_cache()  # both runs uncached: a cache hit may take another kernel (other last bits)
+        (whole,) = engine.generate(PROMPTS[0], greedy)[0].outputs
+        tokens = whole.token_ids
         stop = next((t for t in tokens[3:] if t != tokenizer.eos_token_id), None)
-        assert stop is not None
+        assert stop is not None and whole.logprobs is not None
         k = tokens.index(stop)
-        params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True, "stop_token_ids": [stop]}
-        (out,) = engine.generate(PROMPTS[0], params)[0].outputs
+        engine.flush_cache()
+        (out,) = engine.generate(PROMPTS[0], {**greedy, "stop_token_ids": [stop]})[0].outputs
         assert out.token_ids == tokens[: k + 1], "the stop token is kept in token_ids"
         assert out.finish_reason == "stop" and out.stop_reason == stop
         assert out.text == tokenizer.decode(tokens[:k], skip_special_tokens=True), "the stop token is not in the text"
+        assert out.logprobs is not None and len(out.logprobs) == k + 1, "every kept token, the stop token too, has one"
+        gaps = [abs(a - b) for a, b in zip(out.logprobs, whole.logprobs[: k + 1], strict=True)]
+        assert gaps[-1] <= max(self.logprob_tolerance, 1e-6), (
+            f"the stop token's logprob {out.logprobs[-1]} vs {whole.logprobs[k]} in the run without the stop"
+        )
+        assert sum(gaps) / len(gaps) <= self.logprob_tolerance, gaps
 
     def test_stop_strings(self, engine: GenerationEngine, tokenizer: Any) -> None:
         prompts = PROMPTS + _EXTRA_PROMPTS
@@ -565,6 +698,7 @@ class EngineConformance:
     def test_wake_while_awake_is_a_no_op(self, engine: GenerationEngine, baseline: list[GenerationResult]) -> None:
         engine.wake()
         engine.wake(["kv_cache"])
+        engine.wake([])
         assert not engine.is_sleeping
         self.assert_baseline(engine, baseline)
 
@@ -600,7 +734,7 @@ class EngineConformance:
         for level in (0, 3, -1, True, "1", None, 1.0, 2.5):
             with pytest.raises(InvalidArgumentError):
                 engine.sleep(level)  # type: ignore[arg-type]
-        for tags in (["bogus"], [], ["weights", "nope"]):
+        for tags in (["bogus"], ["weights", "nope"]):
             with pytest.raises(InvalidArgumentError):
                 engine.wake(tags)
         assert not engine.is_sleeping
@@ -638,6 +772,41 @@ class EngineConformance:
             engine.wake([TAG_KV_CACHE])
             assert not engine.is_sleeping and engine.state.weights_loaded
             self.assert_baseline(engine, baseline)
+
+    def test_wake_takes_the_weights_back_before_the_kv_cache(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """One ``wake`` naming the KV cache first still takes the weights back first (no OOM from the KV pool).
+
+        Seen on the real engine: its ``_resume`` is wrapped to record what it receives, and then runs as always.
+        """
+        if not isinstance(engine, EngineBase):
+            pytest.skip("not an EngineBase: its resume step cannot be observed")
+        received: list[tuple[str, ...]] = []
+        resume = engine._resume
+
+        def recording(tags: tuple[str, ...]) -> None:
+            received.append(tuple(tags))
+            resume(tags)
+
+        monkeypatch.setattr(engine, "_resume", recording)
+        for level in (1, 2) if self.supports_sleep_level_2 else (1,):
+            with self.restoring(engine, original_weights):
+                received.clear()
+                engine.sleep(level)
+                engine.wake([TAG_KV_CACHE, TAG_WEIGHTS])
+                # An engine may wake a tag of its own with the KV cache (SGLang's "cuda_graph"): what it
+                # resumes is in supported_tags order, in one call, weights first.
+                assert len(received) == 1, f"level {level}: _resume received {received}"
+                (tags,) = received
+                assert tags[:1] == (TAG_WEIGHTS,) and TAG_KV_CACHE in tags, f"level {level}: _resume received {tags}"
+                assert list(tags) == [t for t in engine.supported_tags if t in tags], f"level {level}: {tags}"
+                assert not {TAG_WEIGHTS, TAG_KV_CACHE} & engine.state.released_tags
+        self.assert_baseline(engine, baseline)
 
     # ---- load_weights ----------------------------------------------------------------------------------
     def test_load_weights_equals_a_fresh_engine(
@@ -839,10 +1008,227 @@ class EngineConformance:
         self.assert_baseline(engine, baseline)
 
     def test_flush_cache(self, engine: GenerationEngine, baseline: list[GenerationResult]) -> None:
+        """Outputs unchanged by flushes; where the engine counts cache hits, a flushed cache is really empty."""
         engine.flush_cache()
         self.assert_baseline(engine, baseline)
+        hits = _prefix_cache_hits(engine)
+        if hits is not None:
+            self.assert_baseline(engine, baseline)
+            assert (_prefix_cache_hits(engine) or 0) > hits, "the repeated prompts should hit the prefix cache"
+            engine.flush_cache()
+            hits = _prefix_cache_hits(engine)
+            self.assert_baseline(engine, baseline)
+            assert _prefix_cache_hits(engine) == hits, "a prefix cached before flush_cache was reused"
         engine.flush_cache()
         engine.flush_cache()
+        self.assert_baseline(engine, baseline)
+
+    def test_load_while_the_kv_cache_sleeps_flushes_the_cache_at_wake(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        other_record: dict[str, Any],
+    ) -> None:
+        """The RL step after a generate filled the cache: the flush the load owes is done at wake(kv_cache).
+
+        With ``prefix_cache_survives_sleep`` the same steps without a load are seen to hit the cache, so a
+        missing flush would show as a hit (and as the old weights' outputs).
+        """
+        counted = self.prefix_cache_survives_sleep
+        if counted:
+            assert _prefix_cache_hits(engine) is not None, "prefix_cache_survives_sleep needs prefix_cache_hits"
+            engine.generate(PROMPTS, GREEDY)
+            engine.sleep(1)
+            engine.wake([TAG_WEIGHTS])
+            engine.wake([TAG_KV_CACHE])
+            before = _prefix_cache_hits(engine) or 0
+            self.assert_baseline(engine, baseline)
+            assert (_prefix_cache_hits(engine) or 0) > before, "without a load the kept cache should be hit"
+        with self.restoring(engine, original_weights):
+            engine.generate(PROMPTS, GREEDY)  # the cache now holds the original weights' prefixes
+            engine.sleep(1)
+            engine.wake([TAG_WEIGHTS])
+            engine.load_weights(other_weights.items())
+            engine.wake([TAG_KV_CACHE])
+            hits = _prefix_cache_hits(engine)
+            results = engine.generate(PROMPTS, GREEDY)
+            if counted:
+                assert _prefix_cache_hits(engine) == hits, "the cache of the old weights was reused after the load"
+            self.assert_same_outputs(results, other_record["results"])
+        self.assert_baseline(engine, baseline)
+
+    # ---- trainer tensors: kinds, values, buckets, failures inside a bucket (issues 15 and 20) ---------------
+    def _record_applied(self, engine: GenerationEngine, monkeypatch: pytest.MonkeyPatch) -> list[list[Any]] | None:
+        """Wrap the real engine's ``_apply_weights`` to note each bucket it receives (then it writes as always):
+        per tensor its name, bytes, whether it is a plain ``torch.Tensor`` and contiguous. None if not EngineBase."""
+        if not isinstance(engine, EngineBase):
+            return None
+        import torch
+
+        received: list[list[Any]] = []
+        apply = engine._apply_weights
+
+        def recording(bucket: list[tuple[str, Any]]) -> None:
+            received.append(
+                [(n, t.numel() * t.element_size(), type(t) is torch.Tensor, t.is_contiguous()) for n, t in bucket]
+            )
+            apply(bucket)
+
+        monkeypatch.setattr(engine, "_apply_weights", recording)
+        return received
+
+    @pytest.mark.parametrize("where", ["first", "middle", "last"])
+    def test_failure_inside_a_bucket_refuses_until_a_full_load(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        where: str,
+    ) -> None:
+        """One bucket holds the whole call, and one of its tensors fails while the engine copies it.
+
+        The tensor passes every check and fails on read (``_unreadable_like``), so the error comes from inside
+        the write of the first bucket, with the tensors before it (none when first) already written: the engine
+        must refuse, whatever part of the bucket landed, and a full load must bring the old model back exactly.
+        """
+        items = list(other_weights.items())
+        at = {"first": 0, "middle": len(items) // 2, "last": len(items) - 1}[where]
+        name, tensor = items[at]
+        items[at] = (name, _unreadable_like(tensor))
+        whole = sum(t.numel() * t.element_size() for t in other_weights.values())
+        with self.restoring(engine, original_weights):
+            _expect_raises(Exception, lambda: engine.load_weights(items, bucket_bytes=whole))
+            assert not engine.state.weights_loaded, "a bucket was being written: its old weights are not whole"
+            error = _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+            assert "incomplete weights" in str(error) and "failed" in str(error), error
+            engine.sleep(1)  # a sleep/wake cycle does not make the half-written bucket servable
+            engine.wake()
+            _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+            report = engine.load_weights(original_weights.items())
+            assert report.num_tensors == len(original_weights) and engine.state.weights_loaded
+            self.assert_same_outputs(engine.generate(PROMPTS, GREEDY), baseline)
+
+    @pytest.mark.parametrize("kind", ["meta", "sparse", "freed"])
+    def test_tensors_without_usable_data_are_rejected_before_any_write(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        kind: str,
+    ) -> None:
+        """Meta, sparse, and freed (storage resized to 0, as FSDP frees unsharded parameters) tensors, last in a
+        list sent in one bucket per tensor: the whole list is checked before the first bucket is written."""
+        import torch
+
+        items = list(other_weights.items())
+        name, tensor = items[-1]
+        if kind == "meta":
+            bad = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        elif kind == "sparse":
+            bad = tensor.to_sparse()
+        else:
+            bad = tensor.clone()
+            bad.untyped_storage().resize_(0)
+        stream = [*items[:-1], (name, bad)]
+        with self.restoring(engine, original_weights):
+            error = _expect_raises(
+                WeightLoadError, lambda: engine.load_weights(stream, bucket_bytes=_smallest_bucket(other_weights))
+            )
+            assert name in str(error) and "allowed are" in str(error), error
+            assert engine.state.weights_loaded, "nothing may have been written"
+            self.assert_baseline(engine, baseline)
+
+    @pytest.mark.parametrize("value", [math.nan, math.inf])
+    def test_check_finite_refuses_nan_and_inf_before_any_write(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        value: float,
+    ) -> None:
+        items = list(other_weights.items())
+        name, tensor = items[-1]
+        bad = tensor.clone()
+        bad.view(-1)[bad.numel() // 2] = value
+        stream = [*items[:-1], (name, bad)]
+        smallest = _smallest_bucket(other_weights)
+        with self.restoring(engine, original_weights):
+            error = _expect_raises(
+                WeightLoadError, lambda: engine.load_weights(stream, bucket_bytes=smallest, check_finite=True)
+            )
+            assert name in str(error) and "NaN or infinite" in str(error), error
+            assert engine.state.weights_loaded, "nothing may have been written"
+            self.assert_baseline(engine, baseline)
+            assert engine.load_weights(items, check_finite=True).num_tensors == len(items)  # finite ones pass
+
+    def test_buckets_are_at_most_bucket_bytes(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """The fewest buckets of at most ``bucket_bytes`` (the engine's default for None), seen in the report
+        and, on an ``EngineBase``, in the buckets ``_apply_weights`` really receives."""
+        items = list(original_weights.items())
+        sizes = [t.numel() * t.element_size() for _, t in items]
+        total, largest, smallest = sum(sizes), max(sizes), min(sizes)
+        received = self._record_applied(engine, monkeypatch)
+        limits: list[int | None] = [smallest, largest, largest + smallest, total // 3, total // 2, total, None]
+        for limit in limits:
+            applied = len(received) if received is not None else 0
+            report = engine.load_weights(items, bucket_bytes=limit)
+            assert report.num_tensors == len(items) and report.num_bytes == total
+            if limit is None:
+                if not isinstance(engine, EngineBase):
+                    continue
+                limit = engine.default_bucket_bytes
+            want = _bucket_count(sizes, limit)
+            assert report.num_buckets == want, f"bucket_bytes={limit}: {report.num_buckets} buckets, want {want}"
+            if received is not None:
+                buckets = received[applied:]
+                assert [n for b in buckets for n, *_ in b] == [n for n, _ in items], "every tensor once, in order"
+                for bucket in buckets:
+                    size = sum(nbytes for _, nbytes, *_ in bucket)
+                    assert size <= limit or len(bucket) == 1, f"a bucket of {size} bytes > bucket_bytes={limit}"
+                assert len(buckets) == want
+        self.assert_baseline(engine, baseline)
+
+    def test_views_and_bf16_copies_load_like_plain_tensors(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        other_record: dict[str, Any],
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """Non-contiguous views (as ``named_parameters`` of a transposed or strided layout give) load as the
+        same values, reaching the backend contiguous; a bf16 copy loads as its values in float32 do."""
+        import torch
+
+        def strided(t: Any) -> Any:  # the same values, not contiguous
+            return t.t().contiguous().t() if t.dim() == 2 else torch.stack([t, t], dim=-1)[..., 0]
+
+        views = [(n, strided(t)) for n, t in other_weights.items()]
+        assert not any(v.is_contiguous() for _, v in views if v.numel() > 1)
+        received = self._record_applied(engine, monkeypatch)
+        with self.restoring(engine, original_weights):
+            engine.load_weights(views)
+            self.assert_same_outputs(engine.generate(PROMPTS, GREEDY), other_record["results"])
+            if received is not None:
+                odd = [n for b in received for n, _, plain, contiguous in b if not (plain and contiguous)]
+                assert not odd, f"_apply_weights received non-contiguous or non-plain tensors: {odd[:3]}"
+            halves = [(n, t.to(torch.bfloat16)) for n, t in other_weights.items()]
+            engine.load_weights(halves)
+            from_bf16 = engine.generate(PROMPTS, GREEDY)
+            engine.load_weights([(n, t.float()) for n, t in halves])  # the same values, in float32
+            self.assert_same_outputs(from_bf16, engine.generate(PROMPTS, GREEDY))
         self.assert_baseline(engine, baseline)
 
     # ---- shutdown --------------------------------------------------------------------------------------
