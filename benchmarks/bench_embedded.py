@@ -14,7 +14,8 @@ counted for both.
 Then the cost of stop strings (issue 15): the engine alone, greedy on ``--stop-batch`` prompts of
 ``--stop-max-new-tokens`` tokens, with one stop string that never matches and without, alternated the same
 way; the figure is the ratio of the median times, with / without (goal: <= 1.05). ``--stop-only`` runs only
-this part. Prints a table and ``BENCH_EMBEDDED_RESULT {json}``.
+this part. Last, ``load_weights`` of the checkpoint with ``check_finite=True`` and without (its cost).
+Prints a table and ``BENCH_EMBEDDED_RESULT {json}``.
 """
 
 from __future__ import annotations
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(f"{name:<22} {a:>13.0f} {b:>18.0f} {a / b:>6.2f}")
     report["stop_strings"] = _stop_ratio(engine, args, vocab, sync)
+    if not args.stop_only:
+        report["check_finite"] = _finite_cost(engine, model_dir, args.repeats)
     engine.shutdown()
     print("BENCH_EMBEDDED_RESULT " + json.dumps(report))
     if args.json:
@@ -224,6 +227,38 @@ def _stop_ratio(engine: Any, args: argparse.Namespace, vocab: int, sync: Any) ->
             f"paired {paired:.3f} (goal <= 1.05)"
         )
     return out
+
+
+def _finite_cost(engine: Any, model_dir: str, repeats: int) -> dict[str, Any]:
+    """``load_weights`` of the whole checkpoint with ``check_finite=True`` and without, alternated: what the
+    opt-in NaN/inf check costs (it reads every tensor once)."""
+    from genengine.testing.conformance import load_checkpoint
+
+    weights = load_checkpoint(model_dir)
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values())
+
+    def run(check: bool) -> float:
+        return float(engine.load_weights(weights, check_finite=check).seconds)
+
+    run(True)  # warm-up both
+    run(False)
+    on: list[float] = []
+    off: list[float] = []
+    for rep in range(repeats):
+        pair = (True, False) if rep % 2 == 0 else (False, True)
+        for check in pair:
+            (on if check else off).append(run(check))
+    a, b = statistics.median(on), statistics.median(off)
+    print(
+        f"load_weights of {nbytes / 2**20:.1f} MiB: {a * 1e3:.2f} ms with check_finite, "
+        f"{b * 1e3:.2f} ms without, ratio {a / b:.3f}"
+    )
+    return {
+        "mib": round(nbytes / 2**20, 1),
+        "seconds_with": round(a, 5),
+        "seconds_without": round(b, 5),
+        "ratio": round(a / b, 3),
+    }
 
 
 if __name__ == "__main__":
