@@ -29,11 +29,15 @@ import random
 import statistics
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
 
 for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_key, _value)
 
+
+T = TypeVar("T")
 
 _NEVER = "\x00never\x00"
 """The stop string of the stop-string runs: every output still runs to its length (checked)."""
@@ -141,17 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.stop_only:
         print(f"{'scenario':<22} {'engine tok/s':>13} {'HF generate tok/s':>18} {'ratio':>6}")
     for name, (params, hf_kwargs) in scenarios.items() if not args.stop_only else ():
-        run_engine(params)  # warm-up both
-        run_hf(hf_kwargs)
-        ours: list[float] = []
-        theirs: list[float] = []
-        for rep in range(args.repeats):
-            if rep % 2 == 0:
-                ours.append(run_engine(params))
-                theirs.append(run_hf(hf_kwargs))
-            else:
-                theirs.append(run_hf(hf_kwargs))
-                ours.append(run_engine(params))
+        ours, theirs = _alternated(partial(run_engine, params), partial(run_hf, hf_kwargs), args.repeats)
         a, b = statistics.median(ours), statistics.median(theirs)
         report["scenarios"][name] = {
             "engine_tokens_per_s": round(a, 1),
@@ -170,6 +164,23 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(report, fh, indent=2)
     return 0
+
+
+def _alternated(first: Callable[[], T], second: Callable[[], T], repeats: int) -> tuple[list[T], list[T]]:
+    """Both after a warm-up each, then ``repeats`` pairs back to back, alternating which goes first, so that
+    machine noise hits both alike."""
+    first()
+    second()
+    a: list[T] = []
+    b: list[T] = []
+    for rep in range(repeats):
+        if rep % 2 == 0:
+            a.append(first())
+            b.append(second())
+        else:
+            b.append(second())
+            a.append(first())
+    return a, b
 
 
 def _stop_ratio(engine: Any, args: argparse.Namespace, vocab: int, sync: Any) -> dict[str, Any]:
@@ -196,17 +207,7 @@ def _stop_ratio(engine: Any, args: argparse.Namespace, vocab: int, sync: Any) ->
         assert sum(len(r.outputs[0].token_ids) for r in results) == expected, "the stop string matched"
         return wall, cpu
 
-    run(plain)  # warm-up both
-    run(stopped)
-    without: list[tuple[float, float]] = []
-    with_stop: list[tuple[float, float]] = []
-    for rep in range(args.stop_repeats):
-        if rep % 2 == 0:
-            without.append(run(plain))
-            with_stop.append(run(stopped))
-        else:
-            with_stop.append(run(stopped))
-            without.append(run(plain))
+    without, with_stop = _alternated(lambda: run(plain), lambda: run(stopped), args.stop_repeats)
     out: dict[str, Any] = {"batch": len(prompts), "max_new_tokens": args.stop_max_new_tokens}
     out["repeats"] = args.stop_repeats
     shape = f"{len(prompts)} x {args.stop_max_new_tokens} greedy tokens"
@@ -240,14 +241,7 @@ def _finite_cost(engine: Any, model_dir: str, repeats: int) -> dict[str, Any]:
     def run(check: bool) -> float:
         return float(engine.load_weights(weights, check_finite=check).seconds)
 
-    run(True)  # warm-up both
-    run(False)
-    on: list[float] = []
-    off: list[float] = []
-    for rep in range(repeats):
-        pair = (True, False) if rep % 2 == 0 else (False, True)
-        for check in pair:
-            (on if check else off).append(run(check))
+    on, off = _alternated(lambda: run(True), lambda: run(False), repeats)
     a, b = statistics.median(on), statistics.median(off)
     print(
         f"load_weights of {nbytes / 2**20:.1f} MiB: {a * 1e3:.2f} ms with check_finite, "
