@@ -4,6 +4,9 @@ One protocol (generate, sleep, wake, load_weights) over SGLang, vLLM and an embe
 Importing this package loads no engine and no torch.
 """
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
 from genengine.config import EngineConfig
 from genengine.errors import GenEngineError
 from genengine.protocol import (
@@ -16,7 +19,10 @@ from genengine.protocol import (
 )
 from genengine.registry import available_backends, create_engine
 
-__version__ = "0.1.0"
+try:
+    __version__ = _version("genengine")  # one place for the version: pyproject.toml
+except PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "EngineConfig",

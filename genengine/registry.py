@@ -23,6 +23,7 @@ import pluggy
 from genengine import hookspecs
 from genengine.config import EngineConfig
 from genengine.errors import BackendImportError, BackendNotFoundError, ConfigError, DuplicateBackendError
+from genengine.protocol import GenerationEngine
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -277,7 +278,7 @@ def _is_engine_instance(obj: Any) -> bool:
     return not isinstance(obj, type) and all(callable(getattr(obj, m, None)) for m in _PROTOCOL_METHODS)
 
 
-def create_engine(config: Any = None, /, **kwargs: Any) -> Any:
+def create_engine(config: Any = None, /, **kwargs: Any) -> GenerationEngine:
     """Build an engine from a config (dict, dataclass, YAML path, OmegaConf, ``EngineConfig``) and/or kwargs.
 
     Keyword arguments that are ``EngineConfig`` fields override the config; any other keyword goes into
