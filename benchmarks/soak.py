@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from a checkout without installing
     sys.path.insert(0, str(ROOT))
 
-from genengine.cli_generate import add_engine_arguments, engine_kwargs  # noqa: E402
+from genengine.cli.args import add_engine_arguments, add_parallel_arguments, engine_kwargs, parallel_kwargs  # noqa: E402
 from genengine.testing import processes  # noqa: E402
 
 MIB = 1 << 20
@@ -64,8 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup", type=int, default=None, help="cycles before growth counts (default: 10%%, >= 3)")
     p.add_argument("--sleep-level", type=int, choices=(1, 2), default=2, help="sleep level of each cycle (default 2)")
-    p.add_argument("--mem-util", type=float, default=None, help="share of GPU memory the engine may take")
-    p.add_argument("--tp-size", type=int, default=1)
+    add_parallel_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--bucket-bytes", type=int, default=None, help="load_weights bucket size (default: the engine's)")
     p.add_argument(
@@ -308,10 +307,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from genengine import create_engine
     from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS
 
-    kwargs = engine_kwargs(args)
-    kwargs["tp_size"] = args.tp_size
-    if args.mem_util is not None:
-        kwargs["mem_util"] = args.mem_util
+    kwargs = {**engine_kwargs(args), **parallel_kwargs(args)}
     model_dir = str(kwargs["model"])
     device = args.weights_device
     if device == "auto":

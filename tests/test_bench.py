@@ -170,7 +170,7 @@ def test_settings_are_checked() -> None:
 
 
 def test_option_values_are_typed() -> None:
-    from genengine.cli_generate import parse_option as _option
+    from genengine.cli.args import parse_option as _option
 
     assert _option("max_batch_size=4") == ("max_batch_size", 4)
     assert _option("device=cpu") == ("device", "cpu")

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from genengine import distributed as gd
-from genengine.cli_topology import add_parser
+from genengine.cli.topology import add_parser
 from genengine.errors import DistributedSetupError, InvalidArgumentError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -244,7 +244,7 @@ def test_checks_survive_python_O() -> None:
 
 def test_import_stays_light() -> None:
     code = (
-        "import sys, argparse, genengine.distributed, genengine.cli_topology as c\n"
+        "import sys, argparse, genengine.distributed, genengine.cli.topology as c\n"
         "p = argparse.ArgumentParser(); c.add_parser(p.add_subparsers())\n"
         "a = p.parse_args(['topology', '--world-size', '4', '--tp-size', '2']); a.func(a)\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"

@@ -157,7 +157,7 @@ def test_option_flags_reach_the_engine_config() -> None:
     args = soak.build_parser().parse_args(
         ["--backend", "sglang", "--model", "/m", "--option", "attention_backend=triton", "--option", "port=31000"]
     )
-    from genengine.cli_generate import engine_kwargs
+    from genengine.cli.args import engine_kwargs
 
     kwargs = engine_kwargs(args)
     assert kwargs == {"backend": "sglang", "model": "/m", "attention_backend": "triton", "port": 31000}

@@ -1,21 +1,21 @@
-"""The ``genengine`` command. Subcommands live in ``cli_*`` modules and import heavy things only when run."""
+"""The ``genengine`` command. Each subcommand is a module of this package (its engine arguments are in
+:mod:`genengine.cli.args`) and imports heavy things only when run."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from collections.abc import Sequence
 
 __all__ = ["main"]
 
 # Each module exposes add_parser(subparsers); a module not present yet (or broken) is skipped.
 _SUBCOMMAND_MODULES = (
-    "genengine.cli_backends",
-    "genengine.cli_generate",
-    "genengine.cli_demo",
-    "genengine.cli_bench",
-    "genengine.cli_topology",
+    "genengine.cli.backends",
+    "genengine.cli.generate",
+    "genengine.cli.demo",
+    "genengine.cli.bench",
+    "genengine.cli.topology",
 )
 
 
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from genengine.cli.args import report_error
     from genengine.errors import GenEngineError
 
     parser = build_parser()
@@ -50,9 +51,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except GenEngineError as exc:
-        print(f"genengine: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        return report_error(exc)

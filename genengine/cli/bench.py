@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from genengine.cli_generate import add_engine_arguments
+from genengine.cli.args import add_engine_arguments, add_parallel_arguments
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -32,8 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         ),
     )
     add_engine_arguments(p, backend_help="a registered backend, or module:EngineClass")
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--mem-util", type=float, default=None)
+    add_parallel_arguments(p, mem_util_help=None)
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=32)

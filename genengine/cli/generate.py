@@ -5,40 +5,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
-from typing import Any
 
-__all__ = ["add_parser", "parse_option", "run"]
+from genengine.cli.args import add_engine_arguments, add_parallel_arguments, engine_kwargs, parallel_kwargs
 
-
-def parse_option(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` with VALUE read as YAML, so ``max_batch_size=8`` is an int and ``device=cpu`` a string."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"--option {text!r}: expected KEY=VALUE")
-    import yaml
-
-    try:
-        return key, yaml.safe_load(value)
-    except yaml.YAMLError:
-        return key, value
-
-
-def add_engine_arguments(
-    p: argparse.ArgumentParser, *, backend_help: str = "a registered backend (default: transformers)"
-) -> None:
-    """The arguments that choose and configure an engine (shared with ``genengine demo`` and ``bench``)."""
-    p.add_argument("--backend", default="transformers", help=backend_help)
-    p.add_argument("--model", default=None, help="local HF model folder (default: build the tiny random model)")
-    p.add_argument("--dtype", default=None, help="engine dtype: auto, bfloat16, float16, float32")
-    p.add_argument(
-        "--option",
-        action="append",
-        type=parse_option,
-        default=[],
-        metavar="KEY=VALUE",
-        help="backend option (repeatable), VALUE read as YAML, e.g. --option device=cpu",
-    )
+__all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -49,8 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     )
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     add_engine_arguments(p)
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--mem-util", type=float, default=None, help="share of GPU memory the engine may take")
+    add_parallel_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=1.0, help="0 is greedy (default 1.0)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -63,23 +32,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--logprobs", action="store_true", help="print each token's processed logprob")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.set_defaults(func=run)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``create_engine`` keyword arguments from the shared engine arguments; the tiny model if none given."""
-    kwargs: dict[str, Any] = {"backend": args.backend, **dict(args.option)}
-    if args.model is None:
-        from genengine.testing.tiny_model import tiny_model_dir
-
-        print("genengine: no --model given: using a tiny random-weight Qwen2 model", file=sys.stderr)
-        kwargs["model"] = str(tiny_model_dir())
-    else:
-        kwargs["model"] = args.model
-    if args.dtype is not None:
-        kwargs["dtype"] = args.dtype
-    elif args.backend == "transformers":
-        kwargs["dtype"] = "auto"
-    return kwargs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,10 +50,7 @@ def run(args: argparse.Namespace) -> int:
         logprobs=args.logprobs,
         ignore_eos=args.ignore_eos,
     )
-    kwargs = engine_kwargs(args)
-    kwargs["tp_size"] = args.tp_size
-    if args.mem_util is not None:
-        kwargs["mem_util"] = args.mem_util
+    kwargs = {**engine_kwargs(args), **parallel_kwargs(args)}
     with create_engine(**kwargs) as engine:
         results = engine.generate(list(args.prompts), params)
     if args.json:

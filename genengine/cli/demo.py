@@ -8,7 +8,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from genengine.cli_generate import add_engine_arguments
+    from genengine.cli.args import add_engine_arguments
 
     p = sub.add_parser(
         "demo",

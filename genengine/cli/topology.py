@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 __all__ = ["add_parser", "format_table", "rows", "run"]
@@ -114,6 +113,7 @@ def format_table(table: list[dict[str, Any]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Print the table (or JSON lines); exit status 2 with a one-line reason if the layout is invalid."""
+    from genengine.cli.args import report_error
     from genengine.errors import GenEngineError
 
     try:
@@ -126,8 +126,7 @@ def run(args: argparse.Namespace) -> int:
             allow_multi_node=args.allow_multi_node,
         )
     except GenEngineError as exc:
-        print(f"genengine topology: error: {exc}", file=sys.stderr)
-        return 2
+        return report_error(exc, "genengine topology")
     if args.json:
         for row in table:
             print(json.dumps(row))

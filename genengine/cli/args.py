@@ -1,0 +1,90 @@
+"""The arguments every engine-starting command shares, and the CLI's one way of reporting an error.
+
+Used by ``genengine generate``, ``demo`` and ``bench`` (and ``benchmarks/soak.py``). Imports nothing heavy
+at module level, so ``genengine --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+__all__ = [
+    "MEM_UTIL_HELP",
+    "add_engine_arguments",
+    "add_parallel_arguments",
+    "engine_kwargs",
+    "parallel_kwargs",
+    "parse_option",
+    "report_error",
+]
+
+MEM_UTIL_HELP = "share of GPU memory the engine may take"
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE read as YAML, so ``max_batch_size=8`` is an int and ``device=cpu`` a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--option {text!r}: expected KEY=VALUE")
+    import yaml
+
+    try:
+        return key, yaml.safe_load(value)
+    except yaml.YAMLError:
+        return key, value
+
+
+def add_engine_arguments(
+    p: argparse.ArgumentParser, *, backend_help: str = "a registered backend (default: transformers)"
+) -> None:
+    """The arguments that choose and configure an engine (shared by ``genengine generate``, ``demo`` and ``bench``)."""
+    p.add_argument("--backend", default="transformers", help=backend_help)
+    p.add_argument("--model", default=None, help="local HF model folder (default: build the tiny random model)")
+    p.add_argument("--dtype", default=None, help="engine dtype: auto, bfloat16, float16, float32")
+    p.add_argument(
+        "--option",
+        action="append",
+        type=parse_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="backend option (repeatable), VALUE read as YAML, e.g. --option device=cpu",
+    )
+
+
+def add_parallel_arguments(p: argparse.ArgumentParser, *, mem_util_help: str | None = MEM_UTIL_HELP) -> None:
+    """``--tp-size`` (default 1) and ``--mem-util`` (default: the backend's); ``mem_util_help=None``: no help line."""
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--mem-util", type=float, default=None, help=mem_util_help)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``create_engine`` keyword arguments from the shared engine arguments; the tiny model if none given."""
+    kwargs: dict[str, Any] = {"backend": args.backend, **dict(args.option)}
+    if args.model is None:
+        from genengine.testing.tiny_model import tiny_model_dir
+
+        print("genengine: no --model given: using a tiny random-weight Qwen2 model", file=sys.stderr)
+        kwargs["model"] = str(tiny_model_dir())
+    else:
+        kwargs["model"] = args.model
+    if args.dtype is not None:
+        kwargs["dtype"] = args.dtype
+    elif args.backend == "transformers":
+        kwargs["dtype"] = "auto"
+    return kwargs
+
+
+def parallel_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``create_engine`` keyword arguments from :func:`add_parallel_arguments`: ``mem_util`` only when given."""
+    kwargs: dict[str, Any] = {"tp_size": args.tp_size}
+    if args.mem_util is not None:
+        kwargs["mem_util"] = args.mem_util
+    return kwargs
+
+
+def report_error(exc: BaseException, prog: str = "genengine") -> int:
+    """Print ``PROG: error: EXC`` on stderr and return the exit status of a refused command, 2 (as argparse)."""
+    print(f"{prog}: error: {exc}", file=sys.stderr)
+    return 2
