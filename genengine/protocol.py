@@ -79,6 +79,14 @@ def _integer(name: str, value: Any, allowed: str) -> int:
     return int(plain)
 
 
+def _count(name: str, value: Any) -> int:
+    """``value`` as an int >= 1 (a number of tokens or samples)."""
+    number = _integer(name, value, "an integer >= 1")
+    if number < 1:
+        raise InvalidArgumentError(f"{name}={number} must be >= 1")
+    return number
+
+
 def _flag(name: str, value: Any, extra: str = "") -> bool:
     plain = _scalar(value)  # np.bool_ is a bool
     if not isinstance(plain, bool):
@@ -195,10 +203,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalised values (np.float32 → float, list → tuple) are set here
-        steps = _integer("max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        if steps <= 0:
-            raise InvalidArgumentError(f"max_new_tokens={steps} must be >= 1")
-        set_(self, "max_new_tokens", steps)
+        set_(self, "max_new_tokens", _count("max_new_tokens", self.max_new_tokens))
         temperature = _real("temperature", self.temperature, "a number >= 0 (0 is greedy)")
         if temperature < 0:
             raise InvalidArgumentError(f"temperature={_show(self.temperature)} must be >= 0 (0 is greedy)")
@@ -213,10 +218,7 @@ class SamplingParams:
             if top_k != -1 and top_k < 1:
                 raise InvalidArgumentError(f"top_k={top_k} must be {allowed}")
             set_(self, "top_k", top_k)
-        n = _integer("n", self.n, "an integer >= 1")
-        if n < 1:
-            raise InvalidArgumentError(f"n={n} must be >= 1")
-        set_(self, "n", n)
+        set_(self, "n", _count("n", self.n))
         if self.seed is not None:
             set_(self, "seed", _integer("seed", self.seed, "None or an integer"))
         vllm_logprobs = " (only the sampled token's logprob is returned: vLLM's logprobs=0)"
