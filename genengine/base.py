@@ -45,18 +45,22 @@ class EngineBase(abc.ABC):
     supports_images: ClassVar[bool] = False
     validate_all_weights_first: ClassVar[bool] = False
     """True makes each ``load_weights`` call all-or-nothing by checking the whole stream before writing."""
+    wake_before_shutdown: ClassVar[bool] = False
+    """True wakes every released tag before ``_shutdown``: for engines that cannot free memory they unmapped
+    for sleep (vLLM's allocator would hit a CUDA error that poisons later allocations). ``_shutdown`` runs
+    even when that wake fails, with ``released_tags`` still set, so that it can skip freeing what is unmapped."""
 
     def __init__(self, *, sleep_enabled: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise InvalidArgumentError(f"bucket_bytes={bucket_bytes!r} must be a positive integer")
-        self._sleep_enabled = sleep_enabled
-        self._bucket_bytes = bucket_bytes
-        self._released: set[str] = set()
-        self._level: int | None = None
-        self._missing: set[str] = set()
-        self._broken_reason: str | None = None
-        self._flush_pending = False
-        self._closed = False
+        self.__sleep_enabled = sleep_enabled
+        self.__bucket_bytes = bucket_bytes
+        self.__released: set[str] = set()
+        self.__level: int | None = None
+        self.__missing: set[str] = set()
+        self.__broken_reason: str | None = None
+        self.__flush_pending = False
+        self.__closed = False
 
     # ---- what a backend implements --------------------------------------------------------------------
     @abc.abstractmethod
@@ -98,35 +102,48 @@ class EngineBase(abc.ABC):
         """After a load: make sure no cache computed with the old weights survives."""
         self._flush_cache()
 
-    # ---- state --------------------------------------------------------------------------------------------
+    # ---- state (read-only for subclasses: the transitions belong to this class) ------------------------------
+    @property
+    def closed(self) -> bool:
+        return self.__closed
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        return frozenset(self.__released)
+
+    @property
+    def sleep_level(self) -> int | None:
+        """The level of the sleep that released the tags still released; None when fully awake."""
+        return self.__level
+
     @property
     def state(self) -> EngineState:
         return EngineState(
-            released_tags=frozenset(self._released),
-            sleep_level=self._level,
-            weights_loaded=not self._missing,
-            closed=self._closed,
+            released_tags=frozenset(self.__released),
+            sleep_level=self.__level,
+            weights_loaded=not self.__missing,
+            closed=self.__closed,
         )
 
     @property
     def is_sleeping(self) -> bool:
-        return bool(self._released)
+        return bool(self.__released)
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self.__closed:
             raise EngineClosedError(f"{type(self).__name__} was shut down; create a new engine")
 
     def _check_can_generate(self) -> None:
-        if self._released:
-            ordered = [t for t in self.supported_tags if t in self._released]
+        if self.__released:
+            ordered = [t for t in self.supported_tags if t in self.__released]
             raise EngineSleepingError(
                 f"the engine is asleep (released: {', '.join(ordered)}); call wake() before generate"
             )
-        if self._missing:
-            reason = self._broken_reason or "after a level-2 sleep the weights must be sent again"
+        if self.__missing:
+            reason = self.__broken_reason or "after a level-2 sleep the weights must be sent again"
             raise WeightsNotLoadedError(
                 f"refusing to generate from incomplete weights: {reason}; "
-                f"{len(self._missing)} weight(s) not loaded yet, e.g. {sorted(self._missing)[0]!r}"
+                f"{len(self.__missing)} weight(s) not loaded yet, e.g. {sorted(self.__missing)[0]!r}"
             )
 
     # ---- the protocol ---------------------------------------------------------------------------------------
@@ -156,16 +173,16 @@ class EngineBase(abc.ABC):
             raise InvalidArgumentError(
                 f"sleep level={level!r}: allowed are 1 (keep weights in host memory) and 2 (discard weights)"
             )
-        if not self._sleep_enabled:
+        if not self.__sleep_enabled:
             raise EngineStateError("sleep is disabled for this engine: create it with enable_sleep=True")
-        if self._released:
+        if self.__released:
             return
         self._release(level)
-        self._released = set(self.supported_tags)
-        self._level = level
+        self.__released = set(self.supported_tags)
+        self.__level = level
         if level == 2:
-            self._missing = {n for n, info in self._weight_spec().items() if info.required}
-            self._broken_reason = None
+            self.__missing = {n for n, info in self._weight_spec().items() if info.required}
+            self.__broken_reason = None
 
     def wake(self, tags: str | Sequence[str] | None = None) -> None:
         """Take back memory for ``tags`` (every tag when None), weights first; an empty list wakes nothing.
@@ -185,21 +202,27 @@ class EngineBase(abc.ABC):
             if unknown:
                 raise InvalidArgumentError(f"wake tags {unknown!r}: {allowed}")
             wanted = set(items)
-        todo = tuple(t for t in self.supported_tags if t in wanted and t in self._released)
+        todo = tuple(t for t in self.supported_tags if t in wanted and t in self.__released)
         if not todo:
             return
         self._resume(todo)
-        self._released.difference_update(todo)
-        if self._flush_pending and TAG_KV_CACHE not in self._released:
-            self._flush_pending = False
+        self.__released.difference_update(todo)
+        if self.__flush_pending and TAG_KV_CACHE not in self.__released:
+            self.__flush_pending = False
             self._flush_cache()
-        if not self._released:
-            self._level = None
+        if not self.__released:
+            self.__level = None
 
     @property
     def default_bucket_bytes(self) -> int:
         """The bucket size ``load_weights`` uses when its ``bucket_bytes`` is None."""
-        return self._bucket_bytes
+        return self.__bucket_bytes
+
+    @default_bucket_bytes.setter
+    def default_bucket_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"bucket_bytes={value!r} must be a positive integer")
+        self.__bucket_bytes = value
 
     def load_weights(
         self,
@@ -215,7 +238,7 @@ class EngineBase(abc.ABC):
             raise InvalidArgumentError(f"bucket_bytes={bucket_bytes!r} must be a positive integer or None")
         if not isinstance(check_finite, bool):
             raise InvalidArgumentError(f"check_finite={check_finite!r} must be True or False")
-        if TAG_WEIGHTS in self._released:
+        if TAG_WEIGHTS in self.__released:
             raise EngineSleepingError("the weights are asleep: call wake(['weights']) before load_weights")
         if isinstance(named_tensors, (str, bytes)) or not isinstance(named_tensors, (Iterable, Mapping)):
             raise InvalidArgumentError(
@@ -226,7 +249,7 @@ class EngineBase(abc.ABC):
         buckets = iter_buckets(
             named_tensors,
             validator,
-            self._bucket_bytes if bucket_bytes is None else bucket_bytes,
+            self.__bucket_bytes if bucket_bytes is None else bucket_bytes,
             validate_all_first=self.validate_all_weights_first,
             cost=self._bucket_cost,
         )
@@ -244,12 +267,12 @@ class EngineBase(abc.ABC):
                     written.append(name)
                     num_bytes += tensor_nbytes(tensor)
                 writing = []
-            self._missing.difference_update(written)
-            if not self._missing:
-                self._broken_reason = None
+            self.__missing.difference_update(written)
+            if not self.__missing:
+                self.__broken_reason = None
             if written:
-                if TAG_KV_CACHE in self._released:
-                    self._flush_pending = True  # flushed as soon as the KV cache is back
+                if TAG_KV_CACHE in self.__released:
+                    self.__flush_pending = True  # flushed as soon as the KV cache is back
                 else:
                     self._finish_weights()
         except BaseException as exc:
@@ -257,9 +280,9 @@ class EngineBase(abc.ABC):
             # old weights whole. Any later one, inside a bucket, further on or in the cache flush, leaves a mix of
             # old and new weights or a stale cache: refuse to generate until a load covers every weight.
             if touched:
-                self._missing = {n for n, info in self._weight_spec().items() if info.required}
+                self.__missing = {n for n, info in self._weight_spec().items() if info.required}
                 during = f" and while writing {len(writing)} more" if writing else ""
-                self._broken_reason = (
+                self.__broken_reason = (
                     f"a load_weights call failed after writing {len(written)} weight(s){during} "
                     f"({type(exc).__name__}: {exc})"
                 )
@@ -273,17 +296,23 @@ class EngineBase(abc.ABC):
 
     def flush_cache(self) -> None:
         self._check_open()
-        if TAG_KV_CACHE in self._released:
+        if TAG_KV_CACHE in self.__released:
             return
         self._flush_cache()
 
     def shutdown(self) -> None:
-        if self._closed:
+        if self.__closed:
             return
         try:
-            self._shutdown()
+            try:
+                if self.wake_before_shutdown and self.__released:
+                    self._resume(tuple(t for t in self.supported_tags if t in self.__released))
+                    self.__released.clear()
+                    self.__level = None
+            finally:
+                self._shutdown()  # released_tags is still non-empty here when that wake failed
         finally:
-            self._closed = True
+            self.__closed = True
 
     def __enter__(self) -> EngineBase:
         return self

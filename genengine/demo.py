@@ -8,8 +8,6 @@ untrained model emits most often, so it starts low but not at zero); it rises wi
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import math
 import os
 import random
@@ -19,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from genengine.environ import malloc_trim
 from genengine.errors import InvalidArgumentError
 from genengine.protocol import SamplingParams
 
@@ -141,8 +140,7 @@ def _free_memory(device: str) -> int:
         torch.cuda.synchronize()
         return int(torch.cuda.mem_get_info()[0])
     gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    malloc_trim()
     return -_rss()
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 __all__ = [
     "BackendImportError",
     "BackendNotFoundError",
+    "CheckpointError",
     "CollectiveTimeoutError",
     "ConfigError",
     "DistributedSetupError",
@@ -53,6 +54,11 @@ class ConfigError(GenEngineError, ValueError):
 
 class InvalidArgumentError(GenEngineError, ValueError):
     """A call got a value it does not accept; nothing was changed."""
+
+
+class CheckpointError(ConfigError, InvalidArgumentError):
+    """A model directory cannot be read (config, index, safetensors header): a bad configuration for
+    ``create_engine`` and a bad argument for the reference entry points, so it is both."""
 
 
 class WeightLoadError(InvalidArgumentError):

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from genengine.checkpoint import resolve_model_dir
 from genengine.config import EngineConfig, check_options
-from genengine.engine_args import resolve_model_dir
 from genengine.errors import ConfigError, InvalidArgumentError
 
 __all__ = [
@@ -31,10 +31,8 @@ __all__ = [
     "check_graph_memory_saver",
     "check_model_dir",
     "options_from_env",
-    "read_model_config",
     "server_kwargs",
     "settings_from_config",
-    "strip_expandable_segments",
 ]
 
 BACKEND = "sglang"
@@ -184,21 +182,9 @@ def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]
 
 
 def check_model_dir(model: Any, *, what: str = "model") -> str:
-    """The model's local directory (see ``genengine.engine_args.resolve_model_dir``); bad input is an
+    """The model's local directory (see ``genengine.checkpoint.resolve_model_dir``); bad input is an
     ``InvalidArgumentError`` here, as the reference's callers expect."""
     return resolve_model_dir(model, what=what, error=InvalidArgumentError)
-
-
-def read_model_config(model_dir: str) -> dict[str, Any]:
-    path = os.path.join(model_dir, "config.json")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InvalidArgumentError(f"cannot read {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise InvalidArgumentError(f"{path} does not hold a JSON object")
-    return data
 
 
 def settings_from_config(config: EngineConfig, *, environ: Mapping[str, str] | None = None) -> EngineSettings:
@@ -323,15 +309,3 @@ def check_graph_memory_saver(kwargs: Mapping[str, Any], environ: Mapping[str, st
             "graphs' pool), or pass disable_prefill_cuda_graph=True or cuda_graph_backend_prefill='tc_piecewise' "
             "(and a decode backend other than 'breakable'), or disable_cuda_graph=True"
         )
-
-
-def strip_expandable_segments(conf: str | None) -> str | None:
-    """``PYTORCH_CUDA_ALLOC_CONF`` without ``expandable_segments`` (None when nothing is left).
-
-    The memory saver refuses to run with expandable segments (torch_memory_saver's sanity check), and
-    memory allocated that way could not be released: the engine processes must not inherit it.
-    """
-    if conf is None:
-        return None
-    kept = [part for part in conf.split(",") if part.strip() and part.split(":")[0].strip() != "expandable_segments"]
-    return ",".join(kept) or None

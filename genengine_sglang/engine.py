@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from genengine.base import EngineBase
+from genengine.checkpoint import read_model_config, vocab_size, weight_spec
 from genengine.config import EngineConfig
 from genengine.distributed import (
     EngineGroup,
@@ -57,6 +58,7 @@ from genengine.distributed import (
     topology_from_env,
 )
 from genengine.engine_args import check_reference_args
+from genengine.environ import strip_expandable_segments
 from genengine.errors import (
     BackendImportError,
     CollectiveTimeoutError,
@@ -80,12 +82,9 @@ from genengine_sglang._options import (
     check_graph_memory_saver,
     check_model_dir,
     options_from_env,
-    read_model_config,
     server_kwargs,
     settings_from_config,
-    strip_expandable_segments,
 )
-from genengine_sglang._spec import checkpoint_weight_spec, vocab_size
 from genengine_sglang.errors import SGLangEngineError
 
 if TYPE_CHECKING:
@@ -466,7 +465,7 @@ class RLGenerationEngine(EngineBase):
         config = read_model_config(settings.model_path)
         self._vocab = vocab_size(config)
         self._multimodal = any(k in config for k in ("vision_config", "visual", "vision_tower"))
-        self._spec = checkpoint_weight_spec(settings.model_path, settings.dtype, config)
+        self._spec = weight_spec(settings.model_path, config, settings.dtype)
         t = group.topology
         self._base_gpu_id = settings.base_gpu_id if settings.base_gpu_id is not None else t.base_gpu_id
         port = int(settings.server_overrides.get("port", t.port))
@@ -503,7 +502,7 @@ class RLGenerationEngine(EngineBase):
         if bucket == DEFAULT_BUCKET_BYTES[self._settings.weight_sync_mode]:
             bucket = DEFAULT_BUCKET_BYTES[mode]  # a default bucket follows the mode (flattened ones are copies)
         self._settings = dataclasses.replace(self._settings, weight_sync_mode=mode, bucket_bytes=bucket)
-        self._bucket_bytes = bucket
+        self.default_bucket_bytes = bucket
 
     @property
     def sglang_engine(self) -> Any:
@@ -966,7 +965,7 @@ class RLGenerationEngine(EngineBase):
                         raise
 
     def _engine_up(self) -> bool:
-        return not self._closed and (self._engine is not None or not self._group.is_leader)
+        return not self.closed and (self._engine is not None or not self._group.is_leader)
 
 
 def return_sigterm(loop: Any, handler: Any) -> None:

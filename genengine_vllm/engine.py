@@ -42,8 +42,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from genengine.base import EngineBase
+from genengine.checkpoint import resolve_model_dir, vocab_size, weight_spec
 from genengine.config import EngineConfig
 from genengine.engine_args import check_reference_args
+from genengine.environ import strip_expandable_segments
 from genengine.errors import (
     BackendImportError,
     DistributedSetupError,
@@ -56,13 +58,10 @@ from genengine_vllm.options import (
     VLLMSettings,
     build_llm_kwargs,
     convert_request_output,
-    resolve_model_dir,
     resolve_settings,
     split_greedy_n,
-    strip_expandable_segments,
     vllm_sampling_kwargs,
 )
-from genengine_vllm.spec import vocab_size, weight_spec
 
 if TYPE_CHECKING:
     import torch
@@ -92,7 +91,7 @@ _STATE = _ProcessState()
 
 def _sleep_owner() -> Any:
     owner = _STATE.sleep_owner() if _STATE.sleep_owner is not None else None
-    if owner is not None and getattr(owner, "_closed", False):
+    if owner is not None and getattr(owner, "closed", False):
         return None
     return owner
 
@@ -309,12 +308,12 @@ class VLLMEngine(EngineBase):
 
     supported_tags = (TAG_WEIGHTS, TAG_KV_CACHE)
     supports_images: ClassVar[bool] = True
+    wake_before_shutdown: ClassVar[bool] = True  # vLLM's allocator cannot free memory it unmapped for sleep
 
     def __init__(self, settings: VLLMSettings, topology: Topology | None) -> None:
         super().__init__(sleep_enabled=settings.enable_sleep, bucket_bytes=settings.bucket_bytes)
         self.settings = settings
         self.topology = topology
-        self._closed = True  # until vLLM is up; shutdown() is then a no-op
         self._llm: Any = None
         self._group: EngineGroup | None = None
         self._spec: dict[str, WeightInfo] | None = None
@@ -333,7 +332,6 @@ class VLLMEngine(EngineBase):
             self._restore_allocator()
             release_sleep_slot(self)
             raise
-        self._closed = False
         with _STATE.lock:
             _STATE.live.add(self)
 
@@ -418,7 +416,7 @@ class VLLMEngine(EngineBase):
         self.settings = dataclasses.replace(self.settings, weight_sync_mode=mode)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else ("asleep" if self._released else "awake")
+        state = "closed" if self.closed else ("asleep" if self.released_tags else "awake")
         return f"VLLMEngine(model={self.settings.model!r}, tp_size={self.settings.tp_size}, {state})"
 
     # -- the protocol, with the TP-group checks vLLM's external_launcher needs --------------------------------
@@ -525,7 +523,7 @@ class VLLMEngine(EngineBase):
         import torch
 
         torch.cuda.empty_cache()  # hand the trainer's cached blocks back so that vLLM can map them
-        if self._level == 2 and TAG_WEIGHTS in self._released and TAG_WEIGHTS not in tags:
+        if self.sleep_level == 2 and TAG_WEIGHTS in self.released_tags and TAG_WEIGHTS not in tags:
             # After a level-2 sleep vLLM's worker restores the model's buffers (rotary tables) on the first
             # wake_up, whatever its tags: with the weights still unmapped that write would fault. Keep them
             # for the wake that maps the weights.
@@ -562,12 +560,9 @@ class VLLMEngine(EngineBase):
     def _shutdown(self) -> None:
         llm, self._llm = self._llm, None
         try:
-            if llm is not None:
-                if self._released:
-                    # vLLM's allocator cannot free memory it unmapped for sleep (the CUDA error it would hit
-                    # poisons every later allocation of the process): map it back, then free it.
-                    llm.wake_up(tags=[t for t in self.supported_tags if t in self._released])
-                    self._released.clear()
+            # EngineBase woke every released tag first (wake_before_shutdown); when that wake failed, memory is
+            # still unmapped and freeing it would poison the process's allocator: leave it to process exit.
+            if llm is not None and not self.released_tags:
                 with _STATE.lock:
                     _STATE.live.discard(self)
                     last = not any(e is not self for e in _STATE.live)

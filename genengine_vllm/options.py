@@ -7,14 +7,13 @@ machine, and every bad value fails here, before vLLM is imported or any GPU memo
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from genengine.checkpoint import read_model_config, resolve_model_dir
 from genengine.config import EngineConfig, check_options
-from genengine.engine_args import REFERENCE_DTYPES, resolve_model_dir
+from genengine.engine_args import REFERENCE_DTYPES
 from genengine.errors import ConfigError, EngineStateError, InvalidArgumentError
 from genengine.protocol import GenerationOutput, GenerationResult, SamplingParams
 from genengine.weights import DEFAULT_BUCKET_BYTES
@@ -29,11 +28,8 @@ __all__ = [
     "VLLMSettings",
     "build_llm_kwargs",
     "convert_request_output",
-    "read_model_config",
-    "resolve_model_dir",
     "resolve_settings",
     "sampled_logprobs",
-    "strip_expandable_segments",
     "vllm_sampling_kwargs",
 ]
 
@@ -144,18 +140,6 @@ class VLLMSettings:
     model_config: Mapping[str, Any] = field(default_factory=dict)
 
 
-def read_model_config(model_dir: str) -> dict[str, Any]:
-    """``config.json`` of a model directory found by :func:`resolve_model_dir`."""
-    cfg_path = Path(model_dir) / "config.json"
-    try:
-        data = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {cfg_path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ConfigError(f"{cfg_path} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
 def _check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{name}={value!r} must be True or False")
@@ -220,25 +204,6 @@ def build_llm_kwargs(settings: VLLMSettings, *, external_launcher: bool, group_s
     return kwargs
 
 
-def strip_expandable_segments(conf: str | None) -> str | None:
-    """``PYTORCH_CUDA_ALLOC_CONF`` without ``expandable_segments:True``; None when nothing is left.
-
-    With expandable segments PyTorch ignores the pluggable allocator of vLLM's sleep mode, so sleep frees
-    nothing (ANCHORS: the bug users keep hitting); other allocator settings are kept as they were.
-    """
-    if conf is None:
-        return None
-    kept = []
-    for item in conf.split(","):
-        key, _, value = item.partition(":")
-        if key.strip() == "expandable_segments" and value.strip().lower() in ("true", "1"):
-            continue
-        if item.strip():
-            kept.append(item.strip())
-    return ",".join(kept) or None
-
-
-# ---- sampling ----------------------------------------------------------------------------------------------
 def vllm_sampling_kwargs(
     params: SamplingParams, *, seed: int, detokenize: bool, n: int | None = None
 ) -> dict[str, Any]:

@@ -12,7 +12,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -47,9 +46,7 @@ from genengine_sglang._options import (
     SYNC_LOADER,
     server_kwargs,
     settings_from_config,
-    strip_expandable_segments,
 )
-from genengine_sglang._spec import checkpoint_weight_spec, read_safetensors_header
 from genengine_sglang.engine import RLGenerationEngine, _engine_environment, get_sglang_engine
 from genengine_sglang.errors import SGLangEngineError
 
@@ -312,20 +309,6 @@ def test_sync_loader_is_importable_by_name() -> None:
 
 
 # ---- the engine processes' environment --------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("conf", "want"),
-    [
-        ("expandable_segments:True", None),
-        ("expandable_segments:True,max_split_size_mb:128", "max_split_size_mb:128"),
-        ("max_split_size_mb:128, expandable_segments:False", "max_split_size_mb:128"),
-        ("garbage_collection_threshold:0.6", "garbage_collection_threshold:0.6"),
-        (None, None),
-    ],
-)
-def test_strip_expandable_segments(conf: str | None, want: str | None) -> None:
-    assert strip_expandable_segments(conf) == want
-
-
 def test_engine_environment_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
@@ -379,59 +362,6 @@ def test_sigterm_reaches_a_trainer_between_engine_calls(mode: str, want: int | N
 
 
 # ---- the weight spec --------------------------------------------------------------------------------------------
-def test_weight_spec_from_safetensors_headers(model_dir: Path) -> None:
-    from safetensors.torch import load_file
-
-    config = json.loads((model_dir / "config.json").read_text())
-    spec = checkpoint_weight_spec(str(model_dir), "bfloat16", config)
-    tensors = load_file(str(model_dir / "model.safetensors"))
-    assert set(spec) == set(tensors)
-    for name, tensor in tensors.items():
-        assert spec[name].shape == tuple(tensor.shape) and spec[name].dtype == "bfloat16" and spec[name].required
-    header = read_safetensors_header(str(model_dir / "model.safetensors"))
-    assert {n: s for n, (s, _) in header.items()} == {n: tuple(t.shape) for n, t in tensors.items()}
-
-
-def test_weight_spec_without_weight_files_matches(model_dir: Path, tmp_path: Path) -> None:
-    """A config-only directory (SGLang's load_format="dummy") gets the same spec from the meta device."""
-    shutil.copy(model_dir / "config.json", tmp_path / "config.json")
-    config = json.loads((model_dir / "config.json").read_text())
-    full = checkpoint_weight_spec(str(model_dir), "float16", config)
-    meta = checkpoint_weight_spec(str(tmp_path), "float16", config)
-    assert meta == full
-
-
-def test_weight_spec_sharded_and_tied(tmp_path: Path) -> None:
-    import torch
-    from safetensors.torch import save_file
-
-    shutil.copy(tiny_model_dir() / "config.json", tmp_path / "config.json")
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["tie_word_embeddings"] = True
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    embed = torch.zeros(config["vocab_size"], config["hidden_size"], dtype=torch.bfloat16)
-    save_file({"model.embed_tokens.weight": embed}, str(tmp_path / "a.safetensors"))
-    save_file(
-        {"model.norm.weight": torch.ones(config["hidden_size"]), "model.rotary_emb.inv_freq": torch.ones(4)},
-        str(tmp_path / "b.safetensors"),
-    )
-    index = {"a.safetensors", "b.safetensors"}
-    weight_map = {"model.embed_tokens.weight": "a.safetensors", "model.norm.weight": "b.safetensors"}
-    weight_map["model.rotary_emb.inv_freq"] = "b.safetensors"
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    spec = checkpoint_weight_spec(str(tmp_path), "auto", config)
-    assert set(spec) == {*weight_map, "lm_head.weight"} and len(index) == 2
-    assert spec["lm_head.weight"].shape == tuple(embed.shape) and not spec["lm_head.weight"].required
-    assert not spec["model.rotary_emb.inv_freq"].required and spec["model.norm.weight"].required
-    assert spec["model.norm.weight"].dtype == "bfloat16"  # "auto" follows the config's dtype
-
-
-def test_bad_safetensors_header(tmp_path: Path) -> None:
-    (tmp_path / "x.safetensors").write_bytes(b"\x05\x00")
-    with pytest.raises(InvalidArgumentError, match=r"x\.safetensors"):
-        read_safetensors_header(str(tmp_path / "x.safetensors"))
-
-
 # ---- sampling parameters and outputs ----------------------------------------------------------------------------
 def test_sampling_mapping() -> None:
     greedy, filt = sampling_to_sglang(SamplingParams(temperature=0.0, max_new_tokens=5), deterministic=False)

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import math
 import multiprocessing as mp
 import os
 import random
 import socket
-import struct
 import subprocess
 import sys
 import traceback
@@ -32,11 +30,9 @@ from genengine.errors import (
     EngineStateError,
     InconsistentInputsError,
     InvalidArgumentError,
-    WeightLoadError,
 )
 from genengine.protocol import EngineState, SamplingParams
 from genengine.testing.tiny_model import tiny_model_dir
-from genengine.weights import WeightValidator
 from genengine_vllm import engine as vengine
 from genengine_vllm.engine import VLLMEngine, get_vllm_engine
 from genengine_vllm.options import (
@@ -46,10 +42,8 @@ from genengine_vllm.options import (
     resolve_settings,
     sampled_logprobs,
     split_greedy_n,
-    strip_expandable_segments,
     vllm_sampling_kwargs,
 )
-from genengine_vllm.spec import read_safetensors_header, vocab_size, weight_spec
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_no_vllm = pytest.mark.skipif(HAS_VLLM, reason="checks the error raised when vLLM is missing")
@@ -211,7 +205,7 @@ def _from_config(model_dir: Path, **fields: Any) -> Any:
 @needs_no_vllm
 def test_second_sleep_engine_is_refused_before_anything(model_dir: Path, fresh_slot: Any) -> None:
     class Holder:
-        _closed = False
+        closed = False
 
         def __repr__(self) -> str:
             return "HolderEngine"
@@ -228,10 +222,10 @@ def test_second_sleep_engine_is_refused_before_anything(model_dir: Path, fresh_s
     # An engine without sleep does not need the allocator: it gets as far as importing vLLM.
     with pytest.raises(BackendImportError):
         _from_config(model_dir, enable_sleep=False)
-    holder._closed = True  # a shut-down engine no longer holds the slot
+    holder.closed = True  # a shut-down engine no longer holds the slot
     with pytest.raises(BackendImportError):
         _from_config(model_dir)
-    holder._closed = False
+    holder.closed = False
     vengine.release_sleep_slot(holder)
     with pytest.raises(BackendImportError):
         _from_config(model_dir)
@@ -287,24 +281,6 @@ def test_llm_kwargs_mapping(model_dir: Path) -> None:
     assert kw["distributed_executor_backend"] == "external_launcher"
     assert kw["enable_sleep_mode"] is True and kw["enforce_eager"] is False and kw["logprobs_mode"] == LOGPROBS_MODE
     assert _settings(model_dir, weight_sync_mode="per_param", bucket_bytes=1 << 20).bucket_bytes == 1 << 20
-
-
-@pytest.mark.parametrize(
-    ("conf", "expected"),
-    [
-        (None, None),
-        ("expandable_segments:True", None),
-        ("expandable_segments:true,max_split_size_mb:128", "max_split_size_mb:128"),
-        (
-            "max_split_size_mb:64, expandable_segments:True ,garbage_collection_threshold:0.6",
-            "max_split_size_mb:64,garbage_collection_threshold:0.6",
-        ),
-        ("expandable_segments:False", "expandable_segments:False"),
-        ("max_split_size_mb:20", "max_split_size_mb:20"),
-    ],
-)
-def test_strip_expandable_segments(conf: str | None, expected: str | None) -> None:
-    assert strip_expandable_segments(conf) == expected
 
 
 def test_sampling_kwargs() -> None:
@@ -420,92 +396,6 @@ def test_convert_refuses_what_it_cannot_map() -> None:
 
 
 # ---- weight spec --------------------------------------------------------------------------------------------
-def _hf_state_dict(model_dir: Path) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16)
-    return dict(model.state_dict())
-
-
-def test_spec_from_headers_accepts_a_trainers_state_dict(model_dir: Path) -> None:
-    config = json.loads((model_dir / "config.json").read_text())
-    spec = weight_spec(model_dir, config, "bfloat16")
-    state = _hf_state_dict(model_dir)
-    assert set(spec) == set(state)
-    assert all(spec[n].shape == tuple(t.shape) for n, t in state.items())
-    assert all(info.required and info.dtype == "bfloat16" for info in spec.values())
-    validator = WeightValidator(spec)
-    for i, item in enumerate(state.items()):
-        validator.check(i, item)
-    assert vocab_size(config) == 512
-    with pytest.raises(WeightLoadError, match=r"did you mean 'model\.norm\.weight'"):
-        WeightValidator(spec).check(0, ("model.norm.weights", state["model.norm.weight"]))
-
-
-def test_spec_tied_embeddings(tmp_path: Path) -> None:
-    from genengine.testing.tiny_model import build_tiny_model
-
-    path = build_tiny_model(tmp_path / "tied", tie_word_embeddings=True, num_layers=1)
-    config = json.loads((path / "config.json").read_text())
-    spec = weight_spec(path, config, "bfloat16")
-    assert "lm_head.weight" not in read_safetensors_header(path / "model.safetensors")
-    head = spec["lm_head.weight"]
-    assert not head.required and head.shape == spec["model.embed_tokens.weight"].shape
-    state = _hf_state_dict(path)
-    assert "lm_head.weight" in state and set(state) == set(spec)
-    required = {n for n, i in spec.items() if i.required}
-    assert required == set(state) - {"lm_head.weight"}
-
-
-def test_spec_sharded_checkpoint_and_skipped_buffers(tmp_path: Path, model_dir: Path) -> None:
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(model_dir / "model.safetensors"))
-    names = sorted(tensors)
-    out = tmp_path / "sharded"
-    out.mkdir()
-    (out / "config.json").write_text((model_dir / "config.json").read_text())
-    half = len(names) // 2
-    weight_map = {}
-    for i, part in enumerate((names[:half], names[half:]), start=1):
-        fname = f"model-{i:05d}-of-00002.safetensors"
-        shard = {n: tensors[n] for n in part}
-        if i == 2:
-            import torch
-
-            shard["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(32)
-        save_file(shard, str(out / fname))
-        weight_map.update({n: fname for n in shard})
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    spec = weight_spec(out, json.loads((out / "config.json").read_text()), "bfloat16")
-    assert set(spec) == set(names) | {"model.layers.0.self_attn.rotary_emb.inv_freq"}
-    assert not spec["model.layers.0.self_attn.rotary_emb.inv_freq"].required
-    (out / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(ConfigError, match="do not exist"):
-        weight_spec(out, {}, "bfloat16")
-
-
-def test_spec_without_weights_uses_the_meta_model(tmp_path: Path, model_dir: Path) -> None:
-    out = tmp_path / "dummy"
-    out.mkdir()
-    (out / "config.json").write_text((model_dir / "config.json").read_text())
-    config = json.loads((out / "config.json").read_text())
-    from_meta = weight_spec(out, config, "bfloat16")
-    from_headers = weight_spec(model_dir, config, "bfloat16")
-    assert {n: i.shape for n, i in from_meta.items()} == {n: i.shape for n, i in from_headers.items()}
-
-
-def test_corrupt_safetensors_header(tmp_path: Path) -> None:
-    bad = tmp_path / "model.safetensors"
-    bad.write_bytes(struct.pack("<Q", 10) + b"{not json}")
-    with pytest.raises(ConfigError, match="unreadable safetensors header"):
-        read_safetensors_header(bad)
-    bad.write_bytes(b"abc")
-    with pytest.raises(ConfigError, match="not a safetensors file"):
-        read_safetensors_header(bad)
-
-
 # ---- RNG states -------------------------------------------------------------------------------------------
 def test_rng_states_survive_engine_start() -> None:
     import numpy as np

@@ -8,8 +8,6 @@ must flush (so a stale-cache bug would show here as on SGLang or vLLM).
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import gc
 import hashlib
 import inspect
@@ -24,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from genengine.base import EngineBase
 from genengine.config import EngineConfig, check_options
+from genengine.environ import malloc_trim
 from genengine.errors import ConfigError, InvalidArgumentError
 from genengine.protocol import (
     TAG_KV_CACHE,
@@ -116,12 +115,6 @@ def _plain_decode(tokenizer: Any) -> Callable[..., str]:
 def _sample_seed(seed: int, index: int) -> int:
     """The seed of sample ``index`` of a request seeded with ``seed``: stable across runs and machines."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "little") & (2**63 - 1)
-
-
-def _malloc_trim() -> None:
-    """Give freed heap pages back to the OS, so that a level-2 sleep shows in RSS on CPU (glibc only)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 # ---- per-call state ---------------------------------------------------------------------------------------
@@ -701,7 +694,7 @@ class TransformersEngine(EngineBase):
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         else:
-            _malloc_trim()
+            malloc_trim()  # so that a level-2 sleep shows in RSS on CPU
 
     def _release(self, level: int) -> None:
         import torch
@@ -730,7 +723,7 @@ class TransformersEngine(EngineBase):
             self._host_backup = None
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-        elif self._level == 2:
+        elif self.sleep_level == 2:
             for p, shape in zip(self._unique_params, self._shapes, strict=True):
                 p.data = torch.empty(shape, dtype=p.dtype, device=self.device)
 
