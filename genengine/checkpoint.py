@@ -23,6 +23,7 @@ from genengine.weights import WeightInfo
 __all__ = [
     "FLOAT_DTYPES",
     "MAX_HEADER_BYTES",
+    "checkpoint_dtype",
     "checkpoint_files",
     "engine_dtype",
     "read_model_config",
@@ -131,15 +132,21 @@ def tied_embeddings(config: Mapping[str, Any]) -> bool:
     return value is True
 
 
+def checkpoint_dtype(config: Mapping[str, Any]) -> str | None:
+    """The floating dtype the config says the checkpoint holds (``torch_dtype``, or ``dtype`` in newer
+    transformers); None when it says none."""
+    for key in ("torch_dtype", "dtype"):
+        value = _get(config, key)
+        if isinstance(value, str) and value.removeprefix("torch.") in FLOAT_DTYPES:
+            return value.removeprefix("torch.")
+    return None
+
+
 def engine_dtype(dtype: str, config: Mapping[str, Any]) -> str:
     """The dtype the engine keeps floating weights in ("auto" follows the checkpoint's config, else bf16)."""
     if dtype != "auto":
         return dtype
-    for key in ("torch_dtype", "dtype"):
-        value = _get(config, key)
-        if isinstance(value, str) and value in FLOAT_DTYPES:
-            return value
-    return "bfloat16"
+    return checkpoint_dtype(config) or "bfloat16"
 
 
 # ---- the weights ------------------------------------------------------------------------------------------

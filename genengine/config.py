@@ -8,6 +8,7 @@ engine (or GPU memory) is touched.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
@@ -15,7 +16,7 @@ from typing import Any
 
 from genengine.errors import ConfigError, closest
 
-__all__ = ["DTYPES", "EngineConfig", "check_options"]
+__all__ = ["DTYPES", "EngineConfig", "check_options", "option_bool", "option_int", "option_number"]
 
 DTYPES = ("bfloat16", "float16", "float32", "auto")
 
@@ -151,3 +152,26 @@ def check_options(backend: str, options: Mapping[str, Any], allowed: Iterable[st
             + (f" (did you mean {hint!r}?)" if hint else "")
             + f"; {listed}"
         )
+
+
+# ---- backend option values: one wording for every backend ---------------------------------------------------
+def option_bool(name: str, value: Any) -> bool:
+    """A backend option that must be True or False (not 0/1, not "true": a YAML typo should not pass)."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"option {name}={value!r} must be True or False")
+    return value
+
+
+def option_int(name: str, value: Any, lo: int = 1, hi: int | None = None) -> int:
+    """A backend option that must be an integer in ``[lo, hi]`` (no upper bound when ``hi`` is None)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        allowed = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+        raise ConfigError(f"option {name}={value!r} must be {allowed}")
+    return value
+
+
+def option_number(name: str, value: Any) -> float:
+    """A backend option that must be a finite number > 0 (a timeout, a fraction of memory)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"option {name}={value!r} must be a finite number > 0")
+    return float(value)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from genengine.checkpoint import (
+    checkpoint_dtype,
     engine_dtype,
     read_model_config,
     read_safetensors_header,
@@ -68,6 +69,7 @@ def test_text_config_vocab_tied_and_dtype() -> None:
     assert not tied_embeddings({}) and not tied_embeddings({"tie_word_embeddings": "yes"})
     assert engine_dtype("auto", vlm) == "float16" and engine_dtype("auto", {}) == "bfloat16"
     assert engine_dtype("float16", {"torch_dtype": "float32"}) == "float16"
+    assert checkpoint_dtype({"dtype": "torch.float32"}) == "float32" and checkpoint_dtype({"dtype": "int8"}) is None
 
 
 # ---- the weight spec ------------------------------------------------------------------------------------------
