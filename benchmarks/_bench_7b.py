@@ -10,11 +10,17 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from genengine.testing.gpu_checks import free_gpu_memory as free_bytes
+_TESTS = str(Path(__file__).resolve().parents[1] / "tests")
+if _TESTS not in sys.path:  # the repo's test helpers (tests/support), shared with the GPU tests
+    sys.path.insert(0, _TESTS)
+
+from support.gpu_checks import free_gpu_memory as free_bytes  # noqa: E402
 
 GIB = 1 << 30
 CFG = {

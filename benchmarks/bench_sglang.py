@@ -107,7 +107,8 @@ def engine_config(model: str, mem_util: float = MEM_UTIL) -> Any:
 def sleep_share_at(model: str, mem_util: float) -> dict[str, Any]:
     """P3's share with the engine at another memory fraction: what SGLang keeps after a release is about
     fixed (its scheduler's context and buffers), so the share depends on the pool it is compared with."""
-    from genengine.testing.gpu_checks import gpu_memory_by_process
+    from support.gpu_checks import gpu_memory_by_process
+
     from genengine_sglang.engine import RLGenerationEngine
 
     free0 = free_bytes()
@@ -154,7 +155,7 @@ def raw_main(model: str, out: str) -> None:
         log(f"raw P1: {result['p1']['tok_per_s']} tok/s")
         # P3 before P2: the per-parameter loads leave blocks in the scheduler's cache that a release then
         # returns too, which would count memory the engine did not hold at start as freed (session 4: 100.33 %).
-        from genengine.testing.gpu_checks import gpu_memory_by_process
+        from support.gpu_checks import gpu_memory_by_process
 
         awake = free_bytes()
         engine.release_memory_occupation()  # every tag, as our sleep(2)
@@ -215,9 +216,9 @@ def run_raw(model: str) -> dict[str, Any]:
 # ---- ours (this process) ----------------------------------------------------------------------------------------
 def ours(model: str, variants: list[tuple[str, str, int | None]], report: dict[str, Any]) -> None:
     import torch
+    from support.gpu_checks import gpu_memory_by_process
 
     from genengine.protocol import SamplingParams
-    from genengine.testing.gpu_checks import gpu_memory_by_process
     from genengine_sglang import _weightsync
     from genengine_sglang._scheduler_hooks import MEMORY_REPORT_ENV
     from genengine_sglang.engine import RLGenerationEngine

@@ -41,9 +41,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # runnable from a checkout without installing
     sys.path.insert(0, str(ROOT))
+if str(ROOT / "tests") not in sys.path:  # the repo's test helpers (tests/support), shared with the GPU tests
+    sys.path.insert(0, str(ROOT / "tests"))
+
+from support import processes  # noqa: E402
 
 from genengine.cli.args import add_engine_arguments, add_parallel_arguments, engine_kwargs, parallel_kwargs  # noqa: E402
-from genengine.testing import processes  # noqa: E402
 
 MIB = 1 << 20
 LEAK_KINDS = ("fd", "thread", "child", "memory")
@@ -276,8 +279,7 @@ def start_ranks() -> tuple[int, int]:
     if world == 1:
         return 0, 1
     import torch.distributed as dist
-
-    from genengine.testing.tp2_run import init_trainer_world
+    from support.tp2_run import init_trainer_world
 
     init_trainer_world()  # as tests/gpu/tp2_vllm.py: no eager device binding
     return dist.get_rank(), world

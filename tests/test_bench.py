@@ -23,7 +23,7 @@ def _spy_on_work(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     ``run_bench`` imports these from their modules when it calls them, so replacing the module attributes
     sees every call.
     """
-    import genengine.bench
+    import genengine.bench.measure
     import genengine.registry
     import genengine.testing.tiny_model
 
@@ -38,7 +38,7 @@ def _spy_on_work(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     for module, name in (
         (genengine.testing.tiny_model, "build_tiny_model"),
-        (genengine.bench, "_trainer_weights"),
+        (genengine.bench.measure, "_trainer_weights"),
         (genengine.registry, "create_engine"),
     ):
         monkeypatch.setattr(module, name, spy(name, getattr(module, name)))

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.processes import TrainerOutcome, TrainerRun, is_alive
 
 from genengine import lifecycle
-from genengine.testing.processes import TrainerOutcome, TrainerRun, is_alive
 
 HERE = Path(__file__).resolve()
 ENDINGS = ("exit", "exception", "sigterm", "sigint")

@@ -1,4 +1,4 @@
-"""genengine.testing.tp2_run, the shared frame of the tp_size=2 GPU scripts, on two real gloo ranks."""
+"""``support.tp2_run`` (tests/support), the shared frame of the tp_size=2 GPU scripts, on two real gloo ranks."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(180)
 
 SCRIPT = """
 import sys
-from genengine.testing.tp2_run import Tp2Run, exit_with
+from support.tp2_run import Tp2Run, exit_with
 
 RUN = Tp2Run("tp2-demo")
 
@@ -32,6 +32,12 @@ exit_with(RUN, main)
 """
 
 
+def _pythonpath() -> str:
+    """The script imports ``support`` as the GPU scripts do, from ``tests/`` on the path."""
+    tests = str(Path(__file__).resolve().parent)
+    return os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def _torchrun(tmp_path: Path, mode: str) -> tuple[int, str, Path]:
     script = tmp_path / "demo.py"
     script.write_text(SCRIPT)
@@ -41,7 +47,7 @@ def _torchrun(tmp_path: Path, mode: str) -> tuple[int, str, Path]:
         capture_output=True,
         text=True,
         timeout=150,
-        env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES=""),
+        env=dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=_pythonpath()),
     )
     return proc.returncode, proc.stdout + proc.stderr, out
 

@@ -162,7 +162,7 @@ def test_check_finite_on_a_one_pass_stream(
 
 
 def test_none_uses_the_engines_own_default_bucket(model_dir: str, weights: dict[str, dict[str, Any]]) -> None:
-    from genengine.testing.conformance import _bucket_count
+    from genengine.testing.conformance.weights import _bucket_count
 
     sizes = [t.numel() * t.element_size() for t in weights["A"].values()]
     largest = max(sizes)
@@ -184,7 +184,7 @@ class _InPlaceEmbedded(TransformersEngine):
 def test_tensors_read_in_place_do_not_count_towards_a_bucket(
     model_dir: str, weights: dict[str, dict[str, Any]]
 ) -> None:
-    from genengine.testing.conformance import _bucket_count
+    from genengine.testing.conformance.weights import _bucket_count
 
     items = list(weights["A"].items())
     largest = max(t.numel() * t.element_size() for _, t in items)

@@ -1,6 +1,6 @@
 """Two engines on one host, colocated as a data-parallel trainer runs them: tp_size=1 in a world of 2.
 
-    torchrun --nproc-per-node 2 tests/gpu/dp2.py --backend sglang|vllm [--mem 0.3] [--json PATH]
+    PYTHONPATH=tests torchrun --nproc-per-node 2 tests/gpu/dp2.py --backend sglang|vllm [--mem 0.3] [--json PATH]
 
 (``tools/gpu/run_tests.sh ENGINE --torchrun2 tests/gpu/dp2.py --backend ENGINE`` runs it with the
 machine's settings.) Each rank is the leader of its own TP group of one and owns an engine on its own GPU.
@@ -37,7 +37,7 @@ for _key, _value in {
 if importlib.util.find_spec("flashinfer") is None:  # a setting of the GPU kit, as in tp2_vllm.py
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
-from genengine.testing.tp2_run import Tp2Run, exit_with  # noqa: E402
+from support.tp2_run import Tp2Run, exit_with  # noqa: E402
 
 RUN = Tp2Run("dp2")
 RANK, RESULT = RUN.rank, RUN.result
@@ -60,16 +60,17 @@ def main() -> int:
     check(size == 2, f"world size is 2 (got {size})")
     gather, gloo = RUN.gather, RUN.gloo
 
-    from genengine import create_engine
-    from genengine.protocol import SamplingParams
-    from genengine.testing.conformance import load_checkpoint
-    from genengine.testing.gpu_checks import (
+    from support.gpu_checks import (
         GIB,
         current_gpu_uuid,
         free_gpu_memory,
         gpu_memory_by_process_per_gpu,
     )
-    from genengine.testing.processes import descendants
+    from support.processes import descendants
+
+    from genengine import create_engine
+    from genengine.protocol import SamplingParams
+    from genengine.testing.conformance import load_checkpoint
     from genengine.testing.tiny_model import build_tiny_model
 
     if RANK == 0:

@@ -90,7 +90,7 @@ def setup() -> dict[str, Any]:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from genengine.testing.gpu_checks import installed_engine
+    from support.gpu_checks import installed_engine
 
     backend = installed_engine("GENENGINE_CLEANUP_BACKEND")
     if backend is None:
@@ -103,7 +103,7 @@ def setup() -> dict[str, Any]:
 
 @pytest.mark.parametrize("ending", ENDINGS)
 def test_trainer_death_leaves_no_engine_process_and_frees_the_gpu(setup: dict[str, Any], ending: str) -> None:
-    from genengine.testing.processes import TrainerRun
+    from support.processes import TrainerRun
 
     backend, model = setup["backend"], setup["model"]
     before = _free_bytes()

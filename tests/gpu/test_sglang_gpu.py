@@ -30,11 +30,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("sglang")
 
-from genengine import create_engine  # noqa: E402
-from genengine.errors import EngineSleepingError, WeightLoadError, WeightsNotLoadedError  # noqa: E402
-from genengine.protocol import GenerationEngine, GenerationResult  # noqa: E402
-from genengine.testing.conformance import GREEDY, PROMPTS, EngineConformance  # noqa: E402
-from genengine.testing.gpu_checks import (  # noqa: E402
+from support.gpu_checks import (  # noqa: E402
     GIB,
     ParityOverSyncs,
     assert_loads_like_fresh,
@@ -45,6 +41,11 @@ from genengine.testing.gpu_checks import (  # noqa: E402
     token_ids,
     weight_sync_mode,
 )
+
+from genengine import create_engine  # noqa: E402
+from genengine.errors import EngineSleepingError, WeightLoadError, WeightsNotLoadedError  # noqa: E402
+from genengine.protocol import GenerationEngine, GenerationResult  # noqa: E402
+from genengine.testing.conformance import GREEDY, PROMPTS, EngineConformance  # noqa: E402
 from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -26,9 +26,10 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from support.gpu_checks import installed_engine  # noqa: E402
+
 from genengine import create_engine  # noqa: E402
 from genengine.protocol import GenerationResult, SamplingParams  # noqa: E402
-from genengine.testing.gpu_checks import installed_engine  # noqa: E402
 from genengine.testing.parity import parity_bound  # noqa: E402
 
 pytestmark = pytest.mark.gpu

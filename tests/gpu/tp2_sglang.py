@@ -34,7 +34,7 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
-from genengine.testing.tp2_run import Tp2Run, exit_with  # noqa: E402
+from support.tp2_run import Tp2Run, exit_with  # noqa: E402
 
 RUN = Tp2Run("tp2-sglang")
 RANK = RUN.rank

@@ -31,7 +31,7 @@ for _key, _value in {
 if importlib.util.find_spec("flashinfer") is None:  # a setting of the GPU kit, which does not carry flashinfer
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
-from genengine.testing.tp2_run import Tp2Run, exit_with  # noqa: E402
+from support.tp2_run import Tp2Run, exit_with  # noqa: E402
 
 RUN = Tp2Run("tp2-vllm")
 RANK, RESULT = RUN.rank, RUN.result
@@ -55,9 +55,10 @@ def main() -> int:
     gather = RUN.gather
     gloo = RUN.gloo
 
+    from support.gpu_checks import free_gpu_memory
+
     from genengine.errors import InconsistentInputsError
     from genengine.protocol import SamplingParams
-    from genengine.testing.gpu_checks import free_gpu_memory
     from genengine.testing.tiny_model import build_tiny_model
     from genengine_vllm import get_vllm_engine
 

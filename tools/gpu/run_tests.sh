@@ -24,7 +24,9 @@ OUTDIR=${OUT:-/tmp}
 rm -rf "$SITE_PROJ"   # this tree's copy, always: the entry points must match the code that runs
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE_PROJ" . \
   || die "offline install of the project failed (does the image have setuptools>=68?)"
-export PYTHONPATH="$SITE_PROJ:$SITE_ENGINE${PYTHONPATH:+:$PYTHONPATH}"
+# tests/ for the repo's test helpers (tests/support, imported as `support`): pytest finds them by itself,
+# the torchrun scripts (tests/gpu/tp2_*.py, dp2.py) and benchmarks run from their own folders do not.
+export PYTHONPATH="$SITE_PROJ:$PWD/tests:$SITE_ENGINE${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c 'import pluggy' 2>/dev/null || die "pluggy is missing: rerun prepare.sh (it carries the test pins)"
 
 # Settings of the machine, not of the product.

@@ -67,7 +67,7 @@ def _psutil() -> Any:
     try:
         import psutil
     except ImportError as exc:  # pragma: no cover - only off Linux
-        raise RuntimeError("genengine.testing.processes needs /proc (Linux) or psutil") from exc
+        raise RuntimeError("support.processes (tests/support) needs /proc (Linux) or psutil") from exc
     return psutil
 
 
