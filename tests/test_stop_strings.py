@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from genengine import SamplingParams
-from genengine.backends.transformers import TransformersEngine, _StopStrings
+from genengine.backend import StopStrings as _StopStrings
+from genengine.backends.transformers import TransformersEngine
 from genengine.testing.conformance import PROMPTS
 from genengine.testing.tiny_model import tiny_model_dir
 

@@ -6,7 +6,7 @@ It is imported whenever anyone lists backends, so it imports nothing heavy: the 
 
 from __future__ import annotations
 
-from genengine.hookspecs import RegisterBackend, hookimpl
+from genengine.backend import RegisterBackend, hookimpl
 
 
 @hookimpl

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from genengine.config import EngineConfig
-from genengine.errors import ConfigError
+from genengine.backend import ConfigError, EngineConfig, torch_dtype
 
 
 def raw_tokens_per_second(
@@ -14,13 +13,12 @@ def raw_tokens_per_second(
     """Greedy tokens per second of ``TinyLoop`` alone, with no genengine code on the path."""
     import torch
 
-    from genengine_template.engine import _torch_dtype
     from genengine_template.loop import TinyLoop, greedy_tokens_per_second
 
     if config.model is None:
         raise ConfigError("the template's raw runner needs model=PATH")
     device = config.options.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    loop = TinyLoop(config.model, dtype=_torch_dtype(config.dtype, config.model), device=device)
+    loop = TinyLoop(config.model, dtype=torch_dtype(config.dtype, config.model), device=device)
     try:
         greedy_tokens_per_second(loop, prompt_token_ids[:1], 1)  # warm-up
         return greedy_tokens_per_second(loop, prompt_token_ids, max_new_tokens)
