@@ -20,8 +20,8 @@ import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from genengine_sglang._options import SYNC_LOADER
 from genengine_sglang.errors import SGLangEngineError
+from genengine_sglang.settings import SYNC_LOADER
 
 if TYPE_CHECKING:
     import torch

@@ -72,20 +72,20 @@ from genengine.errors import (
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, GenerationResult, LoadReport
 from genengine.requests import Request
 from genengine_sglang import _weightsync
-from genengine_sglang._mapping import build_entries, results_from_sglang
-from genengine_sglang._options import (
+from genengine_sglang.errors import SGLangEngineError
+from genengine_sglang.mapping import build_entries, results_from_sglang
+from genengine_sglang.settings import (
     DEFAULT_BUCKET_BYTES,
     OUR_OPTIONS,
     SGLANG_OPTIONS,
     WEIGHT_SYNC_MODES,
-    EngineSettings,
+    SGLangSettings,
     check_graph_memory_saver,
     check_model_dir,
     options_from_env,
+    resolve_settings,
     server_kwargs,
-    settings_from_config,
 )
-from genengine_sglang.errors import SGLangEngineError
 
 if TYPE_CHECKING:
     import torch
@@ -205,7 +205,7 @@ def get_sglang_engine(
         enable_sleep=enable_engine_sleep,
         options=options,
     )
-    settings = settings_from_config(config, environ={})
+    settings = resolve_settings(config, environ={})
     return RLGenerationEngine._create(settings, require_distributed=True)
 
 
@@ -235,11 +235,11 @@ def _dist() -> Any:
     return dist
 
 
-def _timeout(settings: EngineSettings) -> float:
+def _timeout(settings: SGLangSettings) -> float:
     return settings.collective_timeout_s or default_collective_timeout_s()
 
 
-def _make_group(settings: EngineSettings, *, require_distributed: bool) -> tuple[EngineGroup, bool]:
+def _make_group(settings: SGLangSettings, *, require_distributed: bool) -> tuple[EngineGroup, bool]:
     """This rank's group, and whether its engine port was already checked."""
     dist = _dist()
     if dist.is_available() and dist.is_initialized():
@@ -270,7 +270,7 @@ def _current_gpu() -> int | None:
     return None
 
 
-def _group_from_process_group(pg: Any, settings: EngineSettings, num_gpu_per_node: int) -> EngineGroup:
+def _group_from_process_group(pg: Any, settings: SGLangSettings, num_gpu_per_node: int) -> EngineGroup:
     """An ``EngineGroup`` over the reference's ``tp_group_cpu`` (a gloo group of contiguous ranks)."""
     dist = _dist()
     if not (dist.is_available() and dist.is_initialized()):
@@ -293,7 +293,7 @@ def _group_from_process_group(pg: Any, settings: EngineSettings, num_gpu_per_nod
     return EngineGroup(topo, pg, pg, "gloo", _timeout(settings))
 
 
-def _settings_from_engine_kwargs(kwargs: dict[str, Any], tp_size: int | None) -> EngineSettings:
+def _settings_from_engine_kwargs(kwargs: dict[str, Any], tp_size: int | None) -> SGLangSettings:
     """The reference constructor's ``sglang.Engine`` keyword arguments as settings."""
     kw = dict(kwargs)
     if "model_path" not in kw:
@@ -330,7 +330,7 @@ def _settings_from_engine_kwargs(kwargs: dict[str, Any], tp_size: int | None) ->
         seed=0 if seed is None else seed,
         options=options,
     )
-    return settings_from_config(config)
+    return resolve_settings(config)
 
 
 # ---- engine process plumbing --------------------------------------------------------------------------------
@@ -412,7 +412,7 @@ class RLGenerationEngine(EngineBase):
     supports_images: ClassVar[bool] = True
     """Image prompts reach SGLang's multimodal processor on VLMs; text-only models reject them."""
 
-    _settings: EngineSettings
+    _settings: SGLangSettings
     _group: EngineGroup
 
     def __init__(self, tp_group_cpu: Any = None, num_gpu_per_node: int = 8, **kwargs: Any) -> None:
@@ -439,19 +439,19 @@ class RLGenerationEngine(EngineBase):
         """What ``genengine.create_engine(backend="sglang", ...)`` calls.
 
         Backend options (``attention_backend``, ``sampling_backend``, ``disable_radix_cache``, ``port``,
-        ``weight_sync_mode``, ...; see ``genengine_sglang._options``) come in ``config.options``, merged over
+        ``weight_sync_mode``, ...; see ``genengine_sglang.settings``) come in ``config.options``, merged over
         ``$GENENGINE_SGLANG_OPTIONS``. With ``tp_size=1`` torch.distributed is optional.
         """
-        return cls._create(settings_from_config(config), require_distributed=False)
+        return cls._create(resolve_settings(config), require_distributed=False)
 
     @classmethod
-    def _create(cls, settings: EngineSettings, *, require_distributed: bool) -> RLGenerationEngine:
+    def _create(cls, settings: SGLangSettings, *, require_distributed: bool) -> RLGenerationEngine:
         group, checked = _make_group(settings, require_distributed=require_distributed)
         engine = cls.__new__(cls)
         engine._setup(settings, group, port_checked=checked)
         return engine
 
-    def _setup(self, settings: EngineSettings, group: EngineGroup, *, port_checked: bool) -> None:
+    def _setup(self, settings: SGLangSettings, group: EngineGroup, *, port_checked: bool) -> None:
         EngineBase.__init__(self, sleep_enabled=settings.enable_sleep, bucket_bytes=settings.bucket_bytes)
         self._settings = settings
         self._group = group
@@ -485,7 +485,7 @@ class RLGenerationEngine(EngineBase):
         return self._group
 
     @property
-    def settings(self) -> EngineSettings:
+    def settings(self) -> SGLangSettings:
         return self._settings
 
     @property

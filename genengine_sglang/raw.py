@@ -11,10 +11,10 @@ __all__ = ["raw_tokens_per_second", "start_raw_engine", "stop_raw_engine"]
 def start_raw_engine(config: Any, **overrides: Any) -> Any:
     """An ``sglang.Engine`` with the server arguments genengine would use for ``config`` (minus its hooks)."""
     from genengine.config import EngineConfig
-    from genengine_sglang._options import server_kwargs, settings_from_config
     from genengine_sglang.engine import _current_gpu, _engine_environment
+    from genengine_sglang.settings import resolve_settings, server_kwargs
 
-    settings = settings_from_config(EngineConfig.from_any(config))
+    settings = resolve_settings(EngineConfig.from_any(config))
     gpu = settings.base_gpu_id if settings.base_gpu_id is not None else (_current_gpu() or 0)
     kwargs = server_kwargs(settings, base_gpu_id=gpu, port=settings.base_port)
     for ours in ("custom_weight_loader", "enable_custom_logit_processor"):

@@ -33,22 +33,22 @@ from genengine.errors import (
 from genengine.protocol import SamplingParams
 from genengine.requests import normalize_requests
 from genengine.testing.tiny_model import tiny_model_dir
-from genengine_sglang import _options
-from genengine_sglang._mapping import (
+from genengine_sglang.engine import RLGenerationEngine, _engine_environment, get_sglang_engine
+from genengine_sglang.errors import SGLangEngineError
+from genengine_sglang.mapping import (
     SEEDED_TOP_K,
     build_entries,
     output_from_sglang,
     results_from_sglang,
     sampling_to_sglang,
 )
-from genengine_sglang._options import (
+from genengine_sglang.settings import (
+    DEFAULT_BUCKET_BYTES,
     OPTIONS_ENV,
     SYNC_LOADER,
+    resolve_settings,
     server_kwargs,
-    settings_from_config,
 )
-from genengine_sglang.engine import RLGenerationEngine, _engine_environment, get_sglang_engine
-from genengine_sglang.errors import SGLangEngineError
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 needs_no_sglang = pytest.mark.skipif(HAS_SGLANG, reason="checks what happens when SGLang is missing")
@@ -241,7 +241,7 @@ def test_create_engine_names_the_missing_engine(model_dir: Path) -> None:
 
 # ---- options and settings ---------------------------------------------------------------------------------------
 def _settings(model_dir: Path, **options: Any) -> Any:
-    return settings_from_config(EngineConfig(backend="sglang", model=str(model_dir), options=options), environ={})
+    return resolve_settings(EngineConfig(backend="sglang", model=str(model_dir), options=options), environ={})
 
 
 @pytest.mark.parametrize(
@@ -272,11 +272,11 @@ def test_bad_options(model_dir: Path, options: dict[str, Any], needle: str) -> N
 def test_options_from_the_environment(model_dir: Path) -> None:
     env = {OPTIONS_ENV: json.dumps({"attention_backend": "triton", "sampling_backend": "pytorch"})}
     config = EngineConfig(backend="sglang", model=str(model_dir), options={"sampling_backend": "flashinfer"})
-    settings = settings_from_config(config, environ=env)
+    settings = resolve_settings(config, environ=env)
     assert settings.server_overrides == {"attention_backend": "triton", "sampling_backend": "flashinfer"}
     for raw, needle in (("{not json", "not valid JSON"), ("[1, 2]", "JSON object"), ('{"bogus": 1}', "'bogus'")):
         with pytest.raises(ConfigError, match=needle):
-            settings_from_config(config, environ={OPTIONS_ENV: raw})
+            resolve_settings(config, environ={OPTIONS_ENV: raw})
 
 
 def test_server_kwargs_keep_the_reference_arguments(model_dir: Path) -> None:
@@ -289,7 +289,7 @@ def test_server_kwargs_keep_the_reference_arguments(model_dir: Path) -> None:
         seed=7,
         options={"attention_backend": "triton", "disable_cuda_graph": True, "server_args": {"log_level": "info"}},
     )
-    settings = settings_from_config(config, environ={})
+    settings = resolve_settings(config, environ={})
     kwargs = server_kwargs(settings, base_gpu_id=2, port=40002)
     assert kwargs["model_path"] == str(model_dir)
     assert kwargs["mem_fraction_static"] == 0.6 and kwargs["tp_size"] == 2
@@ -299,7 +299,7 @@ def test_server_kwargs_keep_the_reference_arguments(model_dir: Path) -> None:
     assert kwargs["skip_tokenizer_init"] is False and kwargs["disable_cuda_graph"] is True
     assert kwargs["attention_backend"] == "triton" and kwargs["log_level"] == "info"
     assert kwargs["custom_weight_loader"] == [SYNC_LOADER] and kwargs["enable_custom_logit_processor"] is True
-    assert settings.weight_sync_mode == "handles" and settings.bucket_bytes == _options.DEFAULT_BUCKET_BYTES["handles"]
+    assert settings.weight_sync_mode == "handles" and settings.bucket_bytes == DEFAULT_BUCKET_BYTES["handles"]
     assert _settings(model_dir, weight_sync_mode="flattened").bucket_bytes == 512 << 20
 
 
@@ -581,7 +581,7 @@ def test_errors_are_genengine_errors() -> None:
 
 def test_graph_memory_saver_with_breakable_graphs_is_refused() -> None:
     """SGLang 0.5.17 would raise in its scheduler after loading the model, and its launcher kills the trainer."""
-    from genengine_sglang._options import check_graph_memory_saver
+    from genengine_sglang.settings import check_graph_memory_saver
 
     on = {"enable_memory_saver": True, "disable_cuda_graph": False}
     env = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true"}
