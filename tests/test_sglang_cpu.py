@@ -33,8 +33,10 @@ from genengine.errors import (
 from genengine.protocol import SamplingParams
 from genengine.requests import normalize_requests
 from genengine.testing.tiny_model import tiny_model_dir
-from genengine_sglang.engine import RLGenerationEngine, _engine_environment, get_sglang_engine
+from genengine_sglang._process import engine_environment
+from genengine_sglang.engine import SGLangEngine
 from genengine_sglang.errors import SGLangEngineError
+from genengine_sglang.lightrft import RLGenerationEngine, get_sglang_engine
 from genengine_sglang.mapping import (
     SEEDED_TOP_K,
     build_entries,
@@ -74,7 +76,8 @@ def _free_port() -> int:
 def test_imports_load_neither_torch_nor_sglang() -> None:
     code = (
         "import genengine_sglang, genengine_sglang.plugin, genengine_sglang.engine, genengine_sglang.sgl_model_saver\n"
-        "import genengine_sglang.raw, genengine_sglang._weightsync\n"
+        "import genengine_sglang.lightrft, genengine_sglang.raw, genengine_sglang._weightsync\n"
+        "import genengine_sglang._process, genengine_sglang.settings, genengine_sglang.mapping\n"
         "import sys; print(sorted(m for m in ('torch', 'sglang', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
@@ -83,13 +86,19 @@ def test_imports_load_neither_torch_nor_sglang() -> None:
 
 def test_lazy_exports() -> None:
     import genengine_sglang
-    from genengine_sglang import engine
+    from genengine_sglang import engine, lightrft
 
-    assert genengine_sglang.get_sglang_engine is engine.get_sglang_engine
-    assert genengine_sglang.RLGenerationEngine is engine.RLGenerationEngine
-    assert genengine_sglang.get_sglang_engine_for_rollout is engine.get_sglang_engine_for_rollout
+    assert genengine_sglang.get_sglang_engine is lightrft.get_sglang_engine
+    assert genengine_sglang.RLGenerationEngine is lightrft.RLGenerationEngine
+    assert genengine_sglang.get_sglang_engine_for_rollout is lightrft.get_sglang_engine_for_rollout
+    assert genengine_sglang.SGLangEngine is engine.SGLangEngine
     with pytest.raises(AttributeError):
         genengine_sglang.no_such_thing  # noqa: B018
+    # LightRFT's names were in genengine_sglang.engine before genengine_sglang.lightrft; they still resolve there.
+    for name in ("RLGenerationEngine", "get_sglang_engine", "get_sglang_engine_for_rollout"):
+        assert getattr(engine, name) is getattr(lightrft, name)
+    with pytest.raises(AttributeError):
+        engine.no_such_thing  # noqa: B018
 
 
 def test_plugin_targets_resolve() -> None:
@@ -106,6 +115,7 @@ def test_plugin_targets_resolve() -> None:
             obj = getattr(obj, part)
         assert callable(obj), ref
     assert inspect.ismethod(RLGenerationEngine.from_config)
+    assert issubclass(RLGenerationEngine, SGLangEngine)
 
 
 def test_get_sglang_engine_has_the_reference_signature() -> None:
@@ -119,6 +129,19 @@ def test_get_sglang_engine_has_the_reference_signature() -> None:
         ("dtype", "bfloat16"),
         ("disable_cuda_graph", False),
     ]
+
+
+def test_protocol_class_has_the_protocol_face_only() -> None:
+    """``SGLangEngine`` is the protocol's API alone; LightRFT's calls live on its subclass."""
+    from genengine.base import EngineBase
+
+    for method in ("generate", "sleep", "wake", "load_weights"):
+        assert inspect.signature(getattr(SGLangEngine, method)) == inspect.signature(getattr(EngineBase, method))
+    for name in ("wake_up", "update_weights_from_tensor"):
+        assert not hasattr(SGLangEngine, name) and hasattr(RLGenerationEngine, name)
+    params = list(inspect.signature(SGLangEngine).parameters)
+    assert params == ["settings", "group", "require_distributed"]
+    assert SGLangEngine.supported_tags == RLGenerationEngine.supported_tags
 
 
 def test_both_faces_on_one_class() -> None:
@@ -314,7 +337,7 @@ def test_engine_environment_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
     method = mp.get_start_method(allow_none=True)
-    with _engine_environment(enable_sleep=True):
+    with engine_environment(enable_sleep=True):
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
         assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
         os.environ["NCCL_CUMEM_ENABLE"] = "0"  # what SGLang's start-up does to this process
@@ -323,13 +346,13 @@ def test_engine_environment_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert "NCCL_CUMEM_ENABLE" not in os.environ
     assert mp.get_start_method(allow_none=True) == method
-    with _engine_environment(enable_sleep=False):
+    with engine_environment(enable_sleep=False):
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
 
 
 _SIGTERM_TRAINER = """
 import asyncio, signal, sys, time
-from genengine_sglang.engine import return_sigterm
+from genengine_sglang._process import return_sigterm
 mode = sys.argv[1]
 if mode == "own-handler":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))  # the trainer's own checkpoint-and-exit handler
