@@ -29,10 +29,10 @@ from genengine.errors import ConfigError, DistributedSetupError, InconsistentInp
 from genengine_sglang.engine import SGLangEngine, _dist, _LoadCall, _timeout
 from genengine_sglang.settings import (
     OUR_OPTIONS,
-    SGLANG_OPTIONS,
     SGLangSettings,
     check_model_dir,
     options_from_env,
+    passthrough_options,
     resolve_settings,
 )
 
@@ -195,11 +195,12 @@ def _settings_from_engine_kwargs(kwargs: dict[str, Any], tp_size: int | None) ->
     dtype = {"half": "float16", "float": "float32"}.get(dtype, dtype)
     options: dict[str, Any] = {}
     server_args: dict[str, Any] = {}
+    passthrough = passthrough_options()
     for key in list(kw):
         if key in ("model_path", "mem_fraction_static", "enable_memory_saver", "random_seed"):
             continue
         value = kw.pop(key)
-        if key in OUR_OPTIONS or key in SGLANG_OPTIONS:
+        if key in OUR_OPTIONS or key in passthrough:
             options[key] = value
         else:
             server_args[key] = value

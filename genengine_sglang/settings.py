@@ -6,16 +6,19 @@ bad input fails here, before any process or GPU memory is taken.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from genengine.checkpoint import resolve_model_dir
 from genengine.config import EngineConfig, check_options
 from genengine.errors import ConfigError, InvalidArgumentError
+from genengine_sglang._server_args import SERVER_ARGS_FIELDS
 
 __all__ = [
     "BACKEND",
@@ -24,13 +27,13 @@ __all__ = [
     "LOGIT_PROCESSOR_PARAM",
     "OPTIONS_ENV",
     "OUR_OPTIONS",
-    "SGLANG_OPTIONS",
     "SYNC_LOADER",
     "WEIGHT_SYNC_MODES",
     "SGLangSettings",
     "check_graph_memory_saver",
     "check_model_dir",
     "options_from_env",
+    "passthrough_options",
     "resolve_settings",
     "server_kwargs",
 ]
@@ -54,7 +57,7 @@ WEIGHT_SYNC_MODES = ("handles", "flattened", "per_param")
 
 DEFAULT_BUCKET_BYTES = {"handles": 1 << 30, "flattened": 512 << 20, "per_param": 512 << 20}
 """What a bucket may copy. A handle to a tensor already on the engine's GPU copies nothing and counts 0
-(``RLGenerationEngine._bucket_cost``): such tensors all go in one call, whatever the bucket; host tensors and
+(``SGLangEngine._bucket_cost``): such tensors all go in one call, whatever the bucket; host tensors and
 flattened buckets are copies, bounded by these."""
 
 SYNC_LOADER = "genengine_sglang._scheduler_hooks.load_weights_and_sync"
@@ -78,35 +81,6 @@ OUR_OPTIONS: dict[str, Any] = {
 }
 """genengine's own options, with defaults."""
 
-SGLANG_OPTIONS = (
-    "attention_backend",
-    "mm_attention_backend",
-    "sampling_backend",
-    "disable_radix_cache",
-    "port",
-    "disable_cuda_graph",
-    "skip_tokenizer_init",
-    "context_length",
-    "max_running_requests",
-    "max_total_tokens",
-    "chunked_prefill_size",
-    "max_prefill_tokens",
-    "grammar_backend",
-    "log_level",
-    "trust_remote_code",
-    "load_format",
-    "enable_deterministic_inference",
-    "tokenizer_path",
-    "revision",
-    "kv_cache_dtype",
-    "quantization",
-    "schedule_policy",
-    "enable_torch_compile",
-    "stream_interval",
-)
-"""SGLang server arguments accepted as options and passed through unchanged; anything else SGLang knows
-goes under ``server_args`` (checked against ``sglang.srt.server_args.ServerArgs`` at start)."""
-
 _RESERVED_SERVER_ARGS = {
     "model_path": "model",
     "tp_size": "tp_size",
@@ -120,6 +94,27 @@ _RESERVED_SERVER_ARGS = {
     "nnodes": "(single-node engines only)",
     "node_rank": "(single-node engines only)",
 }
+"""Server arguments genengine sets itself, each with what to use instead."""
+
+
+@functools.cache
+def passthrough_options() -> frozenset[str]:
+    """The SGLang server arguments accepted as options and passed to ``sglang.Engine`` unchanged.
+
+    Every field of the installed ``sglang.srt.server_args.ServerArgs`` (of 0.5.17's, from
+    ``genengine_sglang._server_args``, where SGLang is not installed or fails to import: the engine's start
+    reports that), less those genengine sets itself and genengine's own option names. Imported here, at
+    resolve time, so that importing this module stays free of SGLang.
+    """
+    names: Iterable[str] = SERVER_ARGS_FIELDS
+    if importlib.util.find_spec("sglang") is not None:
+        try:
+            from sglang.srt.server_args import ServerArgs
+
+            names = [f.name for f in fields(ServerArgs)]
+        except Exception:
+            pass
+    return frozenset(names) - set(_RESERVED_SERVER_ARGS) - set(OUR_OPTIONS)
 
 
 @dataclass(frozen=True)
@@ -193,8 +188,8 @@ def resolve_settings(config: EngineConfig, *, environ: Mapping[str, str] | None 
         raise ConfigError("the sglang backend needs a model: pass model=PATH")
     model_path = check_model_dir(config.model)
     options = {**options_from_env(environ), **dict(config.options)}
-    allowed = [*OUR_OPTIONS, *SGLANG_OPTIONS]
-    check_options(BACKEND, options, allowed)
+    passthrough = passthrough_options()
+    check_options(BACKEND, options, [*OUR_OPTIONS, *sorted(passthrough)])
 
     mode = options.get("weight_sync_mode", OUR_OPTIONS["weight_sync_mode"])
     if mode not in WEIGHT_SYNC_MODES:
@@ -218,7 +213,7 @@ def resolve_settings(config: EngineConfig, *, environ: Mapping[str, str] | None 
     server_args = options.get("server_args", {})
     if not isinstance(server_args, Mapping):
         raise ConfigError(f"option server_args={server_args!r} must be a mapping of SGLang server arguments")
-    overrides = {k: v for k, v in options.items() if k in SGLANG_OPTIONS}
+    overrides = {k: v for k, v in options.items() if k in passthrough}
     overrides.update(server_args)
     for key in overrides:
         if key in _RESERVED_SERVER_ARGS:

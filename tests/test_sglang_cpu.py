@@ -326,6 +326,26 @@ def test_server_kwargs_keep_the_reference_arguments(model_dir: Path) -> None:
     assert _settings(model_dir, weight_sync_mode="flattened").bucket_bytes == 512 << 20
 
 
+def test_every_sglang_server_argument_passes_through(model_dir: Path) -> None:
+    """Options are the fields of SGLang's ``ServerArgs`` (the installed one, else 0.5.17's copy), less what
+    genengine sets itself and its own option names; each goes to ``sglang.Engine`` unchanged."""
+    from genengine_sglang._server_args import SERVER_ARGS_FIELDS
+    from genengine_sglang.settings import OUR_OPTIONS, passthrough_options
+
+    allowed = passthrough_options()
+    assert allowed <= set(SERVER_ARGS_FIELDS) or HAS_SGLANG
+    for reserved in ("model_path", "tp_size", "mem_fraction_static", "dtype", "custom_weight_loader", "nnodes"):
+        assert reserved not in allowed
+    assert not allowed & set(OUR_OPTIONS)
+    # the names accepted before the list came from ServerArgs are all still accepted
+    for name in ("attention_backend", "mm_attention_backend", "sampling_backend", "disable_radix_cache", "port"):
+        assert name in allowed
+    settings = _settings(model_dir, cuda_graph_max_bs_decode=8, server_args={"log_level": "info"})
+    assert settings.server_overrides == {"cuda_graph_max_bs_decode": 8, "log_level": "info"}
+    with pytest.raises(ConfigError, match="unknown option 'mem_fraction_static'"):  # as under server_args: reserved
+        _settings(model_dir, mem_fraction_static=0.5)
+
+
 def test_sync_loader_is_importable_by_name() -> None:
     module, _, attr = SYNC_LOADER.rpartition(".")
     assert callable(getattr(importlib.import_module(module), attr))
