@@ -12,7 +12,7 @@ import torch
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
 
 from genengine_sglang._filter import mask_top_k_top_p
-from genengine_sglang._options import LOGIT_PROCESSOR_PARAM
+from genengine_sglang.settings import LOGIT_PROCESSOR_PARAM
 
 __all__ = ["ProcessedLogprobFilter", "serialized_processor"]
 

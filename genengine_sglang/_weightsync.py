@@ -20,8 +20,8 @@ import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from genengine_sglang._options import SYNC_LOADER
 from genengine_sglang.errors import SGLangEngineError
+from genengine_sglang.settings import SYNC_LOADER
 
 if TYPE_CHECKING:
     import torch
@@ -42,9 +42,9 @@ def serialize(obj: Any) -> bytes:
 
 
 def _materialize(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
-    """A plain tensor on this rank's GPU, host tensors copied up (one bucket at a time). DTensors arrive
-    gathered and views contiguous: ``EngineBase.load_weights`` prepared the bucket (genengine.weights)."""
-    tensor = tensor.detach()
+    """The tensor on this rank's GPU, host tensors copied up (one bucket at a time). It arrives detached,
+    DTensors gathered and views contiguous: ``EngineBase.load_weights`` prepared the bucket
+    (``genengine.weights.WeightValidator.prepare``)."""
     if device is not None and tensor.device != device:
         tensor = tensor.to(device, non_blocking=True)
     return tensor

@@ -1,25 +1,12 @@
-"""``RLGenerationEngine`` and ``get_sglang_engine``: SGLang 0.5.17 behind genengine's protocol and LightRFT's API.
+"""``SGLangEngine``: SGLang 0.5.17 behind genengine's protocol (``genengine.protocol.GenerationEngine``).
 
 One engine per tensor-parallel group: the group's first rank (its *leader*) owns an ``sglang.Engine``
 spanning the group's GPUs (SGLang spawns one scheduler process per GPU); every rank of the group calls
 every method, the leader does the engine work, and results (or the leader's error) are broadcast over the
 group's gloo group, so all ranks return the same thing or raise the same error.
 
-Two faces, one implementation:
-
-* the protocol (``genengine.protocol.GenerationEngine``): ``generate(prompts, sampling_params, *,
-  prompt_token_ids, image_data) -> list[GenerationResult]``, ``sleep(level)``, ``wake(tags)``,
-  ``load_weights(named_tensors)``, ``flush_cache()``, ``shutdown()``;
-* the reference (``lightrft.strategy.sglang_utils``): ``generate(prompt=..., input_ids=..., ...)`` returning
-  SGLang's output dicts, ``update_weights_from_tensor(name, tensor, flush_cache, load_format)``,
-  ``sleep(release_weights=...)``, ``wake_up(release_weights=...)``.
-
-``generate`` takes the reference's path when any reference-only keyword is passed (``prompt``,
-``input_ids``, ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``lora_path``,
-``custom_logit_processor``, ``gather_inputs``), and the protocol's otherwise (positional calls included);
-``sleep`` takes the reference's meaning when ``release_weights`` is passed. Both go through the same state
-machine: generating while asleep, or after a level-2 sleep before the weights came back, raises on either
-face; weights are checked by name and shape on either face.
+LightRFT's API (``lightrft.strategy.sglang_utils``: ``get_sglang_engine``, ``RLGenerationEngine`` with its
+reference-only arguments) is a subclass in :mod:`genengine_sglang.lightrft`; this class is the protocol alone.
 
 Sleep levels on SGLang's memory saver (tags ``weights``, ``kv_cache``, ``cuda_graph``): level 1 releases
 the KV cache and the CUDA-graph memory and keeps the weights: on the GPU by default (fast; LightRFT's
@@ -31,18 +18,11 @@ sends the weights again, which is the fast RL cycle). ``cuda_graph`` comes back 
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
-import multiprocessing
 import os
 import pickle
-import signal
-import threading
-import time
 import warnings
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from genengine.base import EngineBase
@@ -55,37 +35,27 @@ from genengine.distributed import (
     default_collective_timeout_s,
     engine_group,
     parse_cuda_visible_devices,
-    topology_from_env,
 )
-from genengine.engine_args import check_reference_args
-from genengine.environ import strip_expandable_segments
 from genengine.errors import (
-    BackendImportError,
     CollectiveTimeoutError,
-    ConfigError,
     DistributedSetupError,
     GenEngineError,
     InconsistentInputsError,
     InvalidArgumentError,
-    closest,
 )
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, GenerationResult, LoadReport
 from genengine.requests import Request
-from genengine_sglang import _weightsync
-from genengine_sglang._mapping import build_entries, results_from_sglang
-from genengine_sglang._options import (
-    DEFAULT_BUCKET_BYTES,
-    OUR_OPTIONS,
-    SGLANG_OPTIONS,
-    WEIGHT_SYNC_MODES,
-    EngineSettings,
-    check_graph_memory_saver,
-    check_model_dir,
-    options_from_env,
-    server_kwargs,
-    settings_from_config,
-)
+from genengine_sglang import _process, _weightsync
+from genengine_sglang._process import live_engines
 from genengine_sglang.errors import SGLangEngineError
+from genengine_sglang.mapping import build_entries, results_from_sglang
+from genengine_sglang.settings import (
+    DEFAULT_BUCKET_BYTES,
+    WEIGHT_SYNC_MODES,
+    SGLangSettings,
+    resolve_settings,
+    server_kwargs,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -93,139 +63,13 @@ if TYPE_CHECKING:
     from genengine.lifecycle import ExitHandle
     from genengine.weights import WeightInfo
 
-__all__ = ["TAG_CUDA_GRAPH", "RLGenerationEngine", "get_sglang_engine", "get_sglang_engine_for_rollout", "live_engines"]
+__all__ = ["TAG_CUDA_GRAPH", "SGLangEngine", "live_engines"]
 
 TAG_CUDA_GRAPH = "cuda_graph"
 T = TypeVar("T")
+_E = TypeVar("_E", bound="SGLangEngine")
 
-
-class _Unset:
-    def __repr__(self) -> str:
-        return "<unset>"
-
-
-_UNSET: Any = _Unset()
-_REFERENCE_GENERATE_KEYWORDS = (
-    "prompt",
-    "input_ids",
-    "return_logprob",
-    "logprob_start_len",
-    "top_logprobs_num",
-    "lora_path",
-    "custom_logit_processor",
-    "gather_inputs",
-)
-# Per-prompt arguments of the reference's generate that gather_inputs concatenates across ranks when lists.
-_PER_PROMPT = ("sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "lora_path")
-# Environment variables SGLang's start-up sets in *this* process (engine.py _set_envs_and_config) or that
-# must differ for its processes: restored afterwards so the trainer's later NCCL groups and CUDA settings
-# are its own.
-_SCOPED_ENV = (
-    "PYTORCH_CUDA_ALLOC_CONF",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "NCCL_CUMEM_ENABLE",
-    "NCCL_NVLS_ENABLE",
-    "NCCL_GRAPH_MIXING_SUPPORT",
-    "CUDA_DEVICE_MAX_CONNECTIONS",
-    "CUDA_MODULE_LOADING",
-)
-_MIB = 1 << 20
-
-_live: weakref.WeakSet[RLGenerationEngine] = weakref.WeakSet()
 _seed_warned = False
-
-
-def live_engines() -> list[RLGenerationEngine]:
-    """The engines of this process that are not shut down (what ``sgl_model_saver`` acts on)."""
-    return [e for e in list(_live) if not e.state.closed]
-
-
-# ---- the reference's entry point ---------------------------------------------------------------------------
-def get_sglang_engine(
-    model_name_or_path: str,
-    engine_mem_util: float,
-    enable_engine_sleep: bool = True,
-    tp_size: int = 1,
-    skip_tokenizer_init: bool = False,
-    dtype: str = "bfloat16",
-    disable_cuda_graph: bool = False,
-) -> RLGenerationEngine:
-    """Initialize and configure a SGLang generation engine with distributed processing support.
-
-    The world of the initialised ``torch.distributed`` default group is split into tensor-parallel groups
-    of ``tp_size`` contiguous ranks; the first rank of each group starts an engine on the group's GPUs
-    (``base_gpu_id`` = its local rank, port ``40000 + local_rank``), the others hold none and receive its
-    outputs. Collective: every rank must call it.
-
-    Args:
-        model_name_or_path: Path to the model (a directory with ``config.json``), or the id of a Hugging Face
-            model already in the local cache.
-        engine_mem_util: Memory utilization fraction for the engine, in (0, 1] (SGLang's
-            ``mem_fraction_static``).
-        enable_engine_sleep: Whether to enable memory saver mode, so that ``sleep`` releases GPU memory
-            (also drops ``expandable_segments`` from the engine processes' ``PYTORCH_CUDA_ALLOC_CONF``).
-        tp_size: Tensor parallelism size for distributed inference.
-        skip_tokenizer_init: Whether to skip tokenizer initialization; text and image prompts need the
-            tokenizer (required for VLM use cases).
-        dtype: Data type for model weights and computations ("bfloat16" or "float16").
-        disable_cuda_graph: Whether to disable CUDA graph optimization.
-
-    Engine options that this fixed signature cannot carry (e.g. ``attention_backend`` on machines without
-    FlashAttention 3) come from ``$GENENGINE_SGLANG_OPTIONS``, a JSON object.
-
-    Returns:
-        The ``RLGenerationEngine`` of this rank's tensor-parallel group.
-
-    Raises:
-        AssertionError: If PyTorch distributed is not initialized (``DistributedSetupError``).
-        AssertionError: If world size is not evenly divisible by tensor parallelism size.
-        ValueError: For any other bad argument (``InvalidArgumentError``/``ConfigError``), before any
-            process or GPU memory is taken.
-    """
-    check_reference_args(
-        engine_mem_util=engine_mem_util,
-        enable_engine_sleep=enable_engine_sleep,
-        tp_size=tp_size,
-        skip_tokenizer_init=skip_tokenizer_init,
-        dtype=dtype,
-        disable_cuda_graph=disable_cuda_graph,
-    )
-    model_dir = check_model_dir(model_name_or_path, what="model_name_or_path")
-    options = {
-        **options_from_env(),
-        "skip_tokenizer_init": skip_tokenizer_init,
-        "disable_cuda_graph": disable_cuda_graph,
-    }
-    config = EngineConfig(
-        backend="sglang",
-        model=model_dir,
-        tp_size=tp_size,
-        mem_util=float(engine_mem_util),
-        dtype=dtype,
-        enable_sleep=enable_engine_sleep,
-        options=options,
-    )
-    settings = settings_from_config(config, environ={})
-    return RLGenerationEngine._create(settings, require_distributed=True)
-
-
-def get_sglang_engine_for_rollout(args: Any) -> RLGenerationEngine:
-    """The reference's wrapper: ``get_sglang_engine`` from a trainer's argument namespace (``pretrain``,
-    ``engine_mem_util``, ``enable_engine_sleep``, ``engine_tp_size``, ``bf16``)."""
-    missing = [
-        k
-        for k in ("pretrain", "engine_mem_util", "enable_engine_sleep", "engine_tp_size", "bf16")
-        if not hasattr(args, k)
-    ]
-    if missing:
-        raise InvalidArgumentError(f"args lacks {', '.join(missing)} (the reference's rollout arguments)")
-    return get_sglang_engine(
-        args.pretrain,
-        args.engine_mem_util,
-        enable_engine_sleep=args.enable_engine_sleep,
-        tp_size=args.engine_tp_size,
-        dtype="bfloat16" if args.bf16 else "float16",
-    )
 
 
 # ---- groups ------------------------------------------------------------------------------------------------
@@ -235,12 +79,12 @@ def _dist() -> Any:
     return dist
 
 
-def _timeout(settings: EngineSettings) -> float:
+def _timeout(settings: SGLangSettings) -> float:
     return settings.collective_timeout_s or default_collective_timeout_s()
 
 
-def _make_group(settings: EngineSettings, *, require_distributed: bool) -> tuple[EngineGroup, bool]:
-    """This rank's group, and whether its engine port was already checked."""
+def _make_group(settings: SGLangSettings, *, require_distributed: bool) -> tuple[EngineGroup, bool]:
+    """This rank's group from the trainer's world (or a lone one), and whether its engine port was checked."""
     dist = _dist()
     if dist.is_available() and dist.is_initialized():
         group = engine_group(
@@ -256,132 +100,10 @@ def _make_group(settings: EngineSettings, *, require_distributed: bool) -> tuple
     topo = compute_topology(
         0, 1, 0, 1, 1, parse_cuda_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")), settings.base_port
     )
-    gpu = _current_gpu()
+    gpu = _process.current_gpu()
     if gpu is not None and gpu != topo.gpu_id:  # a lone engine serves the GPU this process already uses
         topo = dataclasses.replace(topo, gpu_id=gpu, base_gpu_id=gpu, gpu_ids=(gpu,))
     return EngineGroup(topo, None, None, "gloo", _timeout(settings)), False  # type: ignore[arg-type]
-
-
-def _current_gpu() -> int | None:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return int(torch.cuda.current_device())
-    return None
-
-
-def _group_from_process_group(pg: Any, settings: EngineSettings, num_gpu_per_node: int) -> EngineGroup:
-    """An ``EngineGroup`` over the reference's ``tp_group_cpu`` (a gloo group of contiguous ranks)."""
-    dist = _dist()
-    if not (dist.is_available() and dist.is_initialized()):
-        raise DistributedSetupError("tp_group_cpu was given but torch.distributed is not initialised")
-    ranks = tuple(dist.get_process_group_ranks(pg))
-    if len(ranks) > num_gpu_per_node:
-        raise DistributedSetupError(
-            f"a TP group of {len(ranks)} ranks spans more than num_gpu_per_node={num_gpu_per_node} GPUs: "
-            "engines spanning nodes are not supported"
-        )
-    backend = str(dist.get_backend(pg))
-    if backend != "gloo":
-        raise DistributedSetupError(f"tp_group_cpu must be a gloo group (it carries pickled objects), got {backend!r}")
-    topo = topology_from_env(len(ranks), base_port=settings.base_port)
-    if ranks != topo.tp_group_ranks:
-        raise DistributedSetupError(
-            f"tp_group_cpu holds ranks {list(ranks)}, but rank {topo.rank}'s TP group of contiguous ranks is "
-            f"{list(topo.tp_group_ranks)}"
-        )
-    return EngineGroup(topo, pg, pg, "gloo", _timeout(settings))
-
-
-def _settings_from_engine_kwargs(kwargs: dict[str, Any], tp_size: int | None) -> EngineSettings:
-    """The reference constructor's ``sglang.Engine`` keyword arguments as settings."""
-    kw = dict(kwargs)
-    if "model_path" not in kw:
-        raise InvalidArgumentError("RLGenerationEngine needs model_path=... (the sglang.Engine argument)")
-    given_tp = kw.pop("tp_size", None)
-    if tp_size is not None and given_tp is not None and given_tp != tp_size:
-        raise DistributedSetupError(f"tp_size={given_tp} disagrees with the size {tp_size} of tp_group_cpu")
-    step = kw.pop("gpu_id_step", 1)
-    if step != 1:
-        raise ConfigError(f"gpu_id_step={step!r}: only 1 is supported (a TP group uses contiguous GPUs)")
-    dtype = kw.pop("dtype", "auto")
-    dtype = {"half": "float16", "float": "float32"}.get(dtype, dtype)
-    options: dict[str, Any] = {}
-    server_args: dict[str, Any] = {}
-    for key in list(kw):
-        if key in ("model_path", "mem_fraction_static", "enable_memory_saver", "random_seed"):
-            continue
-        value = kw.pop(key)
-        if key in OUR_OPTIONS or key in SGLANG_OPTIONS:
-            options[key] = value
-        else:
-            server_args[key] = value
-    if server_args:
-        options["server_args"] = {**server_args, **options.get("server_args", {})}
-    mem: Any = kw.get("mem_fraction_static")
-    seed: Any = kw.get("random_seed")
-    config = EngineConfig(
-        backend="sglang",
-        model=kw["model_path"],
-        tp_size=tp_size or given_tp or 1,
-        mem_util=0.8 if mem is None else mem,
-        dtype=dtype,
-        enable_sleep=bool(kw.get("enable_memory_saver", False)),
-        seed=0 if seed is None else seed,
-        options=options,
-    )
-    return settings_from_config(config)
-
-
-# ---- engine process plumbing --------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _engine_environment(enable_sleep: bool) -> Iterator[None]:
-    """The environment the engine processes are spawned with; this process's is restored afterwards."""
-    saved = {k: os.environ.get(k) for k in _SCOPED_ENV}
-    method = multiprocessing.get_start_method(allow_none=True)
-    if enable_sleep:
-        conf = strip_expandable_segments(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
-        if conf is None:
-            os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-        else:
-            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
-    # torchrun's agent store is the trainer's rendezvous, not the scheduler processes' (as the reference).
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if multiprocessing.get_start_method(allow_none=True) != method:
-            multiprocessing.set_start_method(method, force=True)
-
-
-def _stop_sglang(engine: Any) -> None:
-    """Stop one ``sglang.Engine`` and wait until its processes are gone.
-
-    ``sglang.Engine.shutdown`` kills *every* child of this process (``kill_process_tree(os.getpid())``):
-    a trainer's data-loader workers and any other engine with it. This stops only the engine's own.
-    """
-    from sglang.srt.utils import kill_process_tree
-
-    manager = getattr(engine, "tokenizer_manager", None)
-    watchdog = getattr(manager, "_subprocess_watchdog", None)
-    if watchdog is not None:
-        watchdog.stop()  # else it sees its children die and SIGQUITs this process
-    sock = getattr(engine, "send_to_rpc", None)
-    if sock is not None:
-        sock.close(linger=0)
-        engine.send_to_rpc = None
-    daemons = getattr(engine, "_weight_cache_daemon_procs", None)
-    if daemons:
-        engine._terminate_weight_cache_daemons(daemons)
-        engine._weight_cache_daemon_procs = []
-    for pid in list(engine.get_all_child_pids()):
-        kill_process_tree(pid, include_parent=True, wait_timeout=60)
-    atexit.unregister(engine.shutdown)
 
 
 def _portable(exc: BaseException, rank: int) -> BaseException:
@@ -399,60 +121,35 @@ def _portable(exc: BaseException, rank: int) -> BaseException:
 
 @dataclasses.dataclass(frozen=True)
 class _LoadCall:
+    """How the current load hands its tensors over (the protocol's ``load_weights`` or LightRFT's per-tensor
+    ``update_weights_from_tensor``)."""
+
     mode: str
     load_format: str | None
     flush: bool
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
-class RLGenerationEngine(EngineBase):
-    """The SGLang engine of one tensor-parallel group (see the module docstring for both of its faces)."""
+class SGLangEngine(EngineBase):
+    """The SGLang engine of one tensor-parallel group (see the module docstring)."""
 
     supported_tags: tuple[str, ...] = (TAG_WEIGHTS, TAG_KV_CACHE, TAG_CUDA_GRAPH)
     supports_images: ClassVar[bool] = True
     """Image prompts reach SGLang's multimodal processor on VLMs; text-only models reject them."""
 
-    _settings: EngineSettings
-    _group: EngineGroup
+    def __init__(
+        self, settings: SGLangSettings, group: EngineGroup | None = None, *, require_distributed: bool = False
+    ) -> None:
+        """Start the engine of this rank's TP group; collective: every rank of the group calls it.
 
-    def __init__(self, tp_group_cpu: Any = None, num_gpu_per_node: int = 8, **kwargs: Any) -> None:
-        """The reference's constructor: the TP group's gloo group and ``sglang.Engine`` keyword arguments.
-
-        ``kwargs`` are ``sglang.Engine``'s (``model_path``, ``mem_fraction_static``, ``enable_memory_saver``,
-        ``base_gpu_id``, ``port``, ...) plus genengine's options (``weight_sync_mode``, ...). Without
-        ``tp_group_cpu`` the engine serves this rank alone. Prefer ``get_sglang_engine`` or
-        ``genengine.create_engine(backend="sglang", ...)``.
+        ``group`` is this rank's TP group; None builds it from the trainer's ``torch.distributed`` world,
+        which is optional at ``tp_size=1`` unless ``require_distributed`` (LightRFT's contract). Prefer
+        ``genengine.create_engine(backend="sglang", ...)`` or :meth:`from_config`.
         """
-        if tp_group_cpu is None:
-            settings = _settings_from_engine_kwargs(kwargs, None)
-            group, checked = _make_group(settings, require_distributed=False)
-        else:
-            dist = _dist()
-            if not (dist.is_available() and dist.is_initialized()):
-                raise DistributedSetupError("tp_group_cpu was given but torch.distributed is not initialised")
-            settings = _settings_from_engine_kwargs(kwargs, dist.get_world_size(tp_group_cpu))
-            group, checked = _group_from_process_group(tp_group_cpu, settings, num_gpu_per_node), False
-        self._setup(settings, group, port_checked=checked)
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> RLGenerationEngine:
-        """What ``genengine.create_engine(backend="sglang", ...)`` calls.
-
-        Backend options (``attention_backend``, ``sampling_backend``, ``disable_radix_cache``, ``port``,
-        ``weight_sync_mode``, ...; see ``genengine_sglang._options``) come in ``config.options``, merged over
-        ``$GENENGINE_SGLANG_OPTIONS``. With ``tp_size=1`` torch.distributed is optional.
-        """
-        return cls._create(settings_from_config(config), require_distributed=False)
-
-    @classmethod
-    def _create(cls, settings: EngineSettings, *, require_distributed: bool) -> RLGenerationEngine:
-        group, checked = _make_group(settings, require_distributed=require_distributed)
-        engine = cls.__new__(cls)
-        engine._setup(settings, group, port_checked=checked)
-        return engine
-
-    def _setup(self, settings: EngineSettings, group: EngineGroup, *, port_checked: bool) -> None:
-        EngineBase.__init__(self, sleep_enabled=settings.enable_sleep, bucket_bytes=settings.bucket_bytes)
+        port_checked = False
+        if group is None:
+            group, port_checked = _make_group(settings, require_distributed=require_distributed)
+        super().__init__(sleep_enabled=settings.enable_sleep, bucket_bytes=settings.bucket_bytes)
         self._settings = settings
         self._group = group
         self._engine: Any = None
@@ -476,7 +173,17 @@ class RLGenerationEngine(EngineBase):
             self._start(port)
 
         self._on_leader("start the engine", start)
-        _live.add(self)
+        _process.track(self)
+
+    @classmethod
+    def from_config(cls: type[_E], config: EngineConfig) -> _E:
+        """What ``genengine.create_engine(backend="sglang", ...)`` calls: settings resolved once, then started.
+
+        Backend options (``attention_backend``, ``sampling_backend``, ``disable_radix_cache``, ``port``,
+        ``weight_sync_mode``, ...; see ``genengine_sglang.settings``) come in ``config.options``, merged over
+        ``$GENENGINE_SGLANG_OPTIONS``. With ``tp_size=1`` torch.distributed is optional.
+        """
+        return cls(resolve_settings(config))
 
     # ---- plumbing ------------------------------------------------------------------------------------------
     @property
@@ -485,7 +192,7 @@ class RLGenerationEngine(EngineBase):
         return self._group
 
     @property
-    def settings(self) -> EngineSettings:
+    def settings(self) -> SGLangSettings:
         return self._settings
 
     @property
@@ -530,50 +237,8 @@ class RLGenerationEngine(EngineBase):
         return value  # type: ignore[no-any-return]
 
     def _start(self, port: int) -> None:
-        from genengine.lifecycle import at_exit
-
-        try:
-            from sglang.srt.entrypoints.engine import Engine
-            from sglang.srt.server_args import ServerArgs
-        except ImportError as exc:
-            raise BackendImportError(
-                f"the sglang backend needs SGLang 0.5.17 (pip install 'genengine[sglang]'): {exc}"
-            ) from exc
         kwargs = server_kwargs(self._settings, base_gpu_id=self._base_gpu_id, port=port)
-        known = {f.name for f in dataclasses.fields(ServerArgs)}
-        for key in kwargs:
-            if key not in known:
-                hint = closest(key, known)
-                raise ConfigError(
-                    f"SGLang has no server argument {key!r}" + (f" (did you mean {hint!r}?)" if hint else "")
-                )
-        check_graph_memory_saver(kwargs, os.environ)
-        trainer_sigterm = signal.getsignal(signal.SIGTERM)
-        with _engine_environment(self._settings.enable_sleep):
-            try:
-                engine = Engine(**kwargs)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"SGLang rejected the engine settings: {exc}") from exc
-        # SGLang's own exit hook kills every child of this process (a trainer's data-loader workers too);
-        # ours stops this engine's processes only, if the trainer exits without shutdown() (its scheduler
-        # processes are not daemons: multiprocessing would wait on them forever).
-        atexit.unregister(engine.shutdown)
-        self._exit = at_exit(lambda: _stop_sglang(engine), name="sglang engine", pids=list(engine.get_all_child_pids()))
-        self._engine = engine
-        if threading.current_thread() is threading.main_thread():
-            # SGLang's tokenizer manager puts SIGTERM on its asyncio loop (to drain an HTTP server's requests)
-            # when it first runs; in an Engine that loop runs only inside engine calls, so a trainer that is
-            # training, or idle, would never act on SIGTERM (preemption by Slurm or Kubernetes: the job hangs
-            # until SIGKILL). Let SGLang install it now, then give SIGTERM back to the trainer. It must happen
-            # inside the Engine's own loop: outside a running loop SGLang would start its receive task on a
-            # new loop that never runs, and every generate would wait forever (seen on the H200).
-            async def start_handle_loop() -> None:
-                engine.tokenizer_manager.auto_create_handle_loop()
-
-            engine.loop.run_until_complete(start_handle_loop())
-            if engine.tokenizer_manager.event_loop is not engine.loop:
-                raise SGLangEngineError("SGLang's tokenizer manager runs on another event loop than its Engine")
-            return_sigterm(engine.loop, trainer_sigterm)
+        self._engine, self._exit = _process.launch(kwargs, enable_sleep=self._settings.enable_sleep)
         from genengine_sglang._logits import serialized_processor
 
         self._processor = serialized_processor()
@@ -587,27 +252,6 @@ class RLGenerationEngine(EngineBase):
         if self._gpu is None:
             self._gpu = torch.device("cuda", self._group.topology.gpu_id)
         return self._gpu
-
-    def _settle_memory(self) -> None:
-        """Return once this rank's GPU shows no more memory coming free (bounded by ``release_timeout_s``).
-
-        SGLang answers after unmapping; reading the device's free memory until it stops changing makes sure
-        the trainer's next allocation sees it, instead of racing it (the OOM users hit).
-        """
-        import torch
-
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-            return
-        device = self._group.topology.gpu_id
-        deadline = time.monotonic() + self._settings.release_timeout_s
-        torch.cuda.synchronize(device)
-        previous = torch.cuda.mem_get_info(device)[0]
-        while time.monotonic() < deadline:
-            time.sleep(0.005)
-            free = torch.cuda.mem_get_info(device)[0]
-            if abs(free - previous) < 2 * _MIB:
-                return
-            previous = free
 
     # ---- EngineBase hooks ----------------------------------------------------------------------------------
     def _vocab_size(self) -> int | None:
@@ -749,7 +393,7 @@ class RLGenerationEngine(EngineBase):
             pids: list[int] = []
             if self._engine is not None:
                 pids = list(self._engine.get_all_child_pids())
-                _stop_sglang(self._engine)
+                _process.stop_sglang(self._engine)
             if self._exit is not None:
                 self._exit.cancel()
             return pids
@@ -760,77 +404,24 @@ class RLGenerationEngine(EngineBase):
                 pids = self._on_leader("shutdown", stop)
         finally:
             self._engine = None
-            _live.discard(self)
-        self._wait_processes_off_gpu(pids)
+            _process.untrack(self)
+        _process.wait_processes_off_gpu(pids, self._group.topology.gpu_id, self._settings.release_timeout_s)
         self._settle_memory()
 
-    def _wait_processes_off_gpu(self, pids: list[int]) -> None:
-        """Return once none of the engine's processes holds memory on this rank's GPU (bounded).
+    def _settle_memory(self) -> None:
+        _process.settle_memory(self._group.topology.gpu_id, self._settings.release_timeout_s)
 
-        A killed process's GPU memory comes back some time after it exits; the free-memory reading is stable
-        meanwhile, so only the driver's list of processes on the device tells when shutdown is really done.
-        """
-        if not pids:
-            return
-        try:
-            import pynvml  # nvidia-ml-py
-            import torch
-
-            pynvml.nvmlInit()
-            uuid = torch.cuda.get_device_properties(self._group.topology.gpu_id).uuid
-            handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-        except Exception:
-            return
-        deadline = time.monotonic() + self._settings.release_timeout_s
-        wanted = set(pids)
-        while time.monotonic() < deadline:
-            running = {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
-            if not running & wanted:
-                return
-            time.sleep(0.01)
-
-    # ---- the protocol, with the reference's face on the same methods ---------------------------------------
-    def generate(  # type: ignore[override]
+    # ---- the protocol ----------------------------------------------------------------------------------------
+    def generate(
         self,
         prompts: str | Sequence[str] | None = None,
         sampling_params: Any = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        image_data: Any = None,
-        prompt: Any = _UNSET,
-        input_ids: Any = _UNSET,
-        return_logprob: Any = _UNSET,
-        logprob_start_len: Any = _UNSET,
-        top_logprobs_num: Any = _UNSET,
-        lora_path: Any = _UNSET,
-        custom_logit_processor: Any = _UNSET,
-        gather_inputs: Any = _UNSET,
-    ) -> Any:
-        """Protocol: ``generate(prompts, sampling_params, *, prompt_token_ids, image_data) -> list[GenerationResult]``.
-
-        Reference (when any of ``prompt``, ``input_ids``, ``return_logprob``, ``logprob_start_len``,
-        ``top_logprobs_num``, ``lora_path``, ``custom_logit_processor``, ``gather_inputs`` is passed):
-        SGLang's arguments, SGLang's output dicts (a dict for a single prompt, a list otherwise). With
-        ``gather_inputs=True`` every rank's prompts are generated together and each rank gets its own back.
-        """
-        given = {
-            "prompt": prompt,
-            "input_ids": input_ids,
-            "return_logprob": return_logprob,
-            "logprob_start_len": logprob_start_len,
-            "top_logprobs_num": top_logprobs_num,
-            "lora_path": lora_path,
-            "custom_logit_processor": custom_logit_processor,
-            "gather_inputs": gather_inputs,
-        }
-        reference = {k: v for k, v in given.items() if v is not _UNSET}
-        if reference:
-            if prompts is not None or prompt_token_ids is not None:
-                raise InvalidArgumentError(
-                    "mixed call: prompts/prompt_token_ids are the protocol's arguments, "
-                    f"{', '.join(reference)} the reference's; use prompt=/input_ids= with the latter"
-                )
-            return self._generate_reference(sampling_params, image_data, **reference)
+        image_data: Sequence[Any] | None = None,
+    ) -> list[GenerationResult]:
+        """The protocol's generate; with ``check_inputs`` (the default) every rank's inputs are compared first,
+        so a TP group never runs one rank's prompts for another."""
         self._check_open()
         if self._group.topology.tp_size > 1 and self._settings.check_inputs:
             self._group.check_consistent(
@@ -838,17 +429,8 @@ class RLGenerationEngine(EngineBase):
             )
         return super().generate(prompts, sampling_params, prompt_token_ids=prompt_token_ids, image_data=image_data)
 
-    def sleep(self, level: int = 1, *, release_weights: Any = _UNSET) -> None:
-        """Protocol: ``sleep(level)``. Reference: ``sleep(release_weights=False)`` is level 1 (KV cache and CUDA
-        graphs released, weights kept), ``sleep(release_weights=True)`` level 2 (weights released too; send
-        them again after ``wake_up``)."""
-        if release_weights is not _UNSET:
-            if not isinstance(release_weights, bool):
-                raise InvalidArgumentError(f"release_weights={release_weights!r} must be True or False")
-            level = 2 if release_weights else 1
-        super().sleep(level)
-
     def wake(self, tags: str | Sequence[str] | None = None) -> None:
+        """The protocol's wake; ``cuda_graph`` comes back with the first of ``weights``/``kv_cache``."""
         if tags is not None:
             wanted = [tags] if isinstance(tags, str) else list(tags) if isinstance(tags, Iterable) else None
             if (
@@ -860,64 +442,6 @@ class RLGenerationEngine(EngineBase):
                 tags = [*wanted, TAG_CUDA_GRAPH]
         super().wake(tags)
 
-    def wake_up(self, release_weights: bool = False) -> None:
-        """Reference: take every released memory back (``release_weights`` is accepted for compatibility:
-        whatever ``sleep`` released comes back)."""
-        if not isinstance(release_weights, bool):
-            raise InvalidArgumentError(f"release_weights={release_weights!r} must be True or False")
-        self.wake()
-
-    def _generate_reference(self, sampling_params: Any, image_data: Any, **kwargs: Any) -> Any:
-        """The reference's generate: SGLang's arguments in, SGLang's output dicts out, every rank the same."""
-        self._check_open()
-        self._check_can_generate()
-        gather = kwargs.pop("gather_inputs", False)
-        if not isinstance(gather, bool):
-            raise InvalidArgumentError(f"gather_inputs={gather!r} must be True or False")
-        prompt, input_ids = kwargs.get("prompt"), kwargs.get("input_ids")
-        if (prompt is None) == (input_ids is None):
-            raise InvalidArgumentError("give prompt (text) or input_ids (token ids), exactly one of them")
-        if prompt is not None and self._settings.skip_tokenizer_init:
-            raise InvalidArgumentError(
-                "prompt (text) needs the tokenizer, but the engine was created with skip_tokenizer_init=True"
-            )
-        args = {k: v for k, v in {"sampling_params": sampling_params, "image_data": image_data, **kwargs}.items()}
-        args = {k: v for k, v in args.items() if v is not None}
-        if not gather or self._group.topology.tp_size == 1:
-            return self._on_leader("generate", lambda: self._engine.generate(**args))
-
-        key = "prompt" if prompt is not None else "input_ids"
-        single = isinstance(prompt, str) or (input_ids is not None and _flat_ids(input_ids))
-        local: dict[str, list[Any]] = {key: [args[key]] if single else list(args[key])}
-        for name in ("image_data", "custom_logit_processor", *_PER_PROMPT):
-            value = args.get(name)
-            if name == "image_data" and value is not None:
-                local[name] = [value] if single else list(value)
-            elif isinstance(value, list) and name != "image_data":
-                local[name] = value
-        shared = {k: v for k, v in args.items() if k not in local}
-        gathered = self._group.gather_object(local)
-        ranks = self._group.topology.tp_group_ranks
-
-        def run() -> tuple[Any, list[int]]:
-            assert gathered is not None
-            for rank, part in zip(ranks, gathered, strict=True):
-                if sorted(part) != sorted(local):
-                    raise InconsistentInputsError(
-                        f"with gather_inputs, every rank must pass the same kinds of arguments: rank {rank} passed "
-                        f"{sorted(part)}, the leader {sorted(local)}"
-                    )
-            merged = {k: [x for part in gathered for x in part[k]] for k in local}
-            return self._engine.generate(**merged, **shared), [len(part[key]) for part in gathered]
-
-        out, counts = self._on_leader("generate", run)
-        params = sampling_params[0] if isinstance(sampling_params, list) and sampling_params else sampling_params
-        n = int(params.get("n", 1)) if isinstance(params, Mapping) else 1
-        index = self._group.topology.tp_rank
-        start = sum(counts[:index]) * n
-        mine = out[start : start + counts[index] * n]
-        return mine[0] if single and n == 1 else mine
-
     def load_weights(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -928,20 +452,11 @@ class RLGenerationEngine(EngineBase):
         call = _LoadCall(self._settings.weight_sync_mode, None, True)
         return self._load(named_tensors, bucket_bytes, call, check_finite=check_finite)
 
-    def update_weights_from_tensor(
-        self, name: str, tensor: torch.Tensor, flush_cache: bool = False, load_format: str | None = None
-    ) -> None:
-        """Reference: one weight, checked by name and shape like ``load_weights``, in one SGLang call (as
-        LightRFT sends them); the prefix cache is flushed only with ``flush_cache=True``."""
-        if not isinstance(flush_cache, bool):
-            raise InvalidArgumentError(f"flush_cache={flush_cache!r} must be True or False")
-        if load_format is not None and not isinstance(load_format, str):
-            raise InvalidArgumentError(f"load_format={load_format!r} must be None or a string")
-        self._load([(name, tensor)], None, _LoadCall("per_param", load_format, flush_cache))
-
     def _load(
         self, named_tensors: Any, bucket_bytes: int | None, call: _LoadCall, *, check_finite: bool = False
     ) -> LoadReport:
+        """``EngineBase.load_weights`` with ``call``'s way of handing tensors over; ends with the loader
+        barrier, so the trainer may change its tensors once this returns."""
         self._load_call = call
         self._unsynced = False
         failed = True
@@ -968,13 +483,6 @@ class RLGenerationEngine(EngineBase):
         return not self.closed and (self._engine is not None or not self._group.is_leader)
 
 
-def return_sigterm(loop: Any, handler: Any) -> None:
-    """Take SIGTERM off ``loop`` (an asyncio loop's handler runs only while the loop runs) and reinstall
-    ``handler``, the process's disposition from before (``signal.getsignal``; None means the default)."""
-    loop.remove_signal_handler(signal.SIGTERM)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
-
-
 def _warn_seed() -> None:
     global _seed_warned
     if not _seed_warned:
@@ -987,6 +495,14 @@ def _warn_seed() -> None:
         )
 
 
-def _flat_ids(value: Any) -> bool:
-    """A single prompt's token ids (``[1, 2, 3]``) rather than a batch (``[[1, 2], [3]]``)."""
-    return isinstance(value, Sequence) and bool(value) and all(isinstance(t, int) for t in value)
+# LEGACY: LightRFT's names lived here before genengine_sglang.lightrft; resolved lazily (that module imports
+# this one).
+_MOVED = ("RLGenerationEngine", "get_sglang_engine", "get_sglang_engine_for_rollout")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from genengine_sglang import lightrft
+
+        return getattr(lightrft, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

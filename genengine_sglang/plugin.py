@@ -9,7 +9,7 @@ from genengine.hookspecs import RegisterBackend, hookimpl
 def register_backends(register: RegisterBackend) -> None:
     register(
         "sglang",
-        "genengine_sglang.engine:RLGenerationEngine.from_config",
+        "genengine_sglang.lightrft:RLGenerationEngine.from_config",
         requires=("sglang",),
         install_hint="pip install 'genengine[sglang]'",
         description="SGLang 0.5.17, one engine per tensor-parallel group, owned by the group leader",

@@ -11,25 +11,25 @@ __all__ = ["raw_tokens_per_second", "start_raw_engine", "stop_raw_engine"]
 def start_raw_engine(config: Any, **overrides: Any) -> Any:
     """An ``sglang.Engine`` with the server arguments genengine would use for ``config`` (minus its hooks)."""
     from genengine.config import EngineConfig
-    from genengine_sglang._options import server_kwargs, settings_from_config
-    from genengine_sglang.engine import _current_gpu, _engine_environment
+    from genengine_sglang._process import current_gpu, engine_environment
+    from genengine_sglang.settings import resolve_settings, server_kwargs
 
-    settings = settings_from_config(EngineConfig.from_any(config))
-    gpu = settings.base_gpu_id if settings.base_gpu_id is not None else (_current_gpu() or 0)
+    settings = resolve_settings(EngineConfig.from_any(config))
+    gpu = settings.base_gpu_id if settings.base_gpu_id is not None else (current_gpu() or 0)
     kwargs = server_kwargs(settings, base_gpu_id=gpu, port=settings.base_port)
     for ours in ("custom_weight_loader", "enable_custom_logit_processor"):
         kwargs.pop(ours)
     kwargs.update(overrides)
     from sglang.srt.entrypoints.engine import Engine
 
-    with _engine_environment(settings.enable_sleep):
+    with engine_environment(settings.enable_sleep):
         return Engine(**kwargs)
 
 
 def stop_raw_engine(engine: Any) -> None:
-    from genengine_sglang.engine import _stop_sglang
+    from genengine_sglang._process import stop_sglang
 
-    _stop_sglang(engine)
+    stop_sglang(engine)
 
 
 def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_new_tokens: int) -> float:

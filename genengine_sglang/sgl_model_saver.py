@@ -9,7 +9,8 @@ would attach methods nothing calls. Here the same meaning is kept at the level u
 memory of an engine with its weights kept (a level-1 ``sleep``: in host memory with the engine option
 ``enable_weights_cpu_backup``, else left on the GPU), and take it back.
 
-Both act on one ``RLGenerationEngine``, or, without an argument, on every live engine of this process.
+Both act on one ``RLGenerationEngine`` (any ``SGLangEngine``), or, without an argument, on every live engine
+of this process.
 Collective like the engine's own methods: every rank of a TP group calls them.
 """
 
@@ -21,17 +22,18 @@ from typing import TYPE_CHECKING, Any
 from genengine.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from genengine_sglang.engine import RLGenerationEngine
+    from genengine_sglang.engine import SGLangEngine
 
 __all__ = ["release_memory_occupation", "resume_memory_occupation"]
 
 
-def _engines(engine: Any) -> list[RLGenerationEngine]:
-    from genengine_sglang.engine import RLGenerationEngine, live_engines
+def _engines(engine: Any) -> list[SGLangEngine]:
+    from genengine_sglang._process import live_engines
+    from genengine_sglang.engine import SGLangEngine
 
     if engine is None:
         return live_engines()
-    if not isinstance(engine, RLGenerationEngine):
+    if not isinstance(engine, SGLangEngine):
         raise InvalidArgumentError(
             f"expected a genengine_sglang RLGenerationEngine (or None for every live engine), got "
             f"{type(engine).__name__}"
@@ -39,7 +41,7 @@ def _engines(engine: Any) -> list[RLGenerationEngine]:
     return [engine]
 
 
-def release_memory_occupation(engine: RLGenerationEngine | None = None) -> None:
+def release_memory_occupation(engine: SGLangEngine | None = None) -> None:
     """Release GPU memory while keeping the weights (a level-1 sleep); returns once the memory is free.
 
     A no-op for engines already asleep.
@@ -48,7 +50,7 @@ def release_memory_occupation(engine: RLGenerationEngine | None = None) -> None:
         each.sleep(1)
 
 
-def resume_memory_occupation(engine: RLGenerationEngine | None = None, tags: Sequence[str] | None = None) -> None:
+def resume_memory_occupation(engine: SGLangEngine | None = None, tags: Sequence[str] | None = None) -> None:
     """Take the released memory back: all of it, or ``tags`` (``"weights"``, ``"kv_cache"``, ``"cuda_graph"``)."""
     for each in _engines(engine):
         each.wake(tags)

@@ -33,22 +33,24 @@ from genengine.errors import (
 from genengine.protocol import SamplingParams
 from genengine.requests import normalize_requests
 from genengine.testing.tiny_model import tiny_model_dir
-from genengine_sglang import _options
-from genengine_sglang._mapping import (
+from genengine_sglang._process import engine_environment
+from genengine_sglang.engine import SGLangEngine
+from genengine_sglang.errors import SGLangEngineError
+from genengine_sglang.lightrft import RLGenerationEngine, get_sglang_engine
+from genengine_sglang.mapping import (
     SEEDED_TOP_K,
     build_entries,
     output_from_sglang,
     results_from_sglang,
     sampling_to_sglang,
 )
-from genengine_sglang._options import (
+from genengine_sglang.settings import (
+    DEFAULT_BUCKET_BYTES,
     OPTIONS_ENV,
     SYNC_LOADER,
+    resolve_settings,
     server_kwargs,
-    settings_from_config,
 )
-from genengine_sglang.engine import RLGenerationEngine, _engine_environment, get_sglang_engine
-from genengine_sglang.errors import SGLangEngineError
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 needs_no_sglang = pytest.mark.skipif(HAS_SGLANG, reason="checks what happens when SGLang is missing")
@@ -74,7 +76,8 @@ def _free_port() -> int:
 def test_imports_load_neither_torch_nor_sglang() -> None:
     code = (
         "import genengine_sglang, genengine_sglang.plugin, genengine_sglang.engine, genengine_sglang.sgl_model_saver\n"
-        "import genengine_sglang.raw, genengine_sglang._weightsync\n"
+        "import genengine_sglang.lightrft, genengine_sglang.raw, genengine_sglang._weightsync\n"
+        "import genengine_sglang._process, genengine_sglang.settings, genengine_sglang.mapping\n"
         "import sys; print(sorted(m for m in ('torch', 'sglang', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
@@ -83,13 +86,19 @@ def test_imports_load_neither_torch_nor_sglang() -> None:
 
 def test_lazy_exports() -> None:
     import genengine_sglang
-    from genengine_sglang import engine
+    from genengine_sglang import engine, lightrft
 
-    assert genengine_sglang.get_sglang_engine is engine.get_sglang_engine
-    assert genengine_sglang.RLGenerationEngine is engine.RLGenerationEngine
-    assert genengine_sglang.get_sglang_engine_for_rollout is engine.get_sglang_engine_for_rollout
+    assert genengine_sglang.get_sglang_engine is lightrft.get_sglang_engine
+    assert genengine_sglang.RLGenerationEngine is lightrft.RLGenerationEngine
+    assert genengine_sglang.get_sglang_engine_for_rollout is lightrft.get_sglang_engine_for_rollout
+    assert genengine_sglang.SGLangEngine is engine.SGLangEngine
     with pytest.raises(AttributeError):
         genengine_sglang.no_such_thing  # noqa: B018
+    # LightRFT's names were in genengine_sglang.engine before genengine_sglang.lightrft; they still resolve there.
+    for name in ("RLGenerationEngine", "get_sglang_engine", "get_sglang_engine_for_rollout"):
+        assert getattr(engine, name) is getattr(lightrft, name)
+    with pytest.raises(AttributeError):
+        engine.no_such_thing  # noqa: B018
 
 
 def test_plugin_targets_resolve() -> None:
@@ -106,6 +115,7 @@ def test_plugin_targets_resolve() -> None:
             obj = getattr(obj, part)
         assert callable(obj), ref
     assert inspect.ismethod(RLGenerationEngine.from_config)
+    assert issubclass(RLGenerationEngine, SGLangEngine)
 
 
 def test_get_sglang_engine_has_the_reference_signature() -> None:
@@ -119,6 +129,19 @@ def test_get_sglang_engine_has_the_reference_signature() -> None:
         ("dtype", "bfloat16"),
         ("disable_cuda_graph", False),
     ]
+
+
+def test_protocol_class_has_the_protocol_face_only() -> None:
+    """``SGLangEngine`` is the protocol's API alone; LightRFT's calls live on its subclass."""
+    from genengine.base import EngineBase
+
+    for method in ("generate", "sleep", "wake", "load_weights"):
+        assert inspect.signature(getattr(SGLangEngine, method)) == inspect.signature(getattr(EngineBase, method))
+    for name in ("wake_up", "update_weights_from_tensor"):
+        assert not hasattr(SGLangEngine, name) and hasattr(RLGenerationEngine, name)
+    params = list(inspect.signature(SGLangEngine).parameters)
+    assert params == ["settings", "group", "require_distributed"]
+    assert SGLangEngine.supported_tags == RLGenerationEngine.supported_tags
 
 
 def test_both_faces_on_one_class() -> None:
@@ -241,7 +264,7 @@ def test_create_engine_names_the_missing_engine(model_dir: Path) -> None:
 
 # ---- options and settings ---------------------------------------------------------------------------------------
 def _settings(model_dir: Path, **options: Any) -> Any:
-    return settings_from_config(EngineConfig(backend="sglang", model=str(model_dir), options=options), environ={})
+    return resolve_settings(EngineConfig(backend="sglang", model=str(model_dir), options=options), environ={})
 
 
 @pytest.mark.parametrize(
@@ -272,11 +295,11 @@ def test_bad_options(model_dir: Path, options: dict[str, Any], needle: str) -> N
 def test_options_from_the_environment(model_dir: Path) -> None:
     env = {OPTIONS_ENV: json.dumps({"attention_backend": "triton", "sampling_backend": "pytorch"})}
     config = EngineConfig(backend="sglang", model=str(model_dir), options={"sampling_backend": "flashinfer"})
-    settings = settings_from_config(config, environ=env)
+    settings = resolve_settings(config, environ=env)
     assert settings.server_overrides == {"attention_backend": "triton", "sampling_backend": "flashinfer"}
     for raw, needle in (("{not json", "not valid JSON"), ("[1, 2]", "JSON object"), ('{"bogus": 1}', "'bogus'")):
         with pytest.raises(ConfigError, match=needle):
-            settings_from_config(config, environ={OPTIONS_ENV: raw})
+            resolve_settings(config, environ={OPTIONS_ENV: raw})
 
 
 def test_server_kwargs_keep_the_reference_arguments(model_dir: Path) -> None:
@@ -289,7 +312,7 @@ def test_server_kwargs_keep_the_reference_arguments(model_dir: Path) -> None:
         seed=7,
         options={"attention_backend": "triton", "disable_cuda_graph": True, "server_args": {"log_level": "info"}},
     )
-    settings = settings_from_config(config, environ={})
+    settings = resolve_settings(config, environ={})
     kwargs = server_kwargs(settings, base_gpu_id=2, port=40002)
     assert kwargs["model_path"] == str(model_dir)
     assert kwargs["mem_fraction_static"] == 0.6 and kwargs["tp_size"] == 2
@@ -299,8 +322,28 @@ def test_server_kwargs_keep_the_reference_arguments(model_dir: Path) -> None:
     assert kwargs["skip_tokenizer_init"] is False and kwargs["disable_cuda_graph"] is True
     assert kwargs["attention_backend"] == "triton" and kwargs["log_level"] == "info"
     assert kwargs["custom_weight_loader"] == [SYNC_LOADER] and kwargs["enable_custom_logit_processor"] is True
-    assert settings.weight_sync_mode == "handles" and settings.bucket_bytes == _options.DEFAULT_BUCKET_BYTES["handles"]
+    assert settings.weight_sync_mode == "handles" and settings.bucket_bytes == DEFAULT_BUCKET_BYTES["handles"]
     assert _settings(model_dir, weight_sync_mode="flattened").bucket_bytes == 512 << 20
+
+
+def test_every_sglang_server_argument_passes_through(model_dir: Path) -> None:
+    """Options are the fields of SGLang's ``ServerArgs`` (the installed one, else 0.5.17's copy), less what
+    genengine sets itself and its own option names; each goes to ``sglang.Engine`` unchanged."""
+    from genengine_sglang._server_args import SERVER_ARGS_FIELDS
+    from genengine_sglang.settings import OUR_OPTIONS, passthrough_options
+
+    allowed = passthrough_options()
+    assert allowed <= set(SERVER_ARGS_FIELDS) or HAS_SGLANG
+    for reserved in ("model_path", "tp_size", "mem_fraction_static", "dtype", "custom_weight_loader", "nnodes"):
+        assert reserved not in allowed
+    assert not allowed & set(OUR_OPTIONS)
+    # the names accepted before the list came from ServerArgs are all still accepted
+    for name in ("attention_backend", "mm_attention_backend", "sampling_backend", "disable_radix_cache", "port"):
+        assert name in allowed
+    settings = _settings(model_dir, cuda_graph_max_bs_decode=8, server_args={"log_level": "info"})
+    assert settings.server_overrides == {"cuda_graph_max_bs_decode": 8, "log_level": "info"}
+    with pytest.raises(ConfigError, match="unknown option 'mem_fraction_static'"):  # as under server_args: reserved
+        _settings(model_dir, mem_fraction_static=0.5)
 
 
 def test_sync_loader_is_importable_by_name() -> None:
@@ -314,7 +357,7 @@ def test_engine_environment_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
     method = mp.get_start_method(allow_none=True)
-    with _engine_environment(enable_sleep=True):
+    with engine_environment(enable_sleep=True):
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
         assert "TORCHELASTIC_USE_AGENT_STORE" not in os.environ
         os.environ["NCCL_CUMEM_ENABLE"] = "0"  # what SGLang's start-up does to this process
@@ -323,13 +366,13 @@ def test_engine_environment_is_scoped(monkeypatch: pytest.MonkeyPatch) -> None:
     assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert "NCCL_CUMEM_ENABLE" not in os.environ
     assert mp.get_start_method(allow_none=True) == method
-    with _engine_environment(enable_sleep=False):
+    with engine_environment(enable_sleep=False):
         assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
 
 
 _SIGTERM_TRAINER = """
 import asyncio, signal, sys, time
-from genengine_sglang.engine import return_sigterm
+from genengine_sglang._process import return_sigterm
 mode = sys.argv[1]
 if mode == "own-handler":
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(3))  # the trainer's own checkpoint-and-exit handler
@@ -581,7 +624,7 @@ def test_errors_are_genengine_errors() -> None:
 
 def test_graph_memory_saver_with_breakable_graphs_is_refused() -> None:
     """SGLang 0.5.17 would raise in its scheduler after loading the model, and its launcher kills the trainer."""
-    from genengine_sglang._options import check_graph_memory_saver
+    from genengine_sglang.settings import check_graph_memory_saver
 
     on = {"enable_memory_saver": True, "disable_cuda_graph": False}
     env = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "true"}

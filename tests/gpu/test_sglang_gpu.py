@@ -257,3 +257,22 @@ class TestSGLangConformance(EngineConformance):
             "uniform_logprob": -math.log(512),
         }
         print("SGLANG_GPU_FACTS " + json.dumps(facts, default=str))
+
+
+def test_server_args_fallback_equals_the_installed_fields() -> None:
+    """Options are checked against the installed ``ServerArgs``, and against a copy of 0.5.17's fields where
+    SGLang is not installed: the copy must hold exactly the installed fields (the same names, order aside),
+    so a config accepted on a CPU machine is accepted here and the other way round."""
+    import dataclasses
+
+    import sglang
+    from sglang.srt.server_args import ServerArgs
+
+    from genengine_sglang._server_args import SERVER_ARGS_FIELDS
+    from genengine_sglang.settings import OUR_OPTIONS, passthrough_options
+
+    installed = [f.name for f in dataclasses.fields(ServerArgs)]
+    missing, extra = sorted(set(installed) - set(SERVER_ARGS_FIELDS)), sorted(set(SERVER_ARGS_FIELDS) - set(installed))
+    assert not missing and not extra, f"SGLang {sglang.__version__}: fallback lacks {missing}, has extra {extra}"
+    assert len(SERVER_ARGS_FIELDS) == len(installed)
+    assert passthrough_options() <= set(installed) and not passthrough_options() & set(OUR_OPTIONS)

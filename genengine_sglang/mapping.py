@@ -14,8 +14,8 @@ from typing import Any
 from genengine.errors import InvalidArgumentError
 from genengine.protocol import GenerationOutput, GenerationResult, SamplingParams
 from genengine.requests import Request
-from genengine_sglang._options import LOGIT_PROCESSOR_PARAM
 from genengine_sglang.errors import SGLangEngineError
+from genengine_sglang.settings import LOGIT_PROCESSOR_PARAM
 
 __all__ = [
     "SEEDED_TOP_K",
