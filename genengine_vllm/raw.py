@@ -21,20 +21,20 @@ def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_ne
 
     import torch
 
-    from genengine_vllm.engine import (
+    from genengine_vllm._process import (
         _STATE,
-        _import_vllm,
-        _trainer_world,
         claim_sleep_slot,
+        import_vllm,
         keep_default_group,
         preserve_rng_states,
         release_sleep_slot,
+        trainer_world,
     )
-    from genengine_vllm.options import build_llm_kwargs, resolve_settings
+    from genengine_vllm.settings import build_llm_kwargs, resolve_settings
 
     settings = resolve_settings(EngineConfig.from_any(config))
-    topology = _trainer_world(settings.tp_size)
-    vllm = _import_vllm()
+    topology = trainer_world(settings.tp_size)
+    vllm = import_vllm()
     token = object()
     if settings.enable_sleep:
         claim_sleep_slot(token, "raw vllm.LLM")

@@ -33,17 +33,11 @@ from genengine.errors import (
 )
 from genengine.protocol import EngineState, SamplingParams
 from genengine.testing.tiny_model import tiny_model_dir
-from genengine_vllm import engine as vengine
-from genengine_vllm.engine import VLLMEngine, get_vllm_engine
-from genengine_vllm.options import (
-    LOGPROBS_MODE,
-    build_llm_kwargs,
-    convert_request_output,
-    resolve_settings,
-    sampled_logprobs,
-    split_greedy_n,
-    vllm_sampling_kwargs,
-)
+from genengine_vllm import _process as vprocess
+from genengine_vllm.engine import VLLMEngine, generate_check_value
+from genengine_vllm.lightrft import get_vllm_engine
+from genengine_vllm.mapping import convert_request_output, sampled_logprobs, split_greedy_n, vllm_sampling_kwargs
+from genengine_vllm.settings import LOGPROBS_MODE, build_llm_kwargs, resolve_settings
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_no_vllm = pytest.mark.skipif(HAS_VLLM, reason="checks the error raised when vLLM is missing")
@@ -57,15 +51,16 @@ def model_dir() -> Path:
 @pytest.fixture
 def fresh_slot() -> Any:
     """No sleep-mode engine registered before or after the test."""
-    vengine._STATE.sleep_owner = None
+    vprocess._STATE.sleep_owner = None
     yield
-    vengine._STATE.sleep_owner = None
+    vprocess._STATE.sleep_owner = None
 
 
 # ---- import hygiene ------------------------------------------------------------------------------------------
 def test_package_import_is_light() -> None:
     code = (
         "import genengine_vllm, genengine_vllm.plugin, genengine_vllm.engine, genengine_vllm.raw\n"
+        "import genengine_vllm.settings, genengine_vllm.mapping, genengine_vllm.lightrft, genengine_vllm.options\n"
         "import sys\n"
         "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
     )
@@ -211,14 +206,14 @@ def test_second_sleep_engine_is_refused_before_anything(model_dir: Path, fresh_s
             return "HolderEngine"
 
     holder = Holder()
-    vengine.claim_sleep_slot(holder, "test")
-    vengine.claim_sleep_slot(holder, "test")  # the owner may claim again
+    vprocess.claim_sleep_slot(holder, "test")
+    vprocess.claim_sleep_slot(holder, "test")  # the owner may claim again
     with pytest.raises(EngineStateError) as info:
         _from_config(model_dir)
     assert "HolderEngine" in str(info.value) and "one engine per process" in str(info.value)
     assert "enable_engine_sleep=False" in str(info.value)
     with pytest.raises(EngineStateError):
-        vengine.claim_sleep_slot(object(), "another")
+        vprocess.claim_sleep_slot(object(), "another")
     # An engine without sleep does not need the allocator: it gets as far as importing vLLM.
     with pytest.raises(BackendImportError):
         _from_config(model_dir, enable_sleep=False)
@@ -226,7 +221,7 @@ def test_second_sleep_engine_is_refused_before_anything(model_dir: Path, fresh_s
     with pytest.raises(BackendImportError):
         _from_config(model_dir)
     holder.closed = False
-    vengine.release_sleep_slot(holder)
+    vprocess.release_sleep_slot(holder)
     with pytest.raises(BackendImportError):
         _from_config(model_dir)
 
@@ -236,12 +231,12 @@ def test_sleep_slot_frees_with_its_owner(fresh_slot: Any) -> None:
         pass
 
     owner = Owner()
-    vengine.claim_sleep_slot(owner, "test")
+    vprocess.claim_sleep_slot(owner, "test")
     del owner
     import gc
 
     gc.collect()
-    vengine.claim_sleep_slot(Owner(), "test")  # the dead owner's claim does not block
+    vprocess.claim_sleep_slot(Owner(), "test")  # the dead owner's claim does not block
 
 
 # ---- argument mapping -------------------------------------------------------------------------------------
@@ -411,7 +406,7 @@ def test_rng_states_survive_engine_start() -> None:
     random.seed(5)
     np.random.seed(5)
     torch.manual_seed(5)
-    with vengine.preserve_rng_states():  # what vLLM does while it starts: reseed everything
+    with vprocess.preserve_rng_states():  # what vLLM does while it starts: reseed everything
         random.seed(0)
         np.random.seed(0)
         torch.manual_seed(0)
@@ -450,21 +445,21 @@ def _scenarios(model: str) -> dict[str, Any]:
 
     group = engine_group(2, check_port=False, timeout_s=60)
     awake = EngineState()
-    same = vengine.generate_check_value(["hi there"], SamplingParams(temperature=0.5, seed=3), None, None, awake)
+    same = generate_check_value(["hi there"], SamplingParams(temperature=0.5, seed=3), None, None, awake)
     out["same"] = outcome(lambda: group.check_consistent(same, what="generate inputs"))
     prompt = "hi there" if rank == 0 else "hi there!"
-    differ = vengine.generate_check_value([prompt], SamplingParams(temperature=0.5, seed=3), None, None, awake)
+    differ = generate_check_value([prompt], SamplingParams(temperature=0.5, seed=3), None, None, awake)
     out["prompt"] = outcome(lambda: group.check_consistent(differ, what="generate inputs"))
     seed = 3 if rank == 0 else 4
-    differ = vengine.generate_check_value(["hi"], {"temperature": 0.5, "seed": seed}, None, None, awake)
+    differ = generate_check_value(["hi"], {"temperature": 0.5, "seed": seed}, None, None, awake)
     out["seed"] = outcome(lambda: group.check_consistent(differ, what="generate inputs"))
     state = awake if rank == 0 else EngineState(released_tags=frozenset({"weights", "kv_cache"}), sleep_level=1)
-    differ = vengine.generate_check_value(None, None, [[1, 2, 3]], None, state)
+    differ = generate_check_value(None, None, [[1, 2, 3]], None, state)
     out["state"] = outcome(lambda: group.check_consistent(differ, what="generate inputs or engine state"))
 
     # vLLM's teardown destroys the default group; inside the guard that is a no-op, subgroups still go.
     sub = dist.new_group([0, 1], backend="gloo")
-    with vengine.keep_default_group(True):
+    with vprocess.keep_default_group(True):
         dist.destroy_process_group()
         dist.destroy_process_group(sub)
     out["initialised_after_guard"] = dist.is_initialized()
