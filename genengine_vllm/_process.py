@@ -1,9 +1,10 @@
 """What one process can hold only once, because vLLM keeps it process-global, and the process state an engine
-borrows: the sleep allocator, the default process group, the RNGs, the allocator settings."""
+borrows: the sleep allocator, the default process group, the RNGs, the environment and allocator settings."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import sys
 import threading
@@ -11,6 +12,7 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from genengine.environ import ALLOC_CONF, scoped_environ, strip_expandable_segments
 from genengine.errors import BackendImportError, DistributedSetupError, EngineStateError
 
 if TYPE_CHECKING:
@@ -23,8 +25,9 @@ __all__ = [
     "keep_default_group",
     "preserve_rng_states",
     "release_sleep_slot",
-    "set_expandable_segments",
+    "start_environ",
     "trainer_world",
+    "without_expandable_segments",
 ]
 
 
@@ -142,7 +145,7 @@ def preserve_rng_states() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_states)
 
 
-def set_expandable_segments(enabled: bool) -> None:
+def _set_expandable_segments(enabled: bool) -> None:
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -183,3 +186,51 @@ def trainer_world(tp_size: int, *, require: bool = False) -> Topology | None:
     from genengine.distributed import topology_from_env
 
     return topology_from_env(tp_size)
+
+
+def start_environ(topology: Topology | None) -> dict[str, str | None]:
+    """The variables ``vllm.LLM(...)`` reads while it starts, for ``scoped_environ`` around that call only.
+
+    Read in vLLM 0.26.0 during the start and never after:
+
+    * ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in this process, so ``apply_model`` reaches
+      the model without IPC: vllm/v1/engine/llm_engine.py:174 (``LLMEngine.from_engine_args`` picks the
+      in-process client), vllm/engine/arg_utils.py:1630 (a warning), vllm/v1/executor/uniproc_executor.py:169
+      (external_launcher's assert). vllm/config/parallel.py:880 sets it itself under external_launcher; the
+      scope takes that back too.
+    * ``RANK``/``LOCAL_RANK``, under the trainer's world: vllm/v1/executor/uniproc_executor.py:184-185
+      (``ExecutorWithExternalLauncher._distributed_args``, called by ``_init_executor``).
+
+    ``EngineCore.__init__`` ends the start by caching every ``vllm.envs`` value (vllm/v1/engine/core.py:240)
+    until teardown's ``cleanup_dist_env_and_memory`` (vllm/distributed/parallel_state.py:2113);
+    ``generate``, ``sleep``, ``wake_up``, ``collective_rpc`` and shutdown read none of these, and vLLM's
+    logger reads ``envs.LOCAL_RANK`` (vllm/distributed/parallel_state.py:2290) only once its world group is
+    gone, when the trainer's own value is the right one.
+    """
+    changes: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if topology is not None:
+        changes["RANK"] = str(topology.rank)
+        changes["LOCAL_RANK"] = str(topology.local_rank)
+    return changes
+
+
+@contextlib.contextmanager
+def without_expandable_segments() -> Iterator[None]:
+    """``expandable_segments:True`` out of the CUDA allocator settings for the block: a sleep-mode engine's life.
+
+    With it PyTorch bypasses vLLM's sleep pool and sleep frees nothing. The environment variable is read
+    when PyTorch initialises CUDA (possibly while vLLM starts) and by vLLM as it maps its pools
+    (vllm/device_allocator/cumem.py:330); the process's setting applies to every allocation after. Both
+    hold until the engine shuts down, then the trainer's come back.
+    """
+    conf = os.environ.get(ALLOC_CONF)
+    stripped = strip_expandable_segments(conf)
+    if stripped == conf:
+        yield
+        return
+    with scoped_environ({ALLOC_CONF: stripped}):
+        _set_expandable_segments(False)
+        try:
+            yield
+        finally:
+            _set_expandable_segments(True)

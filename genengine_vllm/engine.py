@@ -2,7 +2,8 @@
 
 How it maps (every choice checked against vLLM 0.26.0's source):
 
-* **Where it runs.** The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
+* **Where it runs.** The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while
+  vLLM starts, the only time it reads it; ``_process.start_environ`` says where), so
   ``load_weights`` writes the trainer's tensors straight into the model (``LLM.apply_model`` →
   ``model.load_weights``): no IPC, no second copy. With ``torch.distributed`` initialised (the trainer's
   world), every rank holds one engine rank (``distributed_executor_backend="external_launcher"``) and the
@@ -34,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import os
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from genengine.base import EngineBase
 from genengine.checkpoint import vocab_size, weight_spec
 from genengine.config import EngineConfig
-from genengine.environ import strip_expandable_segments
+from genengine.environ import scoped_environ
 from genengine.errors import EngineStateError, InvalidArgumentError
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, EngineState, GenerationResult, LoadReport
 from genengine_vllm._process import (
@@ -53,8 +53,9 @@ from genengine_vllm._process import (
     keep_default_group,
     preserve_rng_states,
     release_sleep_slot,
-    set_expandable_segments,
+    start_environ,
     trainer_world,
+    without_expandable_segments,
 )
 from genengine_vllm.mapping import convert_request_output, load_image, split_greedy_n, vllm_sampling_kwargs
 from genengine_vllm.settings import WEIGHT_SYNC_MODES, VLLMSettings, build_llm_kwargs, resolve_settings
@@ -130,8 +131,8 @@ class VLLMEngine(EngineBase):
         self._llm: Any = None
         self._group: EngineGroup | None = None
         self._spec: dict[str, WeightInfo] | None = None
-        self._alloc_conf: str | None = None
-        self._expandable_off = False
+        # What the engine holds for its life (the sleep slot, the allocator settings): undone at shutdown.
+        self._life = contextlib.ExitStack()
         self._max_model_len = 0
         self._multimodal = False
         group_index = topology.dp_rank if topology is not None else 0
@@ -139,11 +140,11 @@ class VLLMEngine(EngineBase):
         self._seed_rng = random.Random(self.group_seed)
         if settings.enable_sleep:
             claim_sleep_slot(self, f"VLLMEngine({settings.model!r})")
+            self._life.callback(release_sleep_slot, self)
         try:
             self._start(topology)
         except BaseException:
-            self._restore_allocator()
-            release_sleep_slot(self)
+            self._life.close()
             raise
         with _STATE.lock:
             _STATE.live.add(self)
@@ -172,29 +173,18 @@ class VLLMEngine(EngineBase):
         import torch.distributed as dist
 
         vllm = import_vllm()
-        # In-process engine core: apply_model reaches the model without IPC (external_launcher forces it too).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if topology is not None:
             from genengine.distributed import engine_group
 
             self._group = engine_group(self.settings.tp_size, check_port=False)
-            # ExecutorWithExternalLauncher reads the rank and the device from torchrun's variables.
-            os.environ["RANK"] = str(topology.rank)
-            os.environ["LOCAL_RANK"] = str(topology.local_rank)
         if self.settings.enable_sleep:
-            self._alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-            stripped = strip_expandable_segments(self._alloc_conf)
-            if stripped != self._alloc_conf:
-                if stripped is None:
-                    os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-                else:
-                    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = stripped
-                set_expandable_segments(False)
-                self._expandable_off = True
+            self._life.enter_context(without_expandable_segments())
         had_world = dist.is_available() and dist.is_initialized()
         kwargs = build_llm_kwargs(self.settings, external_launcher=topology is not None, group_seed=self.group_seed)
         try:
-            with preserve_rng_states():
+            # In-process engine core (apply_model reaches the model without IPC) and, under external_launcher,
+            # torchrun's rank variables: read only while vLLM starts (see start_environ).
+            with scoped_environ(start_environ(topology)), preserve_rng_states():
                 llm = vllm.LLM(**kwargs)
         except BaseException:
             # A failed start (e.g. out of memory) leaves vLLM's process-global groups behind; clear them so a
@@ -384,8 +374,7 @@ class VLLMEngine(EngineBase):
         finally:
             with _STATE.lock:
                 _STATE.live.discard(self)
-            self._restore_allocator()
-            release_sleep_slot(self)
+            self._life.close()
         # Only now is the last reference to vLLM's objects gone (this frame's ``llm`` kept the model and the
         # KV cache alive through ``_teardown``'s own cleanup): collect their cycles and hand the blocks back,
         # so the memory is free when shutdown returns, while the caller still holds the engine.
@@ -410,15 +399,6 @@ class VLLMEngine(EngineBase):
             core.scheduler.shutdown()
             gc.unfreeze()
         del client, llm
-
-    def _restore_allocator(self) -> None:
-        if self._expandable_off:
-            if self._alloc_conf is None:
-                os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-            else:
-                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = self._alloc_conf
-            set_expandable_segments(True)
-            self._expandable_off = False
 
 
 def _free_gpu_memory() -> None:

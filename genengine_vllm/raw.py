@@ -21,6 +21,7 @@ def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_ne
 
     import torch
 
+    from genengine.environ import scoped_environ
     from genengine_vllm._process import (
         _STATE,
         claim_sleep_slot,
@@ -28,6 +29,7 @@ def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_ne
         keep_default_group,
         preserve_rng_states,
         release_sleep_slot,
+        start_environ,
         trainer_world,
     )
     from genengine_vllm.settings import build_llm_kwargs, resolve_settings
@@ -38,17 +40,11 @@ def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_ne
     token = object()
     if settings.enable_sleep:
         claim_sleep_slot(token, "raw vllm.LLM")
-    import os
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if topology is not None:
-        os.environ["RANK"] = str(topology.rank)
-        os.environ["LOCAL_RANK"] = str(topology.local_rank)
     group_seed = settings.seed + (topology.dp_rank if topology is not None else 0)
     llm: Any = None
     try:
         kwargs = build_llm_kwargs(settings, external_launcher=topology is not None, group_seed=group_seed)
-        with preserve_rng_states():
+        with scoped_environ(start_environ(topology)), preserve_rng_states():  # as ours: only while it starts
             llm = vllm.LLM(**kwargs)
         params = vllm.SamplingParams(
             temperature=0.0,

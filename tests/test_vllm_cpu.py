@@ -18,7 +18,7 @@ import sys
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -412,6 +412,122 @@ def test_rng_states_survive_engine_start() -> None:
         torch.manual_seed(0)
         draw()
     assert draw() == expected
+
+
+# ---- a vllm package that records how it is started -------------------------------------------------------
+@dataclasses.dataclass
+class _FakeEngineArgs:
+    model: str = ""
+    max_model_len: int | None = None
+    brand_new_arg: bool = False
+    _api_process_rank: int = 0
+
+
+def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: Any) -> Any:
+    import importlib.machinery
+    import types
+
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A ``vllm`` package in ``sys.modules``: ``EngineArgs`` above and an ``LLM`` that records its start."""
+
+    class InprocClient:
+        def shutdown(self) -> None:
+            pass
+
+    class LLM:
+        seen: ClassVar[list[dict[str, str | None]]] = []
+        fail = False
+
+        def __init__(self, **kwargs: Any) -> None:
+            keys = ("VLLM_ENABLE_V1_MULTIPROCESSING", "RANK", "LOCAL_RANK", "PYTORCH_CUDA_ALLOC_CONF")
+            LLM.seen.append({k: os.environ.get(k) for k in keys})
+            if LLM.fail:
+                raise RuntimeError("no GPU here")
+            self.llm_engine = SimpleNamespace(engine_core=InprocClient())
+            self.model_config = SimpleNamespace(max_model_len=kwargs.get("max_model_len") or 2048)
+
+    vllm = _fake_module(monkeypatch, "vllm", LLM=LLM)
+    _fake_module(monkeypatch, "vllm.engine")
+    _fake_module(monkeypatch, "vllm.engine.arg_utils", EngineArgs=_FakeEngineArgs)
+    _fake_module(monkeypatch, "vllm.v1")
+    _fake_module(monkeypatch, "vllm.v1.engine")
+    _fake_module(monkeypatch, "vllm.v1.engine.core_client", InprocClient=InprocClient)
+    yield vllm
+
+
+# ---- environment: vLLM's start variables only while it starts, the allocator setting for the engine's life ---
+_START_VARS = ("VLLM_ENABLE_V1_MULTIPROCESSING", "RANK", "LOCAL_RANK")
+
+
+def test_start_environ() -> None:
+    assert vprocess.start_environ(None) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    topology = SimpleNamespace(rank=3, local_rank=1)
+    assert vprocess.start_environ(topology) == {  # type: ignore[arg-type]
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+    }
+
+
+@pytest.mark.parametrize(
+    ("conf", "inside"),
+    [
+        ("expandable_segments:True,max_split_size_mb:64", "max_split_size_mb:64"),
+        ("expandable_segments:True", None),
+        ("max_split_size_mb:64", "max_split_size_mb:64"),
+        (None, None),
+    ],
+)
+def test_expandable_segments_are_off_inside_the_block(
+    monkeypatch: pytest.MonkeyPatch, conf: str | None, inside: str | None
+) -> None:
+    if conf is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    with vprocess.without_expandable_segments():
+        assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == inside
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == conf
+
+
+@needs_no_vllm
+def test_engine_scopes_its_environment(
+    model_dir: Path, fake_vllm: Any, fresh_slot: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in _START_VARS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    outside = {"VLLM_ENABLE_V1_MULTIPROCESSING": None, "RANK": None, "LOCAL_RANK": None}
+    engine = _from_config(model_dir, options={"max_model_len": 512})
+    assert fake_vllm.LLM.seen[-1] == {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "RANK": None,
+        "LOCAL_RANK": None,
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64",
+    }
+    assert {k: os.environ.get(k) for k in _START_VARS} == outside  # the start is over
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"  # the engine lives
+    with pytest.raises(EngineStateError, match="one engine per process"):
+        _from_config(model_dir)
+    engine.shutdown()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
+    assert {k: os.environ.get(k) for k in _START_VARS} == outside
+    fake_vllm.LLM.fail = True  # a failed start gives everything back too, the sleep slot included
+    with pytest.raises(RuntimeError, match="no GPU here"):
+        _from_config(model_dir)
+    assert fake_vllm.LLM.seen[-1]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
+    assert {k: os.environ.get(k) for k in _START_VARS} == outside
+    vprocess.claim_sleep_slot(_FakeEngineArgs(), "after the failed start")  # any object a weakref can name
 
 
 # ---- real process groups (2 ranks over gloo) ------------------------------------------------------------

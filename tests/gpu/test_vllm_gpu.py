@@ -49,6 +49,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 MEM_UTIL = 0.3
 _RECORD: dict[str, Any] = {"engines": []}
+_START_VARS = ("VLLM_ENABLE_V1_MULTIPROCESSING", "RANK", "LOCAL_RANK")  # set only while vLLM starts
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -115,6 +116,7 @@ class TestVLLMConformance(EngineConformance):
         rng_cpu = torch.get_rng_state()
         rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         free_before = free_gpu_memory()
+        start_vars = {k: os.environ.get(k) for k in _START_VARS}
         engine: GenerationEngine = create_engine(backend="vllm", model=model_dir, mem_util=MEM_UTIL, **options)
         if main:
             _RECORD.update(
@@ -122,6 +124,7 @@ class TestVLLMConformance(EngineConformance):
                 free_awake=free_gpu_memory(),
                 alloc_conf_alive=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                 rng_kept=_rng_kept(rng_cpu, rng_cuda),
+                start_vars=(start_vars, {k: os.environ.get(k) for k in _START_VARS}),
             )
         _RECORD["engines"].append(engine)
         return engine
@@ -130,6 +133,8 @@ class TestVLLMConformance(EngineConformance):
     def test_engine_start_keeps_the_trainers_rng_and_allocator_setting(self, engine: GenerationEngine) -> None:
         assert _RECORD["rng_kept"], "creating the engine changed the trainer's torch RNG state"
         assert "expandable_segments:True" not in (_RECORD["alloc_conf_alive"] or "")
+        before, after = _RECORD["start_vars"]
+        assert after == before, "the variables vLLM reads while it starts must not outlive the start"
         assert engine.settings.tp_size == 1 and engine.topology is not None  # type: ignore[attr-defined]
 
     @pytest.mark.parametrize("level", [1, 2])
