@@ -152,7 +152,7 @@ class VLLMEngine(EngineBase):
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: EngineConfig) -> VLLMEngine:
-        """Validate everything, then start vLLM; bad input fails before vLLM is imported or memory is taken.
+        """Validate everything, then start vLLM; bad input fails before vLLM starts or memory is taken.
 
         ``tp_size=1`` runs without ``torch.distributed`` too (vLLM then makes a private one-rank group).
         """

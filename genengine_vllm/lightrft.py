@@ -38,7 +38,7 @@ def get_vllm_engine(
             ``tp_size`` (``DistributedSetupError``, raised explicitly so ``python -O`` keeps it), as in the
             reference. ``genengine.create_engine(backend="vllm")`` also runs ``tp_size=1`` without it.
         ValueError: any other bad argument (``InvalidArgumentError``; ``ConfigError`` for ``vllm_options``),
-            before vLLM is imported or any GPU memory is taken.
+            before vLLM starts or any GPU memory is taken.
         EngineStateError: another sleep-mode vLLM engine lives in this process (vLLM allows one).
     """
     check_reference_args(

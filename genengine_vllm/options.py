@@ -1,7 +1,8 @@
 """The old home of :mod:`genengine_vllm.settings` and :mod:`genengine_vllm.mapping`, which it re-exports.
 
 Kept for callers outside the plugin that still import from here (``tests/test_examples.py``,
-``benchmarks/bench_vllm.py``); new code imports from the two modules.
+``benchmarks/bench_vllm.py``); new code imports from the two modules. ``ENGINE_ARGS`` is the pinned
+version's name list (``settings.FALLBACK_ENGINE_ARGS``); the check itself uses ``settings.engine_arg_names()``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from genengine_vllm.mapping import (
 )
 from genengine_vllm.settings import (
     DTYPES,
-    ENGINE_ARGS,
     LOGPROBS_MODE,
     OUR_OPTIONS,
     WEIGHT_SYNC_MODES,
@@ -23,6 +23,7 @@ from genengine_vllm.settings import (
     build_llm_kwargs,
     resolve_settings,
 )
+from genengine_vllm.settings import FALLBACK_ENGINE_ARGS as ENGINE_ARGS
 
 __all__ = [
     "DTYPES",

@@ -1,11 +1,14 @@
 """genengine's settings → ``vllm.LLM`` keyword arguments, as plain functions of plain data.
 
-Nothing here imports vLLM or torch, so every bad value fails here, before vLLM is imported or any GPU
-memory is taken.
+Nothing here starts vLLM or imports torch, so every bad value fails before vLLM starts or any GPU memory
+is taken; where vLLM is installed its ``EngineArgs`` is read (not started) for the pass-through names.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,12 +21,13 @@ from genengine.weights import DEFAULT_BUCKET_BYTES
 
 __all__ = [
     "DTYPES",
-    "ENGINE_ARGS",
+    "FALLBACK_ENGINE_ARGS",
     "LOGPROBS_MODE",
     "OUR_OPTIONS",
     "WEIGHT_SYNC_MODES",
     "VLLMSettings",
     "build_llm_kwargs",
+    "engine_arg_names",
     "resolve_settings",
 ]
 
@@ -38,9 +42,11 @@ WEIGHT_SYNC_MODES = ("bucketed", "per_param")
 OUR_OPTIONS = ("skip_tokenizer_init", "disable_cuda_graph", "weight_sync_mode", "bucket_bytes")
 """Backend options that genengine itself interprets; everything else allowed goes to ``vllm.LLM``."""
 
-# ``vllm.engine.arg_utils.EngineArgs`` fields of vLLM 0.26.0 (the pinned version), minus private ones.
-# Kept as data so that unknown options fail on machines without vLLM too, with a "did you mean".
-ENGINE_ARGS = frozenset(
+# The public fields of vLLM 0.26.0's (the pinned version's) ``vllm.engine.arg_utils.EngineArgs``, i.e.
+# ``{f.name for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_")}``: the names
+# ``engine_arg_names`` gives where vLLM is not installed, so that unknown options fail there too, with a
+# "did you mean". tests/gpu/test_vllm_gpu.py checks that it equals the installed vLLM's.
+FALLBACK_ENGINE_ARGS = frozenset(
     """
     model enable_return_routed_experts model_weights served_model_name tokenizer hf_config_path runner convert
     skip_tokenizer_init enable_prompt_embeds tokenizer_mode trust_remote_code allowed_local_media_path
@@ -89,6 +95,23 @@ ENGINE_ARGS = frozenset(
     fail_on_environ_validation gdn_prefill_backend
     """.split()  # noqa: SIM905 (a word list reads and diffs better than 219 quoted strings)
 )
+
+
+@functools.cache
+def engine_arg_names() -> frozenset[str]:
+    """The ``vllm.LLM`` keyword arguments genengine passes through: the installed vLLM's ``EngineArgs`` fields.
+
+    ``vllm.LLM`` hands its extra keywords to ``EngineArgs``, so that dataclass is the authority; reading it
+    imports vLLM but starts nothing. Without vLLM (or where it fails to import, which starting it reports
+    as ``BackendImportError`` at the same point as before) the pinned version's names stand in.
+    """
+    if importlib.util.find_spec("vllm") is None:
+        return FALLBACK_ENGINE_ARGS
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+    except Exception:  # a broken install: fail where the engine imports vLLM, not here
+        return FALLBACK_ENGINE_ARGS
+    return frozenset(f.name for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_"))
 
 
 # vLLM arguments genengine sets itself: passing one as an option is an error that says what to use instead.
@@ -141,7 +164,7 @@ def _check_bool(name: str, value: Any) -> bool:
 def resolve_settings(config: EngineConfig) -> VLLMSettings:
     """Validate an ``EngineConfig`` for the vllm backend; raises ``ConfigError`` naming the bad value."""
     options = dict(config.options)
-    check_options("vllm", options, [*OUR_OPTIONS, *sorted(ENGINE_ARGS)])
+    check_options("vllm", options, [*OUR_OPTIONS, *sorted(engine_arg_names())])
     for key in options:
         if key in _CONTROLLED:
             raise ConfigError(f"option {key!r} is set by genengine for the vllm backend: {_CONTROLLED[key]}")

@@ -34,6 +34,7 @@ from genengine.errors import (
 from genengine.protocol import EngineState, SamplingParams
 from genengine.testing.tiny_model import tiny_model_dir
 from genengine_vllm import _process as vprocess
+from genengine_vllm import settings as vsettings
 from genengine_vllm.engine import VLLMEngine, generate_check_value
 from genengine_vllm.lightrft import get_vllm_engine
 from genengine_vllm.mapping import convert_request_output, sampled_logprobs, split_greedy_n, vllm_sampling_kwargs
@@ -414,7 +415,7 @@ def test_rng_states_survive_engine_start() -> None:
     assert draw() == expected
 
 
-# ---- a vllm package that records how it is started -------------------------------------------------------
+# ---- pass-through names: the installed vLLM's EngineArgs, else the pinned version's list ------------------
 @dataclasses.dataclass
 class _FakeEngineArgs:
     model: str = ""
@@ -461,7 +462,29 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
     _fake_module(monkeypatch, "vllm.v1")
     _fake_module(monkeypatch, "vllm.v1.engine")
     _fake_module(monkeypatch, "vllm.v1.engine.core_client", InprocClient=InprocClient)
+    vsettings.engine_arg_names.cache_clear()
     yield vllm
+    vsettings.engine_arg_names.cache_clear()
+
+
+@needs_no_vllm
+def test_engine_arg_names_fall_back_to_the_pinned_list() -> None:
+    vsettings.engine_arg_names.cache_clear()
+    assert vsettings.engine_arg_names() is vsettings.FALLBACK_ENGINE_ARGS
+    assert {"max_model_len", "enable_prefix_caching", "gpu_memory_utilization"} <= vsettings.FALLBACK_ENGINE_ARGS
+    assert not any(name.startswith("_") for name in vsettings.FALLBACK_ENGINE_ARGS)
+
+
+@needs_no_vllm
+def test_engine_arg_names_come_from_the_installed_engine_args(model_dir: Path, fake_vllm: Any) -> None:
+    assert vsettings.engine_arg_names() == {"model", "max_model_len", "brand_new_arg"}
+    assert _settings(model_dir, brand_new_arg=True).llm_options == {"brand_new_arg": True}
+    with pytest.raises(ConfigError, match="'enable_prefix_caching'"):  # in the pinned list, not in this vLLM
+        _settings(model_dir, enable_prefix_caching=False)
+    with pytest.raises(ConfigError, match="'_api_process_rank'"):
+        _settings(model_dir, _api_process_rank=1)
+    with pytest.raises(ConfigError, match="did you mean 'max_model_len'"):
+        _settings(model_dir, max_model_length=512)
 
 
 # ---- environment: vLLM's start variables only while it starts, the allocator setting for the engine's life ---

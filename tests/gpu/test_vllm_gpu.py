@@ -11,6 +11,7 @@ Run on the GPU machine with tools/gpu/run_tests.sh vllm, which amounts to:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import socket
@@ -299,3 +300,21 @@ def test_prefix_cache_drift_and_the_setting_that_removes_it(trainer_world: Any) 
         print(f"VLLM_CACHE_DRIFT prefix_caching={caching}: " + drifts[caching].describe())
     assert drifts[True].tokens_equal and drifts[False].tokens_equal
     assert drifts[False].hit == 0.0, drifts[False].describe()
+
+
+def test_fallback_engine_args_match_the_installed_vllm() -> None:
+    """The pass-through names used where vLLM is not installed are the installed vLLM's ``EngineArgs`` fields:
+    ``settings.FALLBACK_ENGINE_ARGS == {f.name for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_")}``,
+    and ``engine_arg_names()`` reads exactly that set here. A vLLM upgrade that adds or drops a field fails here
+    until the list in genengine_vllm/settings.py is its new field list."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    from genengine_vllm import settings
+
+    installed = frozenset(f.name for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_"))
+    missing = sorted(installed - settings.FALLBACK_ENGINE_ARGS)
+    extra = sorted(settings.FALLBACK_ENGINE_ARGS - installed)
+    assert not missing and not extra, f"vLLM {vllm.__version__}: fallback lacks {missing}, has extra {extra}"
+    settings.engine_arg_names.cache_clear()
+    assert settings.engine_arg_names() == installed
