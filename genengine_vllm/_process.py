@@ -203,9 +203,10 @@ def start_environ(topology: Topology | None) -> dict[str, str | None]:
 
     ``EngineCore.__init__`` ends the start by caching every ``vllm.envs`` value (vllm/v1/engine/core.py:240)
     until teardown's ``cleanup_dist_env_and_memory`` (vllm/distributed/parallel_state.py:2113);
-    ``generate``, ``sleep``, ``wake_up``, ``collective_rpc`` and shutdown read none of these, and vLLM's
-    logger reads ``envs.LOCAL_RANK`` (vllm/distributed/parallel_state.py:2290) only once its world group is
-    gone, when the trainer's own value is the right one.
+    ``generate``, ``sleep``, ``wake_up``, ``collective_rpc`` and shutdown read none of these. The one later
+    reader is vLLM's logger choosing which rank prints "once per node" lines: ``envs.LOCAL_RANK``
+    (vllm/distributed/parallel_state.py:2290), and only once vLLM's world group is gone, when the trainer's
+    own value is the one to use.
     """
     changes: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if topology is not None:
