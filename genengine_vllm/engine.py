@@ -131,7 +131,7 @@ class VLLMEngine(EngineBase):
         self._llm: Any = None
         self._group: EngineGroup | None = None
         self._spec: dict[str, WeightInfo] | None = None
-        # What the engine holds for its life (the sleep slot, the allocator settings): undone at shutdown.
+        # Process settings held for the engine's life (the allocator's), undone at shutdown or a failed start.
         self._life = contextlib.ExitStack()
         self._max_model_len = 0
         self._multimodal = False
@@ -140,11 +140,11 @@ class VLLMEngine(EngineBase):
         self._seed_rng = random.Random(self.group_seed)
         if settings.enable_sleep:
             claim_sleep_slot(self, f"VLLMEngine({settings.model!r})")
-            self._life.callback(release_sleep_slot, self)
         try:
             self._start(topology)
         except BaseException:
             self._life.close()
+            release_sleep_slot(self)
             raise
         with _STATE.lock:
             _STATE.live.add(self)
@@ -375,6 +375,7 @@ class VLLMEngine(EngineBase):
             with _STATE.lock:
                 _STATE.live.discard(self)
             self._life.close()
+            release_sleep_slot(self)
         # Only now is the last reference to vLLM's objects gone (this frame's ``llm`` kept the model and the
         # KV cache alive through ``_teardown``'s own cleanup): collect their cycles and hand the blocks back,
         # so the memory is free when shutdown returns, while the caller still holds the engine.
