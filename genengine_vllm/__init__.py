@@ -2,6 +2,10 @@
 
 Importing this package (which ``genengine_vllm.plugin`` does when backends are listed) loads neither
 vLLM nor torch: the public names resolve on first use.
+
+Modules, shaped as the SGLang plugin's: ``engine`` (the protocol class), ``settings`` (engine config →
+``vllm.LLM`` arguments), ``mapping`` (our types ↔ vLLM's), ``raw`` (the bench's plain ``vllm.LLM``),
+``plugin`` (registration), ``lightrft`` (the reference-style ``get_vllm_engine``).
 """
 
 from __future__ import annotations
@@ -10,11 +14,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from genengine_vllm.engine import VLLMEngine, get_vllm_engine
+    from genengine_vllm.engine import VLLMEngine
+    from genengine_vllm.lightrft import get_vllm_engine
 
 __all__ = ["VLLMEngine", "get_vllm_engine"]
 
-_LAZY = {"VLLMEngine": "genengine_vllm.engine", "get_vllm_engine": "genengine_vllm.engine"}
+_LAZY = {"VLLMEngine": "genengine_vllm.engine", "get_vllm_engine": "genengine_vllm.lightrft"}
 
 
 def __getattr__(name: str) -> Any:

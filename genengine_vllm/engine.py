@@ -2,15 +2,17 @@
 
 How it maps (every choice checked against vLLM 0.26.0's source):
 
-* **Where it runs.** The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so
+* **Where it runs.** The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while
+  vLLM starts, the only time it reads it; ``_process.start_environ`` says where), so
   ``load_weights`` writes the trainer's tensors straight into the model (``LLM.apply_model`` →
   ``model.load_weights``): no IPC, no second copy. With ``torch.distributed`` initialised (the trainer's
   world), every rank holds one engine rank (``distributed_executor_backend="external_launcher"``) and the
   TP groups are the contiguous ranks of :mod:`genengine.distributed`, which is how vLLM builds them too.
   ``create_engine(backend="vllm", tp_size=1)`` also works without ``torch.distributed`` (one GPU, a
-  notebook): vLLM then makes a private one-rank group. ``tp_size > 1``, and ``get_vllm_engine`` whatever
-  its ``tp_size`` (it keeps the reference's contract, as ``get_sglang_engine`` does), need the trainer's
-  group (``DistributedSetupError``, an AssertionError as in the reference).
+  notebook): vLLM then makes a private one-rank group. ``tp_size > 1``, and ``get_vllm_engine``
+  (:mod:`genengine_vllm.lightrft`) whatever its ``tp_size`` (it keeps the reference's contract, as
+  ``get_sglang_engine`` does), need the trainer's group (``DistributedSetupError``, an AssertionError as in
+  the reference).
 * **Identical ranks.** external_launcher is deterministic only if every rank of a TP group gets the same
   requests with the same seeds. Each call's inputs *and* engine state are compared across the group first
   (``InconsistentInputsError`` names the odd rank; a rank that never arrives is a ``CollectiveTimeoutError``,
@@ -33,35 +35,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import os
 import random
-import sys
-import threading
-import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from genengine.base import EngineBase
-from genengine.checkpoint import resolve_model_dir, vocab_size, weight_spec
+from genengine.checkpoint import vocab_size, weight_spec
 from genengine.config import EngineConfig
-from genengine.engine_args import check_reference_args
-from genengine.environ import strip_expandable_segments
-from genengine.errors import (
-    BackendImportError,
-    DistributedSetupError,
-    EngineStateError,
-    InvalidArgumentError,
-)
+from genengine.environ import scoped_environ
+from genengine.errors import EngineStateError, InvalidArgumentError
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, EngineState, GenerationResult, LoadReport
-from genengine_vllm.options import (
-    WEIGHT_SYNC_MODES,
-    VLLMSettings,
-    build_llm_kwargs,
-    convert_request_output,
-    resolve_settings,
-    split_greedy_n,
-    vllm_sampling_kwargs,
+from genengine_vllm._process import (
+    _STATE,
+    check_sleep_slot,
+    claim_sleep_slot,
+    import_vllm,
+    keep_default_group,
+    preserve_rng_states,
+    release_sleep_slot,
+    start_environ,
+    trainer_world,
+    without_expandable_segments,
 )
+from genengine_vllm.mapping import convert_request_output, load_image, split_greedy_n, vllm_sampling_kwargs
+from genengine_vllm.settings import WEIGHT_SYNC_MODES, VLLMSettings, build_llm_kwargs, resolve_settings
 
 if TYPE_CHECKING:
     import torch
@@ -70,193 +67,9 @@ if TYPE_CHECKING:
     from genengine.requests import Request
     from genengine.weights import WeightInfo
 
-__all__ = ["VLLMEngine", "get_vllm_engine"]
+__all__ = ["VLLMEngine"]
 
 _SEED_SPACE = 1 << 62  # vLLM treats seed -1 as "none" and adds the sample index to a seed: stay well inside int64
-
-
-# ---- process-wide state ------------------------------------------------------------------------------------
-class _ProcessState:
-    """What one process may hold at once: vLLM's allocator, parallel state and default group are global."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.live: weakref.WeakSet[Any] = weakref.WeakSet()
-        self.sleep_owner: weakref.ref[Any] | None = None
-        self.vllm_world: Any = None  # the default group vLLM created itself (no trainer world)
-
-
-_STATE = _ProcessState()
-
-
-def _sleep_owner() -> Any:
-    owner = _STATE.sleep_owner() if _STATE.sleep_owner is not None else None
-    if owner is not None and getattr(owner, "closed", False):
-        return None
-    return owner
-
-
-def _foreign_cumem_bytes() -> int:
-    """Bytes vLLM's sleep allocator holds for an engine genengine did not make (a raw ``vllm.LLM``)."""
-    module = sys.modules.get("vllm.device_allocator.cumem")  # only if vLLM's allocator was ever loaded
-    instance = getattr(getattr(module, "CuMemAllocator", None), "instance", None)
-    if instance is None:
-        return 0
-    try:
-        return int(instance.get_current_usage())
-    except Exception:
-        return 0
-
-
-def check_sleep_slot(owner: object | None, what: str) -> None:
-    """Raise unless vLLM's one-per-process sleep allocator is free (or already ``owner``'s)."""
-    holder = _sleep_owner()
-    if holder is not None and holder is not owner:
-        raise EngineStateError(
-            f"{what}: a vLLM engine with sleep enabled already lives in this process ({holder!r}); vLLM's "
-            "sleep allocator serves one engine per process. Shut it down first, or create this one with "
-            "enable_sleep=False (get_vllm_engine: enable_engine_sleep=False)"
-        )
-    if holder is None and (held := _foreign_cumem_bytes()) > 0:
-        raise EngineStateError(
-            f"{what}: vLLM's sleep allocator already holds {held} bytes for an engine created outside "
-            "genengine in this process; it serves one engine per process"
-        )
-
-
-def claim_sleep_slot(owner: object, what: str) -> None:
-    """Reserve vLLM's one-per-process sleep allocator for ``owner``; raise if another engine holds it."""
-    with _STATE.lock:
-        check_sleep_slot(owner, what)
-        _STATE.sleep_owner = weakref.ref(owner)
-
-
-def release_sleep_slot(owner: object) -> None:
-    with _STATE.lock:
-        if _STATE.sleep_owner is not None and _STATE.sleep_owner() in (owner, None):
-            _STATE.sleep_owner = None
-
-
-@contextlib.contextmanager
-def keep_default_group(active: bool = True) -> Iterator[None]:
-    """Make ``torch.distributed.destroy_process_group()`` of the default group a no-op inside the block.
-
-    vLLM's teardown (``cleanup_dist_env_and_memory`` → ``destroy_distributed_environment``) destroys the
-    default group, which under external_launcher is the trainer's; its own subgroups are destroyed
-    normally.
-    """
-    if not active:
-        yield
-        return
-    import torch.distributed as dist
-
-    original = dist.destroy_process_group
-    default = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-
-    def guarded(group: Any = None) -> None:
-        if default is not None and (group is None or group is default):
-            return
-        original(group)
-
-    dist.destroy_process_group = guarded  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        dist.destroy_process_group = original  # type: ignore[assignment]
-
-
-@contextlib.contextmanager
-def preserve_rng_states() -> Iterator[None]:
-    """Restore python's, numpy's and torch's (CPU and CUDA) RNG states after the block.
-
-    vLLM reseeds all of them while it starts (``set_random_seed``): a colocated trainer's dropout and data
-    order must not change because an engine was created.
-    """
-    import torch
-
-    py_state = random.getstate()
-    np_module = sys.modules.get("numpy")
-    np_state = np_module.random.get_state() if np_module is not None else None
-    cpu_state = torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    try:
-        yield
-    finally:
-        random.setstate(py_state)
-        if np_state is not None and np_module is not None:
-            np_module.random.set_state(np_state)
-        torch.set_rng_state(cpu_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-
-
-def _set_expandable_segments(enabled: bool) -> None:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enabled}")
-
-
-def _import_vllm() -> Any:
-    try:
-        import vllm
-    except ImportError as exc:
-        raise BackendImportError(
-            f"the vllm backend needs vLLM 0.26.0 (pip install 'genengine[vllm]'): {type(exc).__name__}: {exc}"
-        ) from exc
-    return vllm
-
-
-def _trainer_world(tp_size: int, *, require: bool = False) -> Topology | None:
-    """This rank's place in the trainer's world, or None when there is none (tp_size 1 only, unless ``require``)."""
-    import torch.distributed as dist
-
-    initialised = dist.is_available() and dist.is_initialized()
-    if initialised and _STATE.vllm_world is not None and dist.group.WORLD is _STATE.vllm_world:
-        initialised = False  # the one-rank group an earlier engine of this process made: not a trainer's
-    if not initialised:
-        if require:
-            raise DistributedSetupError(
-                "torch.distributed is not initialised: the trainer owns the process group and must call "
-                "torch.distributed.init_process_group() before get_vllm_engine (as the reference requires; "
-                "genengine.create_engine(backend='vllm', tp_size=1) runs without it)"
-            )
-        if tp_size > 1:
-            raise DistributedSetupError(
-                f"tp_size={tp_size} needs torch.distributed initialised by the trainer (launch one process per "
-                "GPU, e.g. with torchrun, and call torch.distributed.init_process_group() before creating the "
-                "engine); tp_size=1 also runs without it"
-            )
-        return None
-    from genengine.distributed import topology_from_env
-
-    return topology_from_env(tp_size)
-
-
-def _load_image(image: Any, index: int) -> Any:
-    """A PIL image (or list of them) from what ``image_data`` allows: PIL images, file paths, bytes, data URIs."""
-    if isinstance(image, (list, tuple)):
-        return [_load_image(item, index) for item in image]
-    if hasattr(image, "mode") and hasattr(image, "size"):
-        return image
-    import base64
-    import io
-
-    from PIL import Image
-
-    try:
-        if isinstance(image, (bytes, bytearray)):
-            return Image.open(io.BytesIO(bytes(image))).convert("RGB")
-        if isinstance(image, str) and image.startswith("data:image"):
-            return Image.open(io.BytesIO(base64.b64decode(image.split(",", 1)[1]))).convert("RGB")
-        if isinstance(image, (str, os.PathLike)) and os.path.isfile(image):
-            return Image.open(image).convert("RGB")
-    except Exception as exc:
-        raise InvalidArgumentError(f"image_data[{index}] cannot be read as an image: {exc}") from exc
-    raise InvalidArgumentError(
-        f"image_data[{index}]={str(image)[:80]!r} is not an image: give a PIL image, a file path, bytes or a "
-        "data:image URI (nothing is downloaded)"
-    )
 
 
 def _image_fingerprint(image_data: Any) -> Any:
@@ -300,10 +113,11 @@ class VLLMEngine(EngineBase):
     """vLLM in the trainer's process: generate, sleep (levels 1 and 2), staged wake, in-place weight loads.
 
     Create it with :meth:`from_config` (what ``genengine.create_engine(backend="vllm", ...)`` calls) or
-    :func:`get_vllm_engine` (the reference's arguments). Backend options: ``skip_tokenizer_init``,
-    ``disable_cuda_graph``, ``weight_sync_mode`` (``"bucketed"``: one in-place load per bucket;
-    ``"per_param"``: one per tensor, the baseline), ``bucket_bytes``, and any ``vllm.LLM`` argument that
-    genengine does not set itself (``max_model_len``, ``enable_prefix_caching``, ``max_num_seqs``, ...).
+    :func:`genengine_vllm.lightrft.get_vllm_engine` (the reference's arguments). Backend options:
+    ``skip_tokenizer_init``, ``disable_cuda_graph``, ``weight_sync_mode`` (``"bucketed"``: one in-place load
+    per bucket; ``"per_param"``: one per tensor, the baseline), ``bucket_bytes``, and any ``vllm.LLM``
+    argument that genengine does not set itself (``max_model_len``, ``enable_prefix_caching``,
+    ``max_num_seqs``, ...).
     """
 
     supported_tags = (TAG_WEIGHTS, TAG_KV_CACHE)
@@ -317,8 +131,8 @@ class VLLMEngine(EngineBase):
         self._llm: Any = None
         self._group: EngineGroup | None = None
         self._spec: dict[str, WeightInfo] | None = None
-        self._alloc_conf: str | None = None
-        self._expandable_off = False
+        # Process settings held for the engine's life (the allocator's), undone at shutdown or a failed start.
+        self._life = contextlib.ExitStack()
         self._max_model_len = 0
         self._multimodal = False
         group_index = topology.dp_rank if topology is not None else 0
@@ -329,7 +143,7 @@ class VLLMEngine(EngineBase):
         try:
             self._start(topology)
         except BaseException:
-            self._restore_allocator()
+            self._life.close()
             release_sleep_slot(self)
             raise
         with _STATE.lock:
@@ -338,7 +152,7 @@ class VLLMEngine(EngineBase):
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, config: EngineConfig) -> VLLMEngine:
-        """Validate everything, then start vLLM; bad input fails before vLLM is imported or memory is taken.
+        """Validate everything, then start vLLM; bad input fails before vLLM starts or memory is taken.
 
         ``tp_size=1`` runs without ``torch.distributed`` too (vLLM then makes a private one-rank group).
         """
@@ -346,41 +160,31 @@ class VLLMEngine(EngineBase):
 
     @classmethod
     def _create(cls, config: EngineConfig, *, require_distributed: bool) -> VLLMEngine:
+        """Both entry points' path (``get_vllm_engine`` requires the trainer's world): checks, then ``cls(...)``."""
         settings = resolve_settings(config)
-        topology = _trainer_world(settings.tp_size, require=require_distributed)
+        topology = trainer_world(settings.tp_size, require=require_distributed)
         if settings.enable_sleep:
             with _STATE.lock:
                 check_sleep_slot(None, f"VLLMEngine({settings.model!r})")
-        _import_vllm()
+        import_vllm()
         return cls(settings, topology)
 
     def _start(self, topology: Topology | None) -> None:
         import torch.distributed as dist
 
-        vllm = _import_vllm()
-        # In-process engine core: apply_model reaches the model without IPC (external_launcher forces it too).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        vllm = import_vllm()
         if topology is not None:
             from genengine.distributed import engine_group
 
             self._group = engine_group(self.settings.tp_size, check_port=False)
-            # ExecutorWithExternalLauncher reads the rank and the device from torchrun's variables.
-            os.environ["RANK"] = str(topology.rank)
-            os.environ["LOCAL_RANK"] = str(topology.local_rank)
         if self.settings.enable_sleep:
-            self._alloc_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
-            stripped = strip_expandable_segments(self._alloc_conf)
-            if stripped != self._alloc_conf:
-                if stripped is None:
-                    os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-                else:
-                    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = stripped
-                _set_expandable_segments(False)
-                self._expandable_off = True
+            self._life.enter_context(without_expandable_segments())
         had_world = dist.is_available() and dist.is_initialized()
         kwargs = build_llm_kwargs(self.settings, external_launcher=topology is not None, group_seed=self.group_seed)
         try:
-            with preserve_rng_states():
+            # In-process engine core (apply_model reaches the model without IPC) and, under external_launcher,
+            # torchrun's rank variables: read only while vLLM starts (see start_environ).
+            with scoped_environ(start_environ(topology)), preserve_rng_states():
                 llm = vllm.LLM(**kwargs)
         except BaseException:
             # A failed start (e.g. out of memory) leaves vLLM's process-global groups behind; clear them so a
@@ -491,7 +295,7 @@ class VLLMEngine(EngineBase):
                 {"prompt": r.prompt} if r.prompt is not None else {"prompt_token_ids": list(r.prompt_token_ids or ())}
             )
             if r.image is not None:
-                prompt["multi_modal_data"] = {"image": _load_image(r.image, r.index)}
+                prompt["multi_modal_data"] = {"image": load_image(r.image, r.index)}
             seed = r.params.seed % _SEED_SPACE if r.params.seed is not None else self._seed_rng.getrandbits(61)
             copies = split_greedy_n(r.params)
             for k in range(copies):
@@ -570,7 +374,7 @@ class VLLMEngine(EngineBase):
         finally:
             with _STATE.lock:
                 _STATE.live.discard(self)
-            self._restore_allocator()
+            self._life.close()
             release_sleep_slot(self)
         # Only now is the last reference to vLLM's objects gone (this frame's ``llm`` kept the model and the
         # KV cache alive through ``_teardown``'s own cleanup): collect their cycles and hand the blocks back,
@@ -583,10 +387,10 @@ class VLLMEngine(EngineBase):
         if last:
             # EngineCore.shutdown → cleanup_dist_env_and_memory destroys vLLM's groups and the default group:
             # keep the default group when it is the trainer's.
-            trainer_world = self.topology is not None
-            with keep_default_group(trainer_world):
+            in_trainer_world = self.topology is not None
+            with keep_default_group(in_trainer_world):
                 client.shutdown()
-            if not trainer_world:
+            if not in_trainer_world:
                 _STATE.vllm_world = None
         else:
             # Another engine of this process still uses vLLM's process-global parallel state: free only ours.
@@ -597,15 +401,6 @@ class VLLMEngine(EngineBase):
             gc.unfreeze()
         del client, llm
 
-    def _restore_allocator(self) -> None:
-        if self._expandable_off:
-            if self._alloc_conf is None:
-                os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
-            else:
-                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = self._alloc_conf
-            _set_expandable_segments(True)
-            self._expandable_off = False
-
 
 def _free_gpu_memory() -> None:
     import torch
@@ -614,52 +409,3 @@ def _free_gpu_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-
-
-def get_vllm_engine(
-    model_name_or_path: str,
-    engine_mem_util: float,
-    enable_engine_sleep: bool = True,
-    tp_size: int = 1,
-    skip_tokenizer_init: bool = False,
-    dtype: str = "bfloat16",
-    disable_cuda_graph: bool = False,
-    **vllm_options: Any,
-) -> VLLMEngine:
-    """The reference's ``get_sglang_engine`` arguments, for vLLM; extra keywords go to ``vllm.LLM``.
-
-    Collective: every rank of the trainer's initialised ``torch.distributed`` world calls it; each rank
-    holds one rank of its TP group's engine (contiguous ranks, external_launcher). ``disable_cuda_graph``
-    maps to vLLM's ``enforce_eager``; ``seed`` (default 0) is the base seed of the TP groups.
-
-    Raises:
-        AssertionError: ``torch.distributed`` is not initialised, or its world size is not divisible by
-            ``tp_size`` (``DistributedSetupError``, raised explicitly so ``python -O`` keeps it), as in the
-            reference. ``genengine.create_engine(backend="vllm")`` also runs ``tp_size=1`` without it.
-        ValueError: any other bad argument (``InvalidArgumentError``; ``ConfigError`` for ``vllm_options``),
-            before vLLM is imported or any GPU memory is taken.
-        EngineStateError: another sleep-mode vLLM engine lives in this process (vLLM allows one).
-    """
-    check_reference_args(
-        engine_mem_util=engine_mem_util,
-        enable_engine_sleep=enable_engine_sleep,
-        tp_size=tp_size,
-        skip_tokenizer_init=skip_tokenizer_init,
-        dtype=dtype,
-        disable_cuda_graph=disable_cuda_graph,
-    )
-    model_dir = resolve_model_dir(model_name_or_path, what="model_name_or_path", error=InvalidArgumentError)
-    seed = vllm_options.pop("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InvalidArgumentError(f"seed={seed!r} must be an integer")
-    config = EngineConfig(
-        backend="vllm",
-        model=model_dir,
-        tp_size=tp_size,
-        mem_util=float(engine_mem_util),
-        dtype=dtype,
-        enable_sleep=enable_engine_sleep,
-        seed=seed,
-        options={"skip_tokenizer_init": skip_tokenizer_init, "disable_cuda_graph": disable_cuda_graph, **vllm_options},
-    )
-    return VLLMEngine._create(config, require_distributed=True)

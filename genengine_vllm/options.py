@@ -1,22 +1,29 @@
-"""Everything between genengine's settings and vLLM's arguments, as plain functions of plain data.
+"""The old home of :mod:`genengine_vllm.settings` and :mod:`genengine_vllm.mapping`, which it re-exports.
 
-Nothing here imports vLLM or torch, so every mapping (options → ``vllm.LLM`` keyword arguments, our
-``SamplingParams`` → vLLM's, vLLM's ``RequestOutput`` → ``GenerationResult``) is checked on a CPU
-machine, and every bad value fails here, before vLLM is imported or any GPU memory is taken.
+Kept for callers outside the plugin that still import from here (``tests/test_examples.py``,
+``benchmarks/bench_vllm.py``); new code imports from the two modules. ``ENGINE_ARGS`` is the pinned
+version's name list (``settings.FALLBACK_ENGINE_ARGS``); the check itself uses ``settings.engine_arg_names()``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
-
-from genengine.checkpoint import read_model_config, resolve_model_dir
-from genengine.config import EngineConfig, check_options
-from genengine.engine_args import REFERENCE_DTYPES
-from genengine.errors import ConfigError, EngineStateError, InvalidArgumentError
-from genengine.protocol import GenerationOutput, GenerationResult, SamplingParams
-from genengine.weights import DEFAULT_BUCKET_BYTES
+from genengine_vllm.mapping import (
+    MIN_TEMPERATURE,
+    convert_request_output,
+    sampled_logprobs,
+    split_greedy_n,
+    vllm_sampling_kwargs,
+)
+from genengine_vllm.settings import (
+    DTYPES,
+    LOGPROBS_MODE,
+    OUR_OPTIONS,
+    WEIGHT_SYNC_MODES,
+    VLLMSettings,
+    build_llm_kwargs,
+    resolve_settings,
+)
+from genengine_vllm.settings import FALLBACK_ENGINE_ARGS as ENGINE_ARGS
 
 __all__ = [
     "DTYPES",
@@ -30,275 +37,6 @@ __all__ = [
     "convert_request_output",
     "resolve_settings",
     "sampled_logprobs",
+    "split_greedy_n",
     "vllm_sampling_kwargs",
 ]
-
-DTYPES = REFERENCE_DTYPES
-"""What the RL engines run in (as SGLang's reference accepts): bf16 or fp16, never fp32."""
-
-LOGPROBS_MODE = "processed_logprobs"
-"""vLLM's default is raw logprobs (before temperature/top-k/top-p); the contract is processed ones."""
-
-MIN_TEMPERATURE = 1e-2
-"""vLLM 0.26 silently raises any temperature in (0, 0.01) to 0.01 (``sampling_params._MAX_TEMP``)."""
-
-WEIGHT_SYNC_MODES = ("bucketed", "per_param")
-
-OUR_OPTIONS = ("skip_tokenizer_init", "disable_cuda_graph", "weight_sync_mode", "bucket_bytes")
-"""Backend options that genengine itself interprets; everything else allowed goes to ``vllm.LLM``."""
-
-# ``vllm.engine.arg_utils.EngineArgs`` fields of vLLM 0.26.0 (the pinned version), minus private ones.
-# Kept as data so that unknown options fail on machines without vLLM too, with a "did you mean".
-ENGINE_ARGS = frozenset(
-    """
-    model enable_return_routed_experts model_weights served_model_name tokenizer hf_config_path runner convert
-    skip_tokenizer_init enable_prompt_embeds tokenizer_mode trust_remote_code allowed_local_media_path
-    allowed_media_domains download_dir safetensors_load_strategy safetensors_prefetch_num_threads
-    safetensors_prefetch_block_size load_format config_format dtype kv_cache_dtype seed max_model_len
-    cudagraph_capture_sizes max_cudagraph_capture_size ir_op_priority distributed_executor_backend
-    pipeline_parallel_size master_addr master_port nnodes node_rank distributed_timeout_seconds
-    cpu_distributed_timeout_seconds numa_bind numa_bind_nodes numa_bind_cpus device_ids tensor_parallel_size
-    prefill_context_parallel_size decode_context_parallel_size dcp_comm_backend dcp_kv_cache_interleave_size
-    cp_kv_cache_interleave_size data_parallel_size data_parallel_rank data_parallel_start_rank
-    data_parallel_size_local data_parallel_address data_parallel_rpc_port data_parallel_hybrid_lb
-    data_parallel_external_lb data_parallel_multi_port_external_lb data_parallel_backend enable_expert_parallel
-    enable_ep_weight_filter moe_backend linear_backend all2all_backend enable_elastic_ep enable_dbo ubatch_size
-    dbo_decode_token_threshold dbo_prefill_token_threshold disable_nccl_for_dp_synchronization eplb_config
-    enable_eplb expert_placement_strategy max_parallel_loading_workers block_size enable_prefix_caching
-    prefix_caching_hash_algo disable_sliding_window disable_cascade_attn offload_backend cpu_offload_gb
-    cpu_offload_params offload_group_size offload_num_in_group offload_prefetch_step offload_params
-    gpu_memory_utilization kv_cache_memory_bytes max_num_batched_tokens max_num_scheduled_tokens
-    max_num_partial_prefills max_long_partial_prefills long_prefill_token_threshold max_num_seqs max_logprobs
-    logprobs_mode use_fp64_gumbel disable_log_stats aggregate_engine_logging revision code_revision hf_token
-    hf_overrides model_class_overrides tokenizer_revision quantization quantization_config
-    allow_deprecated_quantization enforce_eager disable_custom_all_reduce language_model_only
-    limit_mm_per_prompt enable_mm_embeds interleave_mm_strings media_io_kwargs mm_processor_kwargs
-    mm_processor_cache_gb mm_processor_cache_type mm_shm_cache_max_object_size_mb mm_encoder_only
-    mm_encoder_tp_mode mm_encoder_attn_backend mm_encoder_attn_dtype mm_encoder_fp8_scale_path
-    mm_encoder_fp8_scale_save_path mm_encoder_fp8_scale_save_margin io_processor_plugin renderer_num_workers
-    skip_mm_profiling video_pruning_rate mm_tensor_ipc mm_ipc_gpu_memory_gb enable_lora max_loras max_lora_rank
-    default_mm_loras fully_sharded_loras max_cpu_loras lora_dtype lora_target_modules enable_tower_connector_lora
-    specialize_active_lora enable_mixed_moe_lora_format enable_moe_shared_loras ray_workers_use_nsight
-    num_gpu_blocks_override model_loader_extra_config ignore_patterns enable_chunked_prefill
-    disable_chunked_mm_input scheduler_reserve_full_isl prefill_schedule_interval watermark
-    disable_hybrid_kv_cache_manager structured_outputs_config reasoning_parser reasoning_parser_plugin
-    speculative_config spec_method spec_model spec_tokens diffusion_config show_hidden_metrics_for_version
-    otlp_traces_endpoint collect_detailed_traces kv_cache_metrics kv_cache_metrics_sample cudagraph_metrics
-    enable_layerwise_nvtx_tracing enable_mfu_metrics enable_logging_iteration_details jit_monitor_mode
-    jit_monitor_verbose enable_mm_processor_stats scheduling_policy scheduler_cls pooler_config
-    compilation_config attention_config mamba_config kernel_config enable_flashinfer_autotune
-    enable_bf16x3_router_gemm worker_cls worker_extension_cls profiler_config kv_transfer_config
-    kv_events_config ec_transfer_config reasoning_config generation_config enable_sleep_mode
-    enable_cumem_allocator override_generation_config model_impl override_attention_dtype attention_backend
-    calculate_kv_scales kv_cache_dtype_skip_layers mamba_cache_dtype mamba_ssm_cache_dtype mamba_block_size
-    prefix_match_unit mamba_cache_mode mamba_backend enable_mamba_cache_stochastic_rounding
-    mamba_cache_philox_rounds additional_config use_tqdm_on_load pt_load_map_location logits_processors
-    async_scheduling stream_interval kv_sharing_fast_prefill optimization_level performance_mode
-    kv_offloading_size kv_offloading_backend tokens_only shutdown_timeout weight_transfer_config
-    fail_on_environ_validation gdn_prefill_backend
-    """.split()  # noqa: SIM905 (a word list reads and diffs better than 220 quoted strings)
-)
-
-# vLLM arguments genengine sets itself: passing one as an option is an error that says what to use instead.
-_CONTROLLED: Mapping[str, str] = {
-    "model": "the model is EngineConfig.model (get_vllm_engine's model_name_or_path)",
-    "tensor_parallel_size": "use tp_size",
-    "gpu_memory_utilization": "use mem_util (get_vllm_engine's engine_mem_util)",
-    "enable_sleep_mode": "use enable_sleep (get_vllm_engine's enable_engine_sleep)",
-    "enable_cumem_allocator": "it follows enable_sleep (vLLM's sleep mode needs its cumem allocator)",
-    "dtype": "use dtype",
-    "enforce_eager": "use disable_cuda_graph",
-    "seed": "use EngineConfig.seed (each TP group samples with seed + its group index)",
-    "distributed_executor_backend": (
-        "genengine picks it: 'external_launcher' (one engine rank per trainer rank) when torch.distributed "
-        "is initialised, vLLM's in-process default otherwise"
-    ),
-    "logprobs_mode": f"logprobs are always {LOGPROBS_MODE!r}, the kind every genengine backend returns",
-    "pipeline_parallel_size": "a colocated engine is tensor-parallel only",
-    "data_parallel_size": "data parallelism is the trainer's world size divided by tp_size",
-    "data_parallel_rank": "data parallelism is the trainer's world size divided by tp_size",
-    "data_parallel_size_local": "data parallelism is the trainer's world size divided by tp_size",
-    "data_parallel_backend": "data parallelism is the trainer's world size divided by tp_size",
-}
-
-
-@dataclass(frozen=True)
-class VLLMSettings:
-    """One validated engine request: what genengine decides plus the options passed through to vLLM."""
-
-    model: str
-    tp_size: int
-    mem_util: float
-    dtype: str
-    enable_sleep: bool
-    seed: int
-    skip_tokenizer_init: bool = False
-    enforce_eager: bool = False
-    weight_sync_mode: str = "bucketed"
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    llm_options: Mapping[str, Any] = field(default_factory=dict)
-    model_config: Mapping[str, Any] = field(default_factory=dict)
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}={value!r} must be True or False")
-    return value
-
-
-def resolve_settings(config: EngineConfig) -> VLLMSettings:
-    """Validate an ``EngineConfig`` for the vllm backend; raises ``ConfigError`` naming the bad value."""
-    options = dict(config.options)
-    check_options("vllm", options, [*OUR_OPTIONS, *sorted(ENGINE_ARGS)])
-    for key in options:
-        if key in _CONTROLLED:
-            raise ConfigError(f"option {key!r} is set by genengine for the vllm backend: {_CONTROLLED[key]}")
-    if config.dtype not in DTYPES:
-        raise ConfigError(f"dtype={config.dtype!r} is not supported by the vllm backend; allowed: {', '.join(DTYPES)}")
-    skip_tok = _check_bool("skip_tokenizer_init", options.pop("skip_tokenizer_init", False))
-    eager = _check_bool("disable_cuda_graph", options.pop("disable_cuda_graph", False))
-    mode = options.pop("weight_sync_mode", "bucketed")
-    if mode not in WEIGHT_SYNC_MODES:
-        raise ConfigError(f"weight_sync_mode={mode!r} is not supported; allowed: {', '.join(WEIGHT_SYNC_MODES)}")
-    bucket = options.pop("bucket_bytes", DEFAULT_BUCKET_BYTES)
-    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
-        raise ConfigError(f"bucket_bytes={bucket!r} must be a positive integer (bytes per load_weights bucket)")
-    model_dir = resolve_model_dir(config.model)
-    model_config = read_model_config(model_dir)
-    return VLLMSettings(
-        model=model_dir,
-        tp_size=config.tp_size,
-        mem_util=float(config.mem_util),
-        dtype=config.dtype,
-        enable_sleep=config.enable_sleep,
-        seed=config.seed,
-        skip_tokenizer_init=skip_tok,
-        enforce_eager=eager,
-        weight_sync_mode=mode,
-        bucket_bytes=bucket,
-        llm_options=options,
-        model_config=model_config,
-    )
-
-
-def build_llm_kwargs(settings: VLLMSettings, *, external_launcher: bool, group_seed: int) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.LLM``: the settings genengine controls, then the pass-through options.
-
-    ``group_seed`` is the same on every rank of a TP group (external_launcher needs identical sampling
-    on all of them) and differs between groups, so data-parallel replicas draw different samples.
-    """
-    kwargs: dict[str, Any] = {
-        "model": settings.model,
-        "tensor_parallel_size": settings.tp_size,
-        "gpu_memory_utilization": settings.mem_util,
-        "dtype": settings.dtype,
-        "enable_sleep_mode": settings.enable_sleep,
-        "enforce_eager": settings.enforce_eager,
-        "skip_tokenizer_init": settings.skip_tokenizer_init,
-        "seed": group_seed,
-        "logprobs_mode": LOGPROBS_MODE,
-    }
-    if external_launcher:
-        kwargs["distributed_executor_backend"] = "external_launcher"
-    kwargs.update(settings.llm_options)
-    return kwargs
-
-
-def vllm_sampling_kwargs(
-    params: SamplingParams, *, seed: int, detokenize: bool, n: int | None = None
-) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.SamplingParams`` implementing our ``params`` (see the contract).
-
-    ``seed`` is always explicit: vLLM draws a missing seed from the process's global numpy RNG, which a
-    colocated trainer also uses, so two ranks of a TP group would sample different tokens and diverge.
-    Stop strings are cut from the text (``include_stop_str_in_output=False``) while the token that
-    completed one stays in ``token_ids``; stop tokens and EOS stay in ``token_ids``, not in the text.
-    """
-    if 0 < params.temperature < MIN_TEMPERATURE:
-        raise InvalidArgumentError(
-            f"temperature={params.temperature} is below vLLM's minimum {MIN_TEMPERATURE} (vLLM would silently "
-            "sample at 0.01, so processed logprobs would not match your temperature); use 0 for greedy or >= 0.01"
-        )
-    if params.stop and not detokenize:
-        raise InvalidArgumentError(
-            f"stop={list(params.stop)!r} needs text, but the engine was created with skip_tokenizer_init=True; "
-            "use stop_token_ids"
-        )
-    return {
-        "n": params.n if n is None else n,
-        "temperature": float(params.temperature),
-        "top_p": float(params.top_p),
-        "top_k": params.top_k_or_none or 0,  # vLLM: 0 disables top-k
-        "max_tokens": params.max_new_tokens,
-        "stop": list(params.stop) or None,
-        "stop_token_ids": list(params.stop_token_ids) or None,
-        "ignore_eos": params.ignore_eos,
-        "seed": seed,
-        "logprobs": 0 if params.logprobs else None,  # 0: only the sampled token's logprob
-        "flat_logprobs": True,
-        "detokenize": detokenize,
-        "skip_special_tokens": True,
-        "include_stop_str_in_output": False,
-    }
-
-
-def split_greedy_n(params: SamplingParams) -> int:
-    """How many single-sample vLLM requests stand for one prompt: vLLM refuses ``n > 1`` when greedy."""
-    return params.n if params.greedy and params.n > 1 else 1
-
-
-# ---- outputs -----------------------------------------------------------------------------------------------
-def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
-    """The logprob of each sampled token, from vLLM's ``FlatLogprobs`` or its list of ``{id: Logprob}``."""
-    if logprobs is None:
-        raise EngineStateError("vLLM returned no logprobs although they were requested")
-    n = len(token_ids)
-    if len(logprobs) != n:
-        raise EngineStateError(f"vLLM returned {len(logprobs)} logprob positions for {n} tokens")
-    out: list[float] = []
-    flat_ids = getattr(logprobs, "token_ids", None)
-    if flat_ids is not None and hasattr(logprobs, "start_indices"):
-        values = logprobs.logprobs
-        for i, tok in enumerate(token_ids):
-            for j in range(logprobs.start_indices[i], logprobs.end_indices[i]):
-                if flat_ids[j] == tok:
-                    out.append(float(values[j]))
-                    break
-            else:
-                raise EngineStateError(f"vLLM's logprobs at position {i} do not include the sampled token {tok}")
-        return out
-    for i, (tok, position) in enumerate(zip(token_ids, logprobs, strict=True)):
-        entry = position.get(tok) if position is not None else None
-        if entry is None:
-            raise EngineStateError(f"vLLM's logprobs at position {i} do not include the sampled token {tok}")
-        out.append(float(entry.logprob))
-    return out
-
-
-def _completion(c: Any, params: SamplingParams, *, detokenize: bool) -> GenerationOutput:
-    token_ids = [int(t) for t in c.token_ids]
-    reason = c.finish_reason
-    if reason not in ("stop", "length"):
-        raise EngineStateError(f"vLLM finished a request with finish_reason={reason!r}; no result for it")
-    stop_reason = c.stop_reason
-    if isinstance(stop_reason, int) and stop_reason not in params.stop_token_ids:
-        stop_reason = None  # an extra EOS id of generation_config.json: the contract reports EOS as None
-    return GenerationOutput(
-        token_ids=token_ids,
-        text=c.text if detokenize else None,
-        finish_reason=reason,
-        logprobs=sampled_logprobs(token_ids, c.logprobs) if params.logprobs else None,
-        stop_reason=stop_reason,
-    )
-
-
-def convert_request_output(outputs: Sequence[Any], params: SamplingParams, *, detokenize: bool) -> GenerationResult:
-    """One prompt's result from its vLLM ``RequestOutput`` (or the n single-sample ones of a greedy n > 1)."""
-    completions = [c for ro in outputs for c in sorted(ro.outputs, key=lambda c: c.index)]
-    if len(completions) != params.n:
-        raise EngineStateError(f"vLLM returned {len(completions)} completions for n={params.n}")
-    prompt_ids = outputs[0].prompt_token_ids
-    return GenerationResult(
-        prompt_token_ids=[int(t) for t in (prompt_ids or [])],
-        outputs=[_completion(c, params, detokenize=detokenize) for c in completions],
-    )

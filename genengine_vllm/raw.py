@@ -21,34 +21,30 @@ def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_ne
 
     import torch
 
-    from genengine_vllm.engine import (
+    from genengine.environ import scoped_environ
+    from genengine_vllm._process import (
         _STATE,
-        _import_vllm,
-        _trainer_world,
         claim_sleep_slot,
+        import_vllm,
         keep_default_group,
         preserve_rng_states,
         release_sleep_slot,
+        start_environ,
+        trainer_world,
     )
-    from genengine_vllm.options import build_llm_kwargs, resolve_settings
+    from genengine_vllm.settings import build_llm_kwargs, resolve_settings
 
     settings = resolve_settings(EngineConfig.from_any(config))
-    topology = _trainer_world(settings.tp_size)
-    vllm = _import_vllm()
+    topology = trainer_world(settings.tp_size)
+    vllm = import_vllm()
     token = object()
     if settings.enable_sleep:
         claim_sleep_slot(token, "raw vllm.LLM")
-    import os
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if topology is not None:
-        os.environ["RANK"] = str(topology.rank)
-        os.environ["LOCAL_RANK"] = str(topology.local_rank)
     group_seed = settings.seed + (topology.dp_rank if topology is not None else 0)
     llm: Any = None
     try:
         kwargs = build_llm_kwargs(settings, external_launcher=topology is not None, group_seed=group_seed)
-        with preserve_rng_states():
+        with scoped_environ(start_environ(topology)), preserve_rng_states():  # as ours: only while it starts
             llm = vllm.LLM(**kwargs)
         params = vllm.SamplingParams(
             temperature=0.0,

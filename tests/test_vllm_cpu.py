@@ -18,7 +18,7 @@ import sys
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -33,17 +33,12 @@ from genengine.errors import (
 )
 from genengine.protocol import EngineState, SamplingParams
 from genengine.testing.tiny_model import tiny_model_dir
-from genengine_vllm import engine as vengine
-from genengine_vllm.engine import VLLMEngine, get_vllm_engine
-from genengine_vllm.options import (
-    LOGPROBS_MODE,
-    build_llm_kwargs,
-    convert_request_output,
-    resolve_settings,
-    sampled_logprobs,
-    split_greedy_n,
-    vllm_sampling_kwargs,
-)
+from genengine_vllm import _process as vprocess
+from genengine_vllm import settings as vsettings
+from genengine_vllm.engine import VLLMEngine, generate_check_value
+from genengine_vllm.lightrft import get_vllm_engine
+from genengine_vllm.mapping import convert_request_output, sampled_logprobs, split_greedy_n, vllm_sampling_kwargs
+from genengine_vllm.settings import LOGPROBS_MODE, build_llm_kwargs, resolve_settings
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_no_vllm = pytest.mark.skipif(HAS_VLLM, reason="checks the error raised when vLLM is missing")
@@ -57,15 +52,16 @@ def model_dir() -> Path:
 @pytest.fixture
 def fresh_slot() -> Any:
     """No sleep-mode engine registered before or after the test."""
-    vengine._STATE.sleep_owner = None
+    vprocess._STATE.sleep_owner = None
     yield
-    vengine._STATE.sleep_owner = None
+    vprocess._STATE.sleep_owner = None
 
 
 # ---- import hygiene ------------------------------------------------------------------------------------------
 def test_package_import_is_light() -> None:
     code = (
         "import genengine_vllm, genengine_vllm.plugin, genengine_vllm.engine, genengine_vllm.raw\n"
+        "import genengine_vllm.settings, genengine_vllm.mapping, genengine_vllm.lightrft, genengine_vllm.options\n"
         "import sys\n"
         "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
     )
@@ -211,14 +207,14 @@ def test_second_sleep_engine_is_refused_before_anything(model_dir: Path, fresh_s
             return "HolderEngine"
 
     holder = Holder()
-    vengine.claim_sleep_slot(holder, "test")
-    vengine.claim_sleep_slot(holder, "test")  # the owner may claim again
+    vprocess.claim_sleep_slot(holder, "test")
+    vprocess.claim_sleep_slot(holder, "test")  # the owner may claim again
     with pytest.raises(EngineStateError) as info:
         _from_config(model_dir)
     assert "HolderEngine" in str(info.value) and "one engine per process" in str(info.value)
     assert "enable_engine_sleep=False" in str(info.value)
     with pytest.raises(EngineStateError):
-        vengine.claim_sleep_slot(object(), "another")
+        vprocess.claim_sleep_slot(object(), "another")
     # An engine without sleep does not need the allocator: it gets as far as importing vLLM.
     with pytest.raises(BackendImportError):
         _from_config(model_dir, enable_sleep=False)
@@ -226,7 +222,7 @@ def test_second_sleep_engine_is_refused_before_anything(model_dir: Path, fresh_s
     with pytest.raises(BackendImportError):
         _from_config(model_dir)
     holder.closed = False
-    vengine.release_sleep_slot(holder)
+    vprocess.release_sleep_slot(holder)
     with pytest.raises(BackendImportError):
         _from_config(model_dir)
 
@@ -236,12 +232,12 @@ def test_sleep_slot_frees_with_its_owner(fresh_slot: Any) -> None:
         pass
 
     owner = Owner()
-    vengine.claim_sleep_slot(owner, "test")
+    vprocess.claim_sleep_slot(owner, "test")
     del owner
     import gc
 
     gc.collect()
-    vengine.claim_sleep_slot(Owner(), "test")  # the dead owner's claim does not block
+    vprocess.claim_sleep_slot(Owner(), "test")  # the dead owner's claim does not block
 
 
 # ---- argument mapping -------------------------------------------------------------------------------------
@@ -411,12 +407,150 @@ def test_rng_states_survive_engine_start() -> None:
     random.seed(5)
     np.random.seed(5)
     torch.manual_seed(5)
-    with vengine.preserve_rng_states():  # what vLLM does while it starts: reseed everything
+    with vprocess.preserve_rng_states():  # what vLLM does while it starts: reseed everything
         random.seed(0)
         np.random.seed(0)
         torch.manual_seed(0)
         draw()
     assert draw() == expected
+
+
+# ---- pass-through names: the installed vLLM's EngineArgs, else the pinned version's list ------------------
+@dataclasses.dataclass
+class _FakeEngineArgs:
+    model: str = ""
+    max_model_len: int | None = None
+    brand_new_arg: bool = False
+    _api_process_rank: int = 0
+
+
+def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: Any) -> Any:
+    import importlib.machinery
+    import types
+
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A ``vllm`` package in ``sys.modules``: ``EngineArgs`` above and an ``LLM`` that records its start."""
+
+    class InprocClient:
+        def shutdown(self) -> None:
+            pass
+
+    class LLM:
+        seen: ClassVar[list[dict[str, str | None]]] = []
+        fail = False
+
+        def __init__(self, **kwargs: Any) -> None:
+            keys = ("VLLM_ENABLE_V1_MULTIPROCESSING", "RANK", "LOCAL_RANK", "PYTORCH_CUDA_ALLOC_CONF")
+            LLM.seen.append({k: os.environ.get(k) for k in keys})
+            if LLM.fail:
+                raise RuntimeError("no GPU here")
+            self.llm_engine = SimpleNamespace(engine_core=InprocClient())
+            self.model_config = SimpleNamespace(max_model_len=kwargs.get("max_model_len") or 2048)
+
+    vllm = _fake_module(monkeypatch, "vllm", LLM=LLM)
+    _fake_module(monkeypatch, "vllm.engine")
+    _fake_module(monkeypatch, "vllm.engine.arg_utils", EngineArgs=_FakeEngineArgs)
+    _fake_module(monkeypatch, "vllm.v1")
+    _fake_module(monkeypatch, "vllm.v1.engine")
+    _fake_module(monkeypatch, "vllm.v1.engine.core_client", InprocClient=InprocClient)
+    vsettings.engine_arg_names.cache_clear()
+    yield vllm
+    vsettings.engine_arg_names.cache_clear()
+
+
+@needs_no_vllm
+def test_engine_arg_names_fall_back_to_the_pinned_list() -> None:
+    vsettings.engine_arg_names.cache_clear()
+    assert vsettings.engine_arg_names() is vsettings.FALLBACK_ENGINE_ARGS
+    assert {"max_model_len", "enable_prefix_caching", "gpu_memory_utilization"} <= vsettings.FALLBACK_ENGINE_ARGS
+    assert not any(name.startswith("_") for name in vsettings.FALLBACK_ENGINE_ARGS)
+
+
+@needs_no_vllm
+def test_engine_arg_names_come_from_the_installed_engine_args(model_dir: Path, fake_vllm: Any) -> None:
+    assert vsettings.engine_arg_names() == {"model", "max_model_len", "brand_new_arg"}
+    assert _settings(model_dir, brand_new_arg=True).llm_options == {"brand_new_arg": True}
+    with pytest.raises(ConfigError, match="'enable_prefix_caching'"):  # in the pinned list, not in this vLLM
+        _settings(model_dir, enable_prefix_caching=False)
+    with pytest.raises(ConfigError, match="'_api_process_rank'"):
+        _settings(model_dir, _api_process_rank=1)
+    with pytest.raises(ConfigError, match="did you mean 'max_model_len'"):
+        _settings(model_dir, max_model_length=512)
+
+
+# ---- environment: vLLM's start variables only while it starts, the allocator setting for the engine's life ---
+_START_VARS = ("VLLM_ENABLE_V1_MULTIPROCESSING", "RANK", "LOCAL_RANK")
+
+
+def test_start_environ() -> None:
+    assert vprocess.start_environ(None) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    topology = SimpleNamespace(rank=3, local_rank=1)
+    assert vprocess.start_environ(topology) == {  # type: ignore[arg-type]
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "RANK": "3",
+        "LOCAL_RANK": "1",
+    }
+
+
+@pytest.mark.parametrize(
+    ("conf", "inside"),
+    [
+        ("expandable_segments:True,max_split_size_mb:64", "max_split_size_mb:64"),
+        ("expandable_segments:True", None),
+        ("max_split_size_mb:64", "max_split_size_mb:64"),
+        (None, None),
+    ],
+)
+def test_expandable_segments_are_off_inside_the_block(
+    monkeypatch: pytest.MonkeyPatch, conf: str | None, inside: str | None
+) -> None:
+    if conf is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    with vprocess.without_expandable_segments():
+        assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == inside
+    assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == conf
+
+
+@needs_no_vllm
+def test_engine_scopes_its_environment(
+    model_dir: Path, fake_vllm: Any, fresh_slot: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in _START_VARS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    outside = {"VLLM_ENABLE_V1_MULTIPROCESSING": None, "RANK": None, "LOCAL_RANK": None}
+    engine = _from_config(model_dir, options={"max_model_len": 512})
+    assert fake_vllm.LLM.seen[-1] == {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "RANK": None,
+        "LOCAL_RANK": None,
+        "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64",
+    }
+    assert {k: os.environ.get(k) for k in _START_VARS} == outside  # the start is over
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"  # the engine lives
+    with pytest.raises(EngineStateError, match="one engine per process"):
+        _from_config(model_dir)
+    engine.shutdown()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
+    assert {k: os.environ.get(k) for k in _START_VARS} == outside
+    fake_vllm.LLM.fail = True  # a failed start gives everything back too, the sleep slot included
+    with pytest.raises(RuntimeError, match="no GPU here"):
+        _from_config(model_dir)
+    assert fake_vllm.LLM.seen[-1]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
+    assert {k: os.environ.get(k) for k in _START_VARS} == outside
+    vprocess.claim_sleep_slot(_FakeEngineArgs(), "after the failed start")  # any object a weakref can name
 
 
 # ---- real process groups (2 ranks over gloo) ------------------------------------------------------------
@@ -450,21 +584,21 @@ def _scenarios(model: str) -> dict[str, Any]:
 
     group = engine_group(2, check_port=False, timeout_s=60)
     awake = EngineState()
-    same = vengine.generate_check_value(["hi there"], SamplingParams(temperature=0.5, seed=3), None, None, awake)
+    same = generate_check_value(["hi there"], SamplingParams(temperature=0.5, seed=3), None, None, awake)
     out["same"] = outcome(lambda: group.check_consistent(same, what="generate inputs"))
     prompt = "hi there" if rank == 0 else "hi there!"
-    differ = vengine.generate_check_value([prompt], SamplingParams(temperature=0.5, seed=3), None, None, awake)
+    differ = generate_check_value([prompt], SamplingParams(temperature=0.5, seed=3), None, None, awake)
     out["prompt"] = outcome(lambda: group.check_consistent(differ, what="generate inputs"))
     seed = 3 if rank == 0 else 4
-    differ = vengine.generate_check_value(["hi"], {"temperature": 0.5, "seed": seed}, None, None, awake)
+    differ = generate_check_value(["hi"], {"temperature": 0.5, "seed": seed}, None, None, awake)
     out["seed"] = outcome(lambda: group.check_consistent(differ, what="generate inputs"))
     state = awake if rank == 0 else EngineState(released_tags=frozenset({"weights", "kv_cache"}), sleep_level=1)
-    differ = vengine.generate_check_value(None, None, [[1, 2, 3]], None, state)
+    differ = generate_check_value(None, None, [[1, 2, 3]], None, state)
     out["state"] = outcome(lambda: group.check_consistent(differ, what="generate inputs or engine state"))
 
     # vLLM's teardown destroys the default group; inside the guard that is a no-op, subgroups still go.
     sub = dist.new_group([0, 1], backend="gloo")
-    with vengine.keep_default_group(True):
+    with vprocess.keep_default_group(True):
         dist.destroy_process_group()
         dist.destroy_process_group(sub)
     out["initialised_after_guard"] = dist.is_initialized()

@@ -11,6 +11,7 @@ Run on the GPU machine with tools/gpu/run_tests.sh vllm, which amounts to:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import socket
@@ -50,6 +51,7 @@ os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 
 MEM_UTIL = 0.3
 _RECORD: dict[str, Any] = {"engines": []}
+_START_VARS = ("VLLM_ENABLE_V1_MULTIPROCESSING", "RANK", "LOCAL_RANK")  # set only while vLLM starts
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -116,6 +118,7 @@ class TestVLLMConformance(EngineConformance):
         rng_cpu = torch.get_rng_state()
         rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         free_before = free_gpu_memory()
+        start_vars = {k: os.environ.get(k) for k in _START_VARS}
         engine: GenerationEngine = create_engine(backend="vllm", model=model_dir, mem_util=MEM_UTIL, **options)
         if main:
             _RECORD.update(
@@ -123,6 +126,7 @@ class TestVLLMConformance(EngineConformance):
                 free_awake=free_gpu_memory(),
                 alloc_conf_alive=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                 rng_kept=_rng_kept(rng_cpu, rng_cuda),
+                start_vars=(start_vars, {k: os.environ.get(k) for k in _START_VARS}),
             )
         _RECORD["engines"].append(engine)
         return engine
@@ -131,6 +135,8 @@ class TestVLLMConformance(EngineConformance):
     def test_engine_start_keeps_the_trainers_rng_and_allocator_setting(self, engine: GenerationEngine) -> None:
         assert _RECORD["rng_kept"], "creating the engine changed the trainer's torch RNG state"
         assert "expandable_segments:True" not in (_RECORD["alloc_conf_alive"] or "")
+        before, after = _RECORD["start_vars"]
+        assert after == before, "the variables vLLM reads while it starts must not outlive the start"
         assert engine.settings.tp_size == 1 and engine.topology is not None  # type: ignore[attr-defined]
 
     @pytest.mark.parametrize("level", [1, 2])
@@ -295,3 +301,21 @@ def test_prefix_cache_drift_and_the_setting_that_removes_it(trainer_world: Any) 
         print(f"VLLM_CACHE_DRIFT prefix_caching={caching}: " + drifts[caching].describe())
     assert drifts[True].tokens_equal and drifts[False].tokens_equal
     assert drifts[False].hit == 0.0, drifts[False].describe()
+
+
+def test_fallback_engine_args_match_the_installed_vllm() -> None:
+    """The pass-through names used where vLLM is not installed are the installed vLLM's ``EngineArgs`` fields:
+    ``settings.FALLBACK_ENGINE_ARGS == {f.name for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_")}``,
+    and ``engine_arg_names()`` reads exactly that set here. A vLLM upgrade that adds or drops a field fails here
+    until the list in genengine_vllm/settings.py is its new field list."""
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    from genengine_vllm import settings
+
+    installed = frozenset(f.name for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_"))
+    missing = sorted(installed - settings.FALLBACK_ENGINE_ARGS)
+    extra = sorted(settings.FALLBACK_ENGINE_ARGS - installed)
+    assert not missing and not extra, f"vLLM {vllm.__version__}: fallback lacks {missing}, has extra {extra}"
+    settings.engine_arg_names.cache_clear()
+    assert settings.engine_arg_names() == installed
