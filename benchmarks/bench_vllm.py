@@ -95,7 +95,7 @@ def raw_main(model: str, out: str) -> None:
     import torch
     import vllm
 
-    from genengine_vllm.options import build_llm_kwargs, resolve_settings
+    from genengine_vllm.settings import build_llm_kwargs, resolve_settings
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as ours: the model lives in this process
     settings = resolve_settings(engine_config(model))

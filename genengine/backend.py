@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from genengine.base import EngineBase
-from genengine.config import EngineConfig, check_options
+from genengine.config import EngineConfig, check_options, option_bool, option_int, option_number
 from genengine.errors import (
     CheckpointError,
     ConfigError,
@@ -81,6 +81,9 @@ __all__ = [
     "complete",
     "hookimpl",
     "module_weight_spec",
+    "option_bool",
+    "option_int",
+    "option_number",
     "sample_seed",
     "text_decoder",
     "torch_dtype",

@@ -9,14 +9,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from genengine.checkpoint import resolve_model_dir
-from genengine.config import EngineConfig, check_options
+from genengine.config import EngineConfig, check_options, option_bool, option_int, option_number
 from genengine.errors import ConfigError, InvalidArgumentError
 from genengine_sglang._server_args import SERVER_ARGS_FIELDS
 
@@ -144,24 +143,6 @@ class SGLangSettings:
     """SGLang server arguments from options (passthrough names and ``server_args``)."""
 
 
-def _bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"option {name}={value!r} must be true or false")
-    return value
-
-
-def _positive_number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"option {name}={value!r} must be a finite number > 0")
-    return float(value)
-
-
-def _int_in(name: str, value: Any, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(f"option {name}={value!r} must be an integer in [{lo}, {hi}]")
-    return value
-
-
 def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The options in ``$GENENGINE_SGLANG_OPTIONS`` (a JSON object), or {} when unset."""
     raw = (os.environ if environ is None else environ).get(OPTIONS_ENV, "").strip()
@@ -197,7 +178,7 @@ def resolve_settings(config: EngineConfig, *, environ: Mapping[str, str] | None 
     bucket = options.get("bucket_bytes")
     if bucket is None:
         bucket = DEFAULT_BUCKET_BYTES[mode]
-    bucket = _int_in("bucket_bytes", bucket, 1, 1 << 50)
+    bucket = option_int("bucket_bytes", bucket, 1, 1 << 50)
     barrier = options.get("weight_sync_barrier", "loader")
     if barrier not in ("loader", "none"):
         raise ConfigError(
@@ -206,10 +187,10 @@ def resolve_settings(config: EngineConfig, *, environ: Mapping[str, str] | None 
         )
     base_gpu_id = options.get("base_gpu_id")
     if base_gpu_id is not None:
-        base_gpu_id = _int_in("base_gpu_id", base_gpu_id, 0, 1023)
+        base_gpu_id = option_int("base_gpu_id", base_gpu_id, 0, 1023)
     timeout = options.get("collective_timeout_s")
     if timeout is not None:
-        timeout = _positive_number("collective_timeout_s", timeout)
+        timeout = option_number("collective_timeout_s", timeout)
     server_args = options.get("server_args", {})
     if not isinstance(server_args, Mapping):
         raise ConfigError(f"option server_args={server_args!r} must be a mapping of SGLang server arguments")
@@ -220,7 +201,7 @@ def resolve_settings(config: EngineConfig, *, environ: Mapping[str, str] | None 
             raise ConfigError(f"server argument {key!r} is set by genengine; use {_RESERVED_SERVER_ARGS[key]} instead")
     for key in ("disable_cuda_graph", "skip_tokenizer_init", "trust_remote_code", "enable_deterministic_inference"):
         if key in overrides:
-            _bool(key, overrides[key])
+            option_bool(key, overrides[key])
 
     return SGLangSettings(
         model_path=model_path,
@@ -235,12 +216,12 @@ def resolve_settings(config: EngineConfig, *, environ: Mapping[str, str] | None 
         weight_sync_mode=mode,
         bucket_bytes=bucket,
         weight_sync_barrier=barrier,
-        weights_cpu_backup=_bool("enable_weights_cpu_backup", options.get("enable_weights_cpu_backup", False)),
-        release_timeout_s=_positive_number("release_timeout_s", options.get("release_timeout_s", 10.0)),
-        base_port=_int_in("base_port", options.get("base_port", 40000), 1, 65535),
+        weights_cpu_backup=option_bool("enable_weights_cpu_backup", options.get("enable_weights_cpu_backup", False)),
+        release_timeout_s=option_number("release_timeout_s", options.get("release_timeout_s", 10.0)),
+        base_port=option_int("base_port", options.get("base_port", 40000), 1, 65535),
         base_gpu_id=base_gpu_id,
         collective_timeout_s=timeout,
-        check_inputs=_bool("check_inputs", options.get("check_inputs", True)),
+        check_inputs=option_bool("check_inputs", options.get("check_inputs", True)),
         deterministic=bool(overrides.get("enable_deterministic_inference", False)),
         server_overrides=overrides,
     )

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from genengine.checkpoint import read_model_config, resolve_model_dir
-from genengine.config import EngineConfig, check_options
+from genengine.config import EngineConfig, check_options, option_bool
 from genengine.engine_args import REFERENCE_DTYPES
 from genengine.errors import ConfigError
 from genengine.weights import DEFAULT_BUCKET_BYTES
@@ -155,12 +155,6 @@ class VLLMSettings:
     model_config: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}={value!r} must be True or False")
-    return value
-
-
 def resolve_settings(config: EngineConfig) -> VLLMSettings:
     """Validate an ``EngineConfig`` for the vllm backend; raises ``ConfigError`` naming the bad value."""
     options = dict(config.options)
@@ -170,8 +164,8 @@ def resolve_settings(config: EngineConfig) -> VLLMSettings:
             raise ConfigError(f"option {key!r} is set by genengine for the vllm backend: {_CONTROLLED[key]}")
     if config.dtype not in DTYPES:
         raise ConfigError(f"dtype={config.dtype!r} is not supported by the vllm backend; allowed: {', '.join(DTYPES)}")
-    skip_tok = _check_bool("skip_tokenizer_init", options.pop("skip_tokenizer_init", False))
-    eager = _check_bool("disable_cuda_graph", options.pop("disable_cuda_graph", False))
+    skip_tok = option_bool("skip_tokenizer_init", options.pop("skip_tokenizer_init", False))
+    eager = option_bool("disable_cuda_graph", options.pop("disable_cuda_graph", False))
     mode = options.pop("weight_sync_mode", "bucketed")
     if mode not in WEIGHT_SYNC_MODES:
         raise ConfigError(f"weight_sync_mode={mode!r} is not supported; allowed: {', '.join(WEIGHT_SYNC_MODES)}")

@@ -35,11 +35,11 @@ def test_yaml_options_pass_the_backends_own_checks(backend: str) -> None:
 
         check_options(backend, config.options, OPTIONS)
     elif backend == "sglang":
-        from genengine_sglang._options import settings_from_config
+        from genengine_sglang.settings import resolve_settings as resolve_sglang
 
-        assert settings_from_config(config, environ={}).mem_util == config.mem_util
+        assert resolve_sglang(config, environ={}).mem_util == config.mem_util
     else:
-        from genengine_vllm.options import resolve_settings
+        from genengine_vllm.settings import resolve_settings
 
         assert resolve_settings(config).weight_sync_mode == "bucketed"
 

@@ -61,7 +61,7 @@ def fresh_slot() -> Any:
 def test_package_import_is_light() -> None:
     code = (
         "import genengine_vllm, genengine_vllm.plugin, genengine_vllm.engine, genengine_vllm.raw\n"
-        "import genengine_vllm.settings, genengine_vllm.mapping, genengine_vllm.lightrft, genengine_vllm.options\n"
+        "import genengine_vllm.settings, genengine_vllm.mapping, genengine_vllm.lightrft\n"
         "import sys\n"
         "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))"
     )

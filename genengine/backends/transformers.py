@@ -33,10 +33,10 @@ from genengine.backend import (
     WeightInfo,
     check_device,
     module_weight_spec,
+    option_int,
     text_decoder,
     torch_dtype,
 )
-from genengine.backend import StopStrings as _StopStrings  # noqa: F401  (its old home; docs/benchmarks.md)
 from genengine.backends._sampling import Row, buffer_layer_class, greedy, processed_sample
 from genengine.environ import malloc_trim
 
@@ -61,12 +61,6 @@ _ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2",
 
 
 # ---- option checks (all run before anything is loaded) -------------------------------------------------------
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name}={value!r} must be a positive integer")
-    return value
-
-
 # ---- per-call state ---------------------------------------------------------------------------------------
 @dataclass
 class _Prefix:
@@ -116,7 +110,7 @@ class TransformersEngine(FromConfig, EngineBase):
         device = check_device(device)
         if dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ConfigError(f"dtype={dtype!r}: allowed are auto, bfloat16, float16, float32")
-        _check_positive_int("max_batch_size", max_batch_size)
+        option_int("max_batch_size", max_batch_size)
         if attn_implementation is not None and attn_implementation not in _ATTN_IMPLEMENTATIONS:
             raise ConfigError(
                 f"attn_implementation={attn_implementation!r}: allowed are {', '.join(_ATTN_IMPLEMENTATIONS)} or None"
