@@ -335,6 +335,11 @@ class Completion:
             return False
         return True
 
+    def abort(self) -> None:
+        """End the sample now, from outside (``abort``): it keeps its tokens, and the text is theirs."""
+        if self.finish_reason is None:
+            self.finish_reason, self.text = "abort", self._text(self.tokens)
+
     def _text(self, ids: list[int]) -> str | None:
         return None if self._decode is None else self._decode(ids)
 

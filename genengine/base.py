@@ -9,6 +9,7 @@ each of them).
 from __future__ import annotations
 
 import abc
+import dataclasses
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -61,6 +62,7 @@ class EngineBase(abc.ABC):
         self.__broken_reason: str | None = None
         self.__flush_pending = False
         self.__closed = False
+        self.__weight_version = 0
 
     # ---- what a backend implements --------------------------------------------------------------------
     @abc.abstractmethod
@@ -98,6 +100,16 @@ class EngineBase(abc.ABC):
         rank of a TP group must count alike (it depends only on the tensor's kind and device)."""
         return tensor_nbytes(tensor)
 
+    # Hooks for the async capability (genengine.aio.AsyncEngineMixin overrides them); no-ops without it.
+    def _check_idle(self, what: str) -> None:  # noqa: B027 (a hook, not abstract: most backends are sync)
+        """Refuse ``what`` while requests are in flight."""
+
+    def _check_weights_may_change(self) -> None:  # noqa: B027
+        """Refuse a weight load that would land under running requests."""
+
+    def _on_new_weight_version(self, version: int) -> None:  # noqa: B027
+        """Requests in flight go on with weight version ``version``."""
+
     def _finish_weights(self) -> None:
         """After a load: make sure no cache computed with the old weights survives."""
         self._flush_cache()
@@ -124,6 +136,11 @@ class EngineBase(abc.ABC):
             weights_loaded=not self.__missing,
             closed=self.__closed,
         )
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights in force: the last ``load_weights(version=...)``, 0 at start."""
+        return self.__weight_version
 
     @property
     def is_sleeping(self) -> bool:
@@ -165,7 +182,14 @@ class EngineBase(abc.ABC):
             supports_images=self.supports_images,
         )
         self._check_can_generate()
-        return self._generate(requests)
+        results = self._generate(requests)
+        version = ((0, self.__weight_version),)
+        return [
+            dataclasses.replace(
+                result, outputs=[dataclasses.replace(out, weight_versions=version) for out in result.outputs]
+            )
+            for result in results
+        ]
 
     def sleep(self, level: int = 1) -> None:
         self._check_open()
@@ -177,6 +201,7 @@ class EngineBase(abc.ABC):
             raise EngineStateError("sleep is disabled for this engine: create it with enable_sleep=True")
         if self.__released:
             return
+        self._check_idle("sleep")
         self._release(level)
         self.__released = set(self.supported_tags)
         self.__level = level
@@ -230,8 +255,13 @@ class EngineBase(abc.ABC):
         *,
         bucket_bytes: int | None = None,
         check_finite: bool = False,
+        version: int | None = None,
     ) -> LoadReport:
+        """Write ``named_tensors`` into the engine; ``version`` (an int >= 0) labels the weights from here on
+        (``weight_version`` and each later output's ``weight_versions``); None keeps the current label."""
         self._check_open()
+        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+            raise InvalidArgumentError(f"version={version!r} must be an integer >= 0 or None")
         if bucket_bytes is not None and (
             isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
         ):
@@ -240,6 +270,7 @@ class EngineBase(abc.ABC):
             raise InvalidArgumentError(f"check_finite={check_finite!r} must be True or False")
         if TAG_WEIGHTS in self.__released:
             raise EngineSleepingError("the weights are asleep: call wake(['weights']) before load_weights")
+        self._check_weights_may_change()
         if isinstance(named_tensors, (str, bytes)) or not isinstance(named_tensors, (Iterable, Mapping)):
             raise InvalidArgumentError(
                 f"load_weights takes an iterable of (name, tensor) pairs, got {type(named_tensors).__name__}"
@@ -287,6 +318,9 @@ class EngineBase(abc.ABC):
                     f"({type(exc).__name__}: {exc})"
                 )
             raise
+        if version is not None and version != self.__weight_version:
+            self.__weight_version = version
+            self._on_new_weight_version(version)
         return LoadReport(
             num_tensors=len(written),
             num_bytes=num_bytes,

@@ -21,7 +21,7 @@ from genengine.environ import malloc_trim
 from genengine.errors import InvalidArgumentError
 from genengine.protocol import SamplingParams
 
-__all__ = ["DemoConfig", "DemoResult", "StepStats", "run_demo"]
+__all__ = ["DemoConfig", "DemoResult", "StepStats", "pick_target", "rewards_and_advantages", "run_demo", "train_step"]
 
 _PROMPTS = [
     "The quick brown fox",
@@ -188,22 +188,12 @@ def _run(cfg: DemoConfig, echo: Callable[[str], None] | None) -> DemoResult:
     policy.to(trainer_device).train()
     optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    special = set(tokenizer.all_special_ids)
 
     bar: Any = None
     say = echo or print
     engine = create_engine(backend=cfg.backend, model=model, dtype=dtype, seed=cfg.seed, **cfg.options)
     try:
-        # The target: the token the untrained model samples most often (outside the special tokens).
-        warm = engine.generate(_PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=cfg.max_new_tokens, seed=0))
-        counts: dict[int, int] = {}
-        for r in warm:
-            for t in r.outputs[0].token_ids:
-                text = str(tokenizer.decode([t]))
-                if t not in special and text.strip() and "\ufffd" not in text:  # a readable token
-                    counts[t] = counts.get(t, 0) + 1
-        target = max(sorted(counts), key=lambda t: counts[t])
-        target_text = str(tokenizer.decode([target]))
+        target, target_text = pick_target(engine, tokenizer, cfg.max_new_tokens)
         say(
             f"genengine demo: backend={cfg.backend} model={model} engine dtype={dtype} trainer on {trainer_device}; "
             f"reward = share of completion tokens equal to {target_text!r} (id {target})"
@@ -227,15 +217,13 @@ def _run(cfg: DemoConfig, echo: Callable[[str], None] | None) -> DemoResult:
             results = engine.generate(prompts, params)
             gen_seconds = time.perf_counter() - t0
             samples = [(r.prompt_token_ids, o.token_ids, o.logprobs or []) for r in results for o in r.outputs]
-            rewards = torch.tensor([sum(t == target for t in toks) / max(1, len(toks)) for _, toks, _ in samples])
-            groups = rewards.view(len(results), cfg.group_size)
-            adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
+            rewards, adv = rewards_and_advantages(samples, target, cfg.group_size)
 
             before = _free_memory(_engine_device(cfg))
             engine.sleep(cfg.sleep_level)
             freed = _free_memory(_engine_device(cfg)) - before
 
-            gap = _train_step(policy, optimizer, samples, adv, pad, trainer_device)
+            gap = train_step(policy, optimizer, samples, adv, pad, trainer_device)
 
             t1 = time.perf_counter()
             engine.wake(["weights"])
@@ -267,7 +255,31 @@ def _run(cfg: DemoConfig, echo: Callable[[str], None] | None) -> DemoResult:
     return result
 
 
-def _train_step(
+def rewards_and_advantages(samples: list[tuple[list[int], list[int], list[float]]], target: int, group: int) -> Any:
+    """Each sample's reward (share of its tokens equal to ``target``) and GRPO advantage within its group."""
+    import torch
+
+    rewards = torch.tensor([sum(t == target for t in toks) / max(1, len(toks)) for _, toks, _ in samples])
+    groups = rewards.view(-1, group)
+    adv = ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)).flatten()
+    return rewards, adv
+
+
+def pick_target(engine: Any, tokenizer: Any, max_new_tokens: int) -> tuple[int, str]:
+    """The reward's token: the one the untrained model samples most often (a readable, non-special one)."""
+    special = set(tokenizer.all_special_ids)
+    warm = engine.generate(_PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=0))
+    counts: dict[int, int] = {}
+    for r in warm:
+        for t in r.outputs[0].token_ids:
+            text = str(tokenizer.decode([t]))
+            if t not in special and text.strip() and "\ufffd" not in text:
+                counts[t] = counts.get(t, 0) + 1
+    target = max(sorted(counts), key=lambda t: counts[t])
+    return target, str(tokenizer.decode([target]))
+
+
+def train_step(
     policy: Any,
     optimizer: Any,
     samples: list[tuple[list[int], list[int], list[float]]],

@@ -34,7 +34,7 @@ __all__ = [
 TAG_WEIGHTS = "weights"
 TAG_KV_CACHE = "kv_cache"
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
 
 
 def _show(value: Any) -> str:
@@ -281,6 +281,9 @@ class GenerationOutput:
     """Processed log-probability of each token in ``token_ids`` (same length), if asked for."""
     stop_reason: str | int | None = None
     """The stop string or token id that ended the completion; None for EOS or length."""
+    weight_versions: tuple[tuple[int, int], ...] = ()
+    """``(token index, weight version)`` pairs, in order: the version that sampled the tokens from that index
+    on (one pair unless a ``load_weights`` landed while the request was paused with ``keep``)."""
 
 
 @dataclass(frozen=True)

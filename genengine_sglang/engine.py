@@ -448,12 +448,19 @@ class SGLangEngine(EngineBase):
         *,
         bucket_bytes: int | None = None,
         check_finite: bool = False,
+        version: int | None = None,
     ) -> LoadReport:
         call = _LoadCall(self._settings.weight_sync_mode, None, True)
-        return self._load(named_tensors, bucket_bytes, call, check_finite=check_finite)
+        return self._load(named_tensors, bucket_bytes, call, check_finite=check_finite, version=version)
 
     def _load(
-        self, named_tensors: Any, bucket_bytes: int | None, call: _LoadCall, *, check_finite: bool = False
+        self,
+        named_tensors: Any,
+        bucket_bytes: int | None,
+        call: _LoadCall,
+        *,
+        check_finite: bool = False,
+        version: int | None = None,
     ) -> LoadReport:
         """``EngineBase.load_weights`` with ``call``'s way of handing tensors over; ends with the loader
         barrier, so the trainer may change its tensors once this returns."""
@@ -461,7 +468,9 @@ class SGLangEngine(EngineBase):
         self._unsynced = False
         failed = True
         try:
-            report = super().load_weights(named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite)
+            report = super().load_weights(
+                named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
+            )
             failed = False
             return report
         except CollectiveTimeoutError:

@@ -251,14 +251,18 @@ class VLLMEngine(EngineBase):
         *,
         bucket_bytes: int | None = None,
         check_finite: bool = False,
+        version: int | None = None,
     ) -> LoadReport:
         self._check_open()
         if self._tp_checked:
             assert self._group is not None
             self._group.check_consistent(
-                ("load_weights", bucket_bytes, check_finite, self.state), what="load_weights arguments or engine state"
+                ("load_weights", bucket_bytes, check_finite, version, self.state),
+                what="load_weights arguments or engine state",
             )
-        return super().load_weights(named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite)
+        return super().load_weights(
+            named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
+        )
 
     # -- EngineBase hooks -----------------------------------------------------------------------------------
     def _vocab_size(self) -> int | None:

@@ -14,6 +14,8 @@ from genengine.backend import Completion, SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from genengine.aio import AsyncRequest
+
 __all__ = ["TINY_TEMPERATURE", "Row", "buffer_layer_class", "greedy", "processed_sample"]
 
 TINY_TEMPERATURE = 1e-30
@@ -27,11 +29,32 @@ class Row:
     prompt: tuple[int, ...]
     seed: int
     out: Completion
+    sink: AsyncRequest | None = None
+    """The async request this row is completion ``index`` of (None for a synchronous ``generate``)."""
+    index: int = 0
+    emitted: int = 0
     _rng: torch.Generator | None = None
 
     @property
     def params(self) -> SamplingParams:
         return self.out.params
+
+    @property
+    def context(self) -> tuple[int, ...]:
+        """What the next token is sampled after: the prompt and every token so far."""
+        return self.prompt + tuple(self.out.tokens) if self.out.tokens else self.prompt
+
+    def report(self) -> None:
+        """Hand an async request the tokens it has not seen, and the finish once there is one."""
+        if self.sink is None:
+            return
+        out = self.out
+        if len(out.tokens) > self.emitted:
+            new = slice(self.emitted, len(out.tokens))
+            self.sink.emit(self.index, out.tokens[new], out.logprobs[new])
+            self.emitted = len(out.tokens)
+        if out.finish_reason is not None:
+            self.sink.finish(self.index, out.finish_reason, stop_reason=out.stop_reason, text=out.text)
 
     def uniform(self) -> float:
         import torch

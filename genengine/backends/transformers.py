@@ -11,12 +11,14 @@ from __future__ import annotations
 import gc
 import inspect
 import os
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from genengine.aio import AsyncEngineMixin, AsyncRequest
 from genengine.backend import (
     DEFAULT_BUCKET_BYTES,
     TAG_KV_CACHE,
@@ -37,8 +39,10 @@ from genengine.backend import (
     text_decoder,
     torch_dtype,
 )
-from genengine.backends._sampling import Row, buffer_layer_class, greedy, processed_sample
+from genengine.backends._sampling import Row, greedy, processed_sample
+from genengine.backends._scheduler import DecodeBatch, Scheduler
 from genengine.environ import malloc_trim
+from genengine.errors import EngineClosedError
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +76,7 @@ class _Prefix:
     nbytes: int
 
 
-class TransformersEngine(FromConfig, EngineBase):
+class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
     """A ``GenerationEngine`` running a transformers causal LM in this process.
 
     Options: ``device`` ("cpu", "cuda", "cuda:N"), ``max_batch_size`` (rows decoded together),
@@ -181,6 +185,8 @@ class TransformersEngine(FromConfig, EngineBase):
         self._prefixes: OrderedDict[tuple[int, ...], _Prefix] = OrderedDict()
         self._prefix_nbytes = 0
         self._prefix_hits = 0
+        self._lock = threading.RLock()
+        self._scheduler: Scheduler | None = None
 
     # ---- introspection -------------------------------------------------------------------------------------
     @property
@@ -216,27 +222,31 @@ class TransformersEngine(FromConfig, EngineBase):
             raise InvalidArgumentError(f"prompts[{request.index}]={request.prompt!r} encodes to no tokens")
         return ids
 
+    def _checked_prompt(self, request: Request) -> tuple[int, ...]:
+        ids = self._encode(request)
+        if len(ids) + request.params.max_new_tokens > self._max_len:
+            raise InvalidArgumentError(
+                f"prompt {request.index} has {len(ids)} tokens; with max_new_tokens={request.params.max_new_tokens} "
+                f"it exceeds the model's context of {self._max_len} tokens"
+            )
+        return ids
+
+    def _new_rows(self, ids: tuple[int, ...], p: SamplingParams) -> list[Row]:
+        return [Row(ids, self._seeds.sample(p, j), self._completion(p)) for j in range(p.n)]
+
     def _generate(self, requests: list[Request]) -> list[GenerationResult]:
         import torch
 
-        prompts = [self._encode(r) for r in requests]
-        for r, ids in zip(requests, prompts, strict=True):
-            if len(ids) + r.params.max_new_tokens > self._max_len:
-                raise InvalidArgumentError(
-                    f"prompt {r.index} has {len(ids)} tokens; with max_new_tokens={r.params.max_new_tokens} it "
-                    f"exceeds the model's context of {self._max_len} tokens"
-                )
-        rows: list[list[Row]] = []
-        for r, ids in zip(requests, prompts, strict=True):
-            p = r.params
-            rows.append([Row(ids, self._seeds.sample(p, j), self._completion(p)) for j in range(p.n)])
-        flat = [row for per_request in rows for row in per_request]
-        with torch.inference_mode():
-            prefixes = self._prefill(list(dict.fromkeys(prompts)))
-            # Rows of similar prompt length decode together: less padding.
-            ordered = sorted(flat, key=lambda row: len(row.prompt))
-            for start in range(0, len(ordered), self.max_batch_size):
-                self._decode(ordered[start : start + self.max_batch_size], prefixes)
+        prompts = [self._checked_prompt(r) for r in requests]
+        with self._lock:
+            rows = [self._new_rows(ids, r.params) for r, ids in zip(requests, prompts, strict=True)]
+            flat = [row for per_request in rows for row in per_request]
+            with torch.inference_mode():
+                prefixes = self._prefill(list(dict.fromkeys(prompts)))
+                # Rows of similar prompt length decode together: less padding.
+                ordered = sorted(flat, key=lambda row: len(row.prompt))
+                for start in range(0, len(ordered), self.max_batch_size):
+                    self._decode(ordered[start : start + self.max_batch_size], prefixes)
         return [
             GenerationResult(
                 prompt_token_ids=list(ids),
@@ -309,55 +319,9 @@ class TransformersEngine(FromConfig, EngineBase):
             self._prefix_nbytes -= old.nbytes
 
     def _decode(self, rows: list[Row], prefixes: dict[tuple[int, ...], _Prefix]) -> None:
-        """Decode rows together: left-padded prompt KV in buffers sized for the whole run, written in place."""
-        import torch
-
-        width = max(len(row.prompt) for row in rows)
-        capacity = width + max(row.params.max_new_tokens for row in rows)
-        batch = len(rows)
-        first = prefixes[rows[0].prompt]
-        cache = self._new_cache()
-        layers = []
-        for layer in range(len(first.keys)):
-            kv_heads, _, head_dim = first.keys[layer].shape
-            keys = first.keys[layer].new_zeros((batch, kv_heads, capacity, head_dim))
-            values = torch.zeros_like(keys)
-            for b, row in enumerate(rows):
-                entry = prefixes[row.prompt]
-                keys[b, :, width - len(row.prompt) : width] = entry.keys[layer]
-                values[b, :, width - len(row.prompt) : width] = entry.values[layer]
-            layers.append(buffer_layer_class()(keys, values, width))
-        cache.layers = layers
-        # The attention mask as the attention kernel takes it ([batch, 1, 1, keys]), extended in place.
-        allowed = torch.zeros((batch, 1, 1, capacity), dtype=torch.bool)
-        for b, row in enumerate(rows):
-            allowed[b, :, :, width - len(row.prompt) : width] = True
-        allowed = allowed.to(self.device)
-        positions = torch.tensor([len(row.prompt) for row in rows], device=self.device)
-        logits = torch.stack([prefixes[row.prompt].logits for row in rows])
-        active = list(range(batch))
-        length = width
-        while True:
-            live = [rows[i] for i in active]
-            tokens, keep = self._sample(logits, live)
-            if not keep:
-                return
-            if len(keep) < len(active):
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                allowed, positions, tokens = allowed[index], positions[index], tokens[index]
-                active = [active[j] for j in keep]
-            allowed[:, :, :, length] = True
-            length += 1
-            out = self._model(
-                input_ids=tokens[:, None],
-                attention_mask=self._decode_mask(allowed[:, :, :, :length]),
-                position_ids=positions[:, None],
-                use_cache=True,
-                **{self._cache_kwarg: cache},
-            )
-            logits = out.logits[:, -1].float()
-            positions = positions + 1
+        batch = DecodeBatch(self, rows, prefixes)
+        while batch.step():
+            pass
 
     def _decode_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """A ready 4-D mask (transformers passes those through untouched) where the kernel's format is known."""
@@ -389,6 +353,46 @@ class TransformersEngine(FromConfig, EngineBase):
         steps = zip(rows, tokens.tolist(), chosen.tolist(), strict=True)
         return tokens, [j for j, (row, tok, lp) in enumerate(steps) if row.out.add(tok, lp)]
 
+    # ---- async (genengine.aio's hooks) --------------------------------------------------------------------
+    def _ensure_scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            self._scheduler = Scheduler(self)
+        return self._scheduler
+
+    def _async_start(self, request: AsyncRequest) -> None:
+        ids = self._checked_prompt(request.request)
+        request.prompt_token_ids = ids
+        rows = self._new_rows(ids, request.params)
+        for j, row in enumerate(rows):
+            row.sink, row.index = request, j
+        with self._lock:
+            scheduler = self._ensure_scheduler()
+            scheduler.pending.extend(rows)
+            scheduler.wakeup.notify()
+
+    def _async_abort(self, requests: list[AsyncRequest]) -> None:
+        wanted = {id(r) for r in requests}
+        with self._lock:
+            if self._scheduler is None:
+                return
+            hit = [row for row in self._scheduler.live_rows() if id(row.sink) in wanted]
+            self._scheduler.pending = [row for row in self._scheduler.pending if id(row.sink) not in wanted]
+            for row in hit:  # its batch drops the row at the next step
+                row.out.abort()
+                row.report()
+
+    def _async_hold(self, clear_cache: bool) -> None:
+        with self._lock:
+            scheduler = self._ensure_scheduler()
+            scheduler.held = True
+            scheduler.rebuild = scheduler.rebuild or clear_cache
+
+    def _async_release_hold(self) -> None:
+        with self._lock:
+            scheduler = self._ensure_scheduler()
+            scheduler.held = False
+            scheduler.wakeup.notify()
+
     # ---- memory --------------------------------------------------------------------------------------------
     def _drop_prefixes(self) -> None:
         self._prefixes.clear()
@@ -407,48 +411,54 @@ class TransformersEngine(FromConfig, EngineBase):
     def _release(self, level: int) -> None:
         import torch
 
-        if level == 2 or not self.keep_prefix_cache_on_sleep:
-            self._drop_prefixes()
-        if level == 2:
-            for p in self._unique_params:
-                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-        elif self.device.type == "cuda":
-            self._host_backup = [
-                torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p.data) for p in self._unique_params
-            ]
-            for p in self._unique_params:
-                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
-        self._free_device_memory()
+        with self._lock:
+            if level == 2 or not self.keep_prefix_cache_on_sleep:
+                self._drop_prefixes()
+            if level == 2:
+                for p in self._unique_params:
+                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            elif self.device.type == "cuda":
+                self._host_backup = [
+                    torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p.data) for p in self._unique_params
+                ]
+                for p in self._unique_params:
+                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            self._free_device_memory()
 
     def _resume(self, tags: tuple[str, ...]) -> None:
         import torch
 
-        if TAG_WEIGHTS not in tags:
-            return  # the KV cache is allocated per call: nothing to take back
-        if self._host_backup is not None:
-            for p, host in zip(self._unique_params, self._host_backup, strict=True):
-                p.data = host.to(self.device, non_blocking=True)
-            self._host_backup = None
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-        elif self.sleep_level == 2:
-            for p, shape in zip(self._unique_params, self._shapes, strict=True):
-                p.data = torch.empty(shape, dtype=p.dtype, device=self.device)
+        with self._lock:
+            if TAG_WEIGHTS not in tags:
+                return  # the KV cache is allocated per call: nothing to take back
+            if self._host_backup is not None:
+                for p, host in zip(self._unique_params, self._host_backup, strict=True):
+                    p.data = host.to(self.device, non_blocking=True)
+                self._host_backup = None
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            elif self.sleep_level == 2:
+                for p, shape in zip(self._unique_params, self._shapes, strict=True):
+                    p.data = torch.empty(shape, dtype=p.dtype, device=self.device)
 
     # ---- weights -------------------------------------------------------------------------------------------
     def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         import torch
 
-        with torch.no_grad():
-            for name, tensor in bucket:
-                self._params[name].data.copy_(tensor, non_blocking=self.device.type == "cuda")
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        with self._lock:
+            with torch.no_grad():
+                for name, tensor in bucket:
+                    self._params[name].data.copy_(tensor, non_blocking=self.device.type == "cuda")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     def _flush_cache(self) -> None:
-        self._drop_prefixes()
+        with self._lock:
+            self._drop_prefixes()
 
     def _shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.stop(EngineClosedError("the engine was shut down while the request was running"))
         self._drop_prefixes()
         self._host_backup = None
         self._params = {}

@@ -32,6 +32,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--plot", default="out/demo_reward.png", help="PNG of reward per step")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--async",
+        dest="async_rollouts",
+        action="store_true",
+        help="rollouts one weight version ahead of the trainer (pause, load, resume; partial samples carried "
+        "over); runs the synchronous loop too and plots both",
+    )
     p.set_defaults(func=run)
 
 
@@ -55,7 +62,15 @@ def run(args: argparse.Namespace) -> int:
         plot=None if args.no_plot else args.plot,
         progress=not args.no_progress,
     )
-    result = run_demo(cfg)
+    if args.async_rollouts:
+        from genengine.demo_async import run_async_demo
+
+        if args.plot == "out/demo_reward.png":
+            cfg.plot = None if args.no_plot else "out/demo_async_reward.png"
+        both = run_async_demo(cfg)
+        result = both.rollout
+    else:
+        result = run_demo(cfg)
     if result.last_quarter <= result.first_quarter:
         print("genengine demo: the reward did not rise; try more --steps or a larger --lr")
     return 0
