@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from genengine.environ import ALLOC_CONF, scoped_environ, strip_expandable_segments
+from genengine.environ import scoped_environ, strip_expandable_segments
 from genengine.errors import BackendImportError, ConfigError, closest
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.settings import check_graph_memory_saver
@@ -45,8 +45,9 @@ __all__ = [
 # Environment variables SGLang's start-up sets in *this* process (engine.py _set_envs_and_config) or that
 # must differ for its processes: restored afterwards so the trainer's later NCCL groups and CUDA settings
 # are its own.
+_ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 _SCOPED_ENV = (
-    ALLOC_CONF,
+    _ALLOC_CONF,
     "TORCHELASTIC_USE_AGENT_STORE",
     "NCCL_CUMEM_ENABLE",
     "NCCL_NVLS_ENABLE",
@@ -80,7 +81,7 @@ def engine_environment(enable_sleep: bool) -> Iterator[None]:
     so is its multiprocessing start method (SGLang forces ``spawn``)."""
     changes: dict[str, str | None] = {key: os.environ.get(key) for key in _SCOPED_ENV}  # as they are: restored
     if enable_sleep:
-        changes[ALLOC_CONF] = strip_expandable_segments(os.environ.get(ALLOC_CONF))
+        changes[_ALLOC_CONF] = strip_expandable_segments(os.environ.get(_ALLOC_CONF))
     # torchrun's agent store is the trainer's rendezvous, not the scheduler processes' (as the reference).
     changes["TORCHELASTIC_USE_AGENT_STORE"] = None
     method = multiprocessing.get_start_method(allow_none=True)

@@ -7,6 +7,8 @@ from genengine.hookspecs import RegisterBackend, hookimpl
 
 @hookimpl
 def register_backends(register: RegisterBackend) -> None:
+    # RLGenerationEngine, not the protocol class SGLangEngine it extends: create_engine's SGLang engines have
+    # always answered LightRFT's calls too (tests/gpu/test_sglang_gpu.py::test_reference_face relies on it).
     register(
         "sglang",
         "genengine_sglang.lightrft:RLGenerationEngine.from_config",
