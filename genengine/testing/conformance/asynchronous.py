@@ -53,11 +53,13 @@ class AsyncTests(ConformanceBase):
 
         return transformers.AutoModelForCausalLM.from_pretrained(other_model_dir, dtype=torch.float32).eval()
 
-    @pytest.fixture(autouse=True)
-    def _async_engine(self, engine: Any) -> Iterator[None]:
+    @pytest.fixture
+    def async_engine(self, engine: Any) -> Iterator[Any]:
+        """The class engine, for the async tests only (not autouse: a class fixture would cover every test of
+        the suite); skips when the engine has no async capability, and leaves it unpaused and idle."""
         if not getattr(engine, "supports_async", False):
             pytest.skip("the engine does not declare supports_async")
-        yield
+        yield engine
         if not engine.state.closed:
             _run(engine.resume_generation())
             _run(engine.abort())
@@ -73,14 +75,14 @@ class AsyncTests(ConformanceBase):
             assert mean <= self._tolerance(), f"mean |Δ logprob| {mean:.3g} > {self._tolerance():.3g}"
 
     # ---- the synchronous path is unchanged -------------------------------------------------------------------
-    def test_sync_outputs_carry_one_weight_version(self, engine: Any, baseline: list[GenerationResult]) -> None:
+    def test_sync_outputs_carry_one_weight_version(self, async_engine: Any, baseline: list[GenerationResult]) -> None:
         for result in baseline:
             for out in result.outputs:
-                assert out.weight_versions == ((0, engine.weight_version),)
+                assert out.weight_versions == ((0, async_engine.weight_version),)
 
-    def test_generate_async_equals_generate(self, engine: Any, baseline: list[GenerationResult]) -> None:
+    def test_generate_async_equals_generate(self, async_engine: Any, baseline: list[GenerationResult]) -> None:
         async def main() -> list[GenerationResult]:
-            return list(await asyncio.gather(*(engine.generate_async(p, GREEDY) for p in PROMPTS)))
+            return list(await asyncio.gather(*(async_engine.generate_async(p, GREEDY) for p in PROMPTS)))
 
         results = _run(main())
         assert [[o.token_ids for o in r.outputs] for r in results] == [
@@ -91,11 +93,11 @@ class AsyncTests(ConformanceBase):
             self._assert_close(got.outputs[0].logprobs or [], want.outputs[0].logprobs or [])
 
     # ---- abort -----------------------------------------------------------------------------------------------
-    def test_abort_mid_stream_keeps_partial_tokens_and_logprobs(self, engine: Any, hf_model: Any) -> None:
+    def test_abort_mid_stream_keeps_partial_tokens_and_logprobs(self, async_engine: Any, hf_model: Any) -> None:
         async def main() -> tuple[list[int], list[str], GenerationResult]:
-            stream = engine.stream(PROMPTS[0], _LONG, request_id="abort-me")
+            stream = async_engine.stream(PROMPTS[0], _LONG, request_id="abort-me")
             head = await _read(stream, 3)
-            aborted = await engine.abort("abort-me")
+            aborted = await async_engine.abort("abort-me")
             return head, aborted, await stream.collect()
 
         head, aborted, result = _run(main())
@@ -106,9 +108,9 @@ class AsyncTests(ConformanceBase):
         assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
         self._assert_close(out.logprobs, reference_logprobs(hf_model, result.prompt_token_ids, out.token_ids, _LONG))
 
-    def test_stream_chunks_add_up_to_the_result(self, engine: Any) -> None:
+    def test_stream_chunks_add_up_to_the_result(self, async_engine: Any) -> None:
         async def main() -> tuple[list[Any], GenerationResult]:
-            stream = engine.stream(PROMPTS[1], {"max_new_tokens": 17, "temperature": 0.0, "logprobs": True})
+            stream = async_engine.stream(PROMPTS[1], {"max_new_tokens": 17, "temperature": 0.0, "logprobs": True})
             chunks = [chunk async for chunk in stream]
             return chunks, stream.result()
 
@@ -119,19 +121,19 @@ class AsyncTests(ConformanceBase):
         assert chunks[-1].finish_reason == out.finish_reason and out.finish_reason in ("stop", "length")
         assert [c.finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
 
-    def test_closing_a_stream_early_aborts_its_request(self, engine: Any) -> None:
+    def test_closing_a_stream_early_aborts_its_request(self, async_engine: Any) -> None:
         async def main() -> int:
-            stream = engine.stream(PROMPTS[2], _LONG)
+            stream = async_engine.stream(PROMPTS[2], _LONG)
             await _read(stream, 2)
             await stream.aclose()
-            return int(engine.in_flight)
+            return int(async_engine.in_flight)
 
         assert _run(main()) == 0
 
     # ---- pause / load / resume -------------------------------------------------------------------------------
     def test_pause_keep_load_resume_switches_weights_at_a_known_token(
         self,
-        engine: Any,
+        async_engine: Any,
         hf_model: Any,
         other_hf_model: Any,
         original_weights: dict[str, Any],
@@ -141,18 +143,18 @@ class AsyncTests(ConformanceBase):
         params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, logprobs=True)
 
         async def main() -> GenerationResult:
-            stream = engine.stream(PROMPTS[2], params)
+            stream = async_engine.stream(PROMPTS[2], params)
             await _read(stream, 4)
-            await engine.pause_generation("keep")
-            engine.load_weights(other_weights.items(), version=engine.weight_version + 1)
-            await engine.resume_generation()
+            await async_engine.pause_generation("keep")
+            async_engine.load_weights(other_weights.items(), version=async_engine.weight_version + 1)
+            await async_engine.resume_generation()
             return await stream.collect()
 
-        start = engine.weight_version
+        start = async_engine.weight_version
         try:
             result = _run(main())
         finally:
-            engine.load_weights(original_weights.items(), version=start)
+            async_engine.load_weights(original_weights.items(), version=start)
         out = result.outputs[0]
         assert out.finish_reason == "length" and len(out.token_ids) == params.max_new_tokens
         assert len(out.weight_versions) == 2, out.weight_versions
@@ -163,16 +165,16 @@ class AsyncTests(ConformanceBase):
         after = reference_logprobs(other_hf_model, prompt + tokens[:switch], tokens[switch:], params)
         self._assert_close(logprobs[switch:], after)
 
-    def test_pause_abort_loses_nothing_the_caller_was_not_told(self, engine: Any) -> None:
+    def test_pause_abort_loses_nothing_the_caller_was_not_told(self, async_engine: Any) -> None:
         async def main() -> list[tuple[list[int], GenerationResult]]:
-            streams = [engine.stream(p, _LONG) for p in PROMPTS]
+            streams = [async_engine.stream(p, _LONG) for p in PROMPTS]
             seen = [await _read(stream, 1) for stream in streams]
-            await engine.pause_generation("abort")
-            assert engine.in_flight == 0
-            queued = asyncio.ensure_future(engine.generate_async(PROMPTS[0], {"max_new_tokens": 2}))
+            await async_engine.pause_generation("abort")
+            assert async_engine.in_flight == 0
+            queued = asyncio.ensure_future(async_engine.generate_async(PROMPTS[0], {"max_new_tokens": 2}))
             await asyncio.sleep(0.05)
             assert not queued.done(), "a request submitted during a pause must wait for resume"
-            await engine.resume_generation()
+            await async_engine.resume_generation()
             assert len((await queued).outputs[0].token_ids) == 2
             for tokens, stream in zip(seen, streams, strict=True):
                 async for chunk in stream:
@@ -182,21 +184,21 @@ class AsyncTests(ConformanceBase):
         for seen, result in _run(main()):
             assert result.outputs[0].finish_reason == "abort" and result.outputs[0].token_ids == seen
 
-    def test_pause_wait_drains_in_flight_requests(self, engine: Any) -> None:
+    def test_pause_wait_drains_in_flight_requests(self, async_engine: Any) -> None:
         async def main() -> GenerationResult:
             params = {"max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True}
-            stream = engine.stream(PROMPTS[3], params)
+            stream = async_engine.stream(PROMPTS[3], params)
             await _read(stream, 1)
-            await engine.pause_generation("wait")
-            assert engine.in_flight == 0
-            await engine.resume_generation()
+            await async_engine.pause_generation("wait")
+            assert async_engine.in_flight == 0
+            await async_engine.resume_generation()
             return await stream.collect()
 
         out = _run(main()).outputs[0]
         assert out.finish_reason == "length" and len(out.token_ids) == 30
 
     # ---- under load ------------------------------------------------------------------------------------------
-    def test_200_concurrent_requests_with_random_aborts(self, engine: Any) -> None:
+    def test_200_concurrent_requests_with_random_aborts(self, async_engine: Any) -> None:
         rng = random.Random(0)
 
         async def main() -> tuple[dict[str, list[int]], dict[str, GenerationResult], set[str]]:
@@ -207,7 +209,7 @@ class AsyncTests(ConformanceBase):
                 rid = f"load-{i}"
                 params = {"max_new_tokens": rng.randint(1, 24), "temperature": 1.0, "seed": i, "logprobs": True}
                 seen[rid] = []
-                stream = engine.stream(PROMPTS[i % len(PROMPTS)], params, request_id=rid)
+                stream = async_engine.stream(PROMPTS[i % len(PROMPTS)], params, request_id=rid)
                 async for chunk in stream:
                     seen[rid].extend(chunk.token_ids)
                 results[rid] = stream.result()
@@ -217,7 +219,7 @@ class AsyncTests(ConformanceBase):
             for _ in range(40):
                 await asyncio.sleep(rng.random() * 0.01)
                 rid = f"load-{rng.randrange(200)}"
-                aborted.update(await engine.abort(rid))
+                aborted.update(await async_engine.abort(rid))
             await asyncio.gather(*tasks)
             return seen, results, aborted
 
@@ -228,35 +230,37 @@ class AsyncTests(ConformanceBase):
             assert out.token_ids == seen[rid], rid
             assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
             assert (out.finish_reason == "abort") == (rid in aborted), rid
-        assert engine.in_flight == 0
+        assert async_engine.in_flight == 0
 
     # ---- the rules -------------------------------------------------------------------------------------------
-    def test_sleep_with_requests_in_flight_is_refused(self, engine: Any, baseline: list[GenerationResult]) -> None:
+    def test_sleep_with_requests_in_flight_is_refused(
+        self, async_engine: Any, baseline: list[GenerationResult]
+    ) -> None:
         async def main() -> None:
-            stream = engine.stream(PROMPTS[0], _LONG)
+            stream = async_engine.stream(PROMPTS[0], _LONG)
             await _read(stream, 1)
             with pytest.raises(EngineStateError, match="in flight"):
-                engine.sleep(1)
+                async_engine.sleep(1)
             with pytest.raises(EngineStateError, match="pause_generation"):
-                engine.load_weights([])
-            await engine.abort()
+                async_engine.load_weights([])
+            await async_engine.abort()
             assert (await stream.collect()).outputs[0].finish_reason == "abort"
 
         _run(main())
-        assert not engine.is_sleeping
-        engine.sleep(1)
-        engine.wake()
-        assert [o.token_ids for r in engine.generate(PROMPTS, GREEDY) for o in r.outputs] == [
+        assert not async_engine.is_sleeping
+        async_engine.sleep(1)
+        async_engine.wake()
+        assert [o.token_ids for r in async_engine.generate(PROMPTS, GREEDY) for o in r.outputs] == [
             o.token_ids for r in baseline for o in r.outputs
         ]
 
-    def test_greedy_continuation_equals_the_uninterrupted_sample(self, engine: Any) -> None:
+    def test_greedy_continuation_equals_the_uninterrupted_sample(self, async_engine: Any) -> None:
         params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
 
         async def main() -> tuple[GenerationResult, GenerationResult]:
-            whole = await engine.generate_async(PROMPTS[1], params)
+            whole = await async_engine.generate_async(PROMPTS[1], params)
             prompt, head = whole.prompt_token_ids, whole.outputs[0].token_ids[:8]
-            rest = await engine.generate_async(
+            rest = await async_engine.generate_async(
                 None, {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}, prompt_token_ids=prompt + head
             )
             return whole, rest
@@ -264,23 +268,23 @@ class AsyncTests(ConformanceBase):
         whole, rest = _run(main())
         assert whole.outputs[0].token_ids[8:] == rest.outputs[0].token_ids
 
-    def test_bad_async_input_is_rejected(self, engine: Any) -> None:
+    def test_bad_async_input_is_rejected(self, async_engine: Any) -> None:
         async def main() -> None:
             with pytest.raises(InvalidArgumentError, match="mode"):
-                await engine.pause_generation("drain")
+                await async_engine.pause_generation("drain")
             with pytest.raises(InvalidArgumentError, match="clear_cache"):
-                await engine.pause_generation("keep", clear_cache="yes")
+                await async_engine.pause_generation("keep", clear_cache="yes")
             with pytest.raises(InvalidArgumentError, match="one prompt"):
-                await engine.generate_async(["a", "b"])
+                await async_engine.generate_async(["a", "b"])
             with pytest.raises(InvalidArgumentError, match="request_id"):
-                await engine.generate_async("a", request_id=5)
-            stream = engine.stream(PROMPTS[0], _LONG, request_id="twice")
+                await async_engine.generate_async("a", request_id=5)
+            stream = async_engine.stream(PROMPTS[0], _LONG, request_id="twice")
             with pytest.raises(InvalidArgumentError, match="already in flight"):
-                engine.stream(PROMPTS[0], request_id="twice")
-            await engine.abort("twice")
+                async_engine.stream(PROMPTS[0], request_id="twice")
+            await async_engine.abort("twice")
             await stream.collect()
-            assert engine.paused is None
+            assert async_engine.paused is None
 
         _run(main())
         with pytest.raises(InvalidArgumentError, match="version"):
-            engine.load_weights([], version=-1)
+            async_engine.load_weights([], version=-1)
