@@ -122,18 +122,31 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
-def check_options(backend: str, options: Mapping[str, Any], allowed: Iterable[str]) -> None:
+def check_options(
+    backend: str,
+    options: Mapping[str, Any],
+    allowed: Iterable[str],
+    *,
+    passthrough: Iterable[str] = (),
+    passthrough_from: str = "",
+) -> None:
     """Reject backend options the backend does not know, naming the closest known one.
 
     An engine-config field (``tp_size``, ``mem_util``, ...) put under ``options``, or a misspelling of one
     (``create_engine(tp_sze=2)`` lands there too), is named as such: it belongs at the config's top level.
+    ``passthrough`` are the engine's own arguments the backend hands on (hundreds, read from the installed
+    engine): accepted and searched for the hint, but summed up as ``passthrough_from`` in the message.
     """
-    allowed = list(allowed)
+    own = list(allowed)
+    handed_on = [n for n in passthrough if n not in own]
+    allowed = [*own, *handed_on]
     fields_ = EngineConfig.field_names()
     for key in options:
         if key in allowed:
             continue
-        listed = f"allowed options: {', '.join(sorted(allowed)) or 'none'}"
+        listed = f"allowed options: {', '.join(sorted(own)) or 'none'}"
+        if handed_on:
+            listed += f", and any of the {len(handed_on)} fields of {passthrough_from} that genengine does not set"
         hint = closest(key, [*allowed, *fields_])
         if hint in fields_ and hint not in allowed:
             where = (

@@ -170,7 +170,7 @@ def resolve_settings(config: EngineConfig, *, environ: Mapping[str, str] | None 
     model_path = check_model_dir(config.model)
     options = {**options_from_env(environ), **dict(config.options)}
     passthrough = passthrough_options()
-    check_options(BACKEND, options, [*OUR_OPTIONS, *sorted(passthrough)])
+    check_options(BACKEND, options, OUR_OPTIONS, passthrough=sorted(passthrough), passthrough_from="sglang.ServerArgs")
 
     mode = options.get("weight_sync_mode", OUR_OPTIONS["weight_sync_mode"])
     if mode not in WEIGHT_SYNC_MODES:

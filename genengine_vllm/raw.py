@@ -37,7 +37,7 @@ def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_ne
     settings = resolve_settings(EngineConfig.from_any(config))
     topology = trainer_world(settings.tp_size)
     vllm = import_vllm()
-    token = object()
+    token = _RawRun()  # the sleep slot holds its owner by weak reference: a plain object() has none
     if settings.enable_sleep:
         claim_sleep_slot(token, "raw vllm.LLM")
     group_seed = settings.seed + (topology.dp_rank if topology is not None else 0)
@@ -74,3 +74,10 @@ def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_ne
             gc.collect()
             torch.cuda.empty_cache()
         release_sleep_slot(token)
+
+
+class _RawRun:
+    """The raw runner's claim on vLLM's one sleep allocator per process."""
+
+    def __repr__(self) -> str:
+        return "raw vllm.LLM"

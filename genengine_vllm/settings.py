@@ -158,7 +158,9 @@ class VLLMSettings:
 def resolve_settings(config: EngineConfig) -> VLLMSettings:
     """Validate an ``EngineConfig`` for the vllm backend; raises ``ConfigError`` naming the bad value."""
     options = dict(config.options)
-    check_options("vllm", options, [*OUR_OPTIONS, *sorted(engine_arg_names())])
+    check_options(
+        "vllm", options, OUR_OPTIONS, passthrough=sorted(engine_arg_names()), passthrough_from="vllm.EngineArgs"
+    )
     for key in options:
         if key in _CONTROLLED:
             raise ConfigError(f"option {key!r} is set by genengine for the vllm backend: {_CONTROLLED[key]}")

@@ -150,7 +150,7 @@ def _python_blocks(page: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", _text(page), re.MULTILINE | re.DOTALL)
 
 
-@pytest.mark.parametrize(("page", "cwd"), [("getting-started.md", "tmp"), ("config.md", "root")])
+@pytest.mark.parametrize(("page", "cwd"), [("getting-started.md", "tmp"), ("config.md", "root"), ("async.md", "tmp")])
 def test_guide_snippets_run(page: str, cwd: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each guide's Python blocks run in order, in one namespace, as a reader would paste them."""
     monkeypatch.chdir(tmp_path if cwd == "tmp" else ROOT)
