@@ -42,3 +42,28 @@ def test_cli_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*argv, "--no-progress", "--sleep-level", "1"]) == 0
     out = capsys.readouterr().out
     assert "reward: first quarter mean" in out and plot.exists()
+
+
+def test_async_demo_learns_with_rollouts_one_version_ahead(tmp_path: Path) -> None:
+    from genengine.demo_async import run_async_demo
+
+    plot = tmp_path / "async.png"
+    lines: list[str] = []
+    both = run_async_demo(
+        DemoConfig(steps=12, lr=3e-3, plot=str(plot), progress=False), with_sync=False, echo=lines.append
+    )
+    result = both.rollout
+    assert both.sync is None and len(result.steps) == 12
+    assert result.last_quarter > result.first_quarter + 0.2, [s.reward for s in result.steps]
+    assert all(s.sync_ms > 0 and s.tokens_per_s > 0 for s in result.steps)
+    assert result.steps[0].logprob_gap < 1e-4, "the first batch is on-policy: engine and trainer agree"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and both.plot == str(plot)
+    assert lines[-1].startswith("async reward: first quarter mean")
+
+
+def test_cli_demo_async(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plot = tmp_path / "both.png"
+    argv = ["demo", "--async", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2", "--plot", str(plot)]
+    assert main([*argv, "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "async reward: first quarter mean" in out and "sync run:" in out and plot.exists()

@@ -130,9 +130,13 @@ class Scheduler:
         return self.pending + [row for b in self.batches for row in b.live_rows()]
 
     def _run(self) -> None:
+        import time
+
         import torch
 
         while True:
+            while self.engine._waiting:  # a caller wants the lock: let it have it (and finish) first
+                time.sleep(0.0002)
             with self.wakeup:
                 while not self.stopping and (self.held or not (self.pending or self.batches)):
                     self.wakeup.wait()

@@ -8,13 +8,14 @@ must flush (so a stale-cache bug would show here as on SGLang or vLLM).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -186,6 +187,8 @@ class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
         self._prefix_nbytes = 0
         self._prefix_hits = 0
         self._lock = threading.RLock()
+        self._waiting = 0  # callers waiting for or holding the lock: the scheduler lets them in first
+        self._waiting_lock = threading.Lock()
         self._scheduler: Scheduler | None = None
 
     # ---- introspection -------------------------------------------------------------------------------------
@@ -238,7 +241,7 @@ class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
         import torch
 
         prompts = [self._checked_prompt(r) for r in requests]
-        with self._lock:
+        with self._locked():
             rows = [self._new_rows(ids, r.params) for r, ids in zip(requests, prompts, strict=True)]
             flat = [row for per_request in rows for row in per_request]
             with torch.inference_mode():
@@ -353,6 +356,19 @@ class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
         steps = zip(rows, tokens.tolist(), chosen.tolist(), strict=True)
         return tokens, [j for j, (row, tok, lp) in enumerate(steps) if row.out.add(tok, lp)]
 
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The engine's lock for a call from outside the scheduler. The scheduler steps under the same lock
+        and takes it straight back after each round (locks are not fair), so it waits while a caller does."""
+        with self._waiting_lock:
+            self._waiting += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+
     # ---- async (genengine.aio's hooks) --------------------------------------------------------------------
     def _ensure_scheduler(self) -> Scheduler:
         if self._scheduler is None:
@@ -365,14 +381,14 @@ class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
         rows = self._new_rows(ids, request.params)
         for j, row in enumerate(rows):
             row.sink, row.index = request, j
-        with self._lock:
+        with self._locked():
             scheduler = self._ensure_scheduler()
             scheduler.pending.extend(rows)
             scheduler.wakeup.notify()
 
     def _async_abort(self, requests: list[AsyncRequest]) -> None:
         wanted = {id(r) for r in requests}
-        with self._lock:
+        with self._locked():
             if self._scheduler is None:
                 return
             hit = [row for row in self._scheduler.live_rows() if id(row.sink) in wanted]
@@ -382,13 +398,13 @@ class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
                 row.report()
 
     def _async_hold(self, clear_cache: bool) -> None:
-        with self._lock:
+        with self._locked():
             scheduler = self._ensure_scheduler()
             scheduler.held = True
             scheduler.rebuild = scheduler.rebuild or clear_cache
 
     def _async_release_hold(self) -> None:
-        with self._lock:
+        with self._locked():
             scheduler = self._ensure_scheduler()
             scheduler.held = False
             scheduler.wakeup.notify()
@@ -411,7 +427,7 @@ class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
     def _release(self, level: int) -> None:
         import torch
 
-        with self._lock:
+        with self._locked():
             if level == 2 or not self.keep_prefix_cache_on_sleep:
                 self._drop_prefixes()
             if level == 2:
@@ -428,7 +444,7 @@ class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
     def _resume(self, tags: tuple[str, ...]) -> None:
         import torch
 
-        with self._lock:
+        with self._locked():
             if TAG_WEIGHTS not in tags:
                 return  # the KV cache is allocated per call: nothing to take back
             if self._host_backup is not None:
@@ -445,7 +461,7 @@ class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
     def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         import torch
 
-        with self._lock:
+        with self._locked():
             with torch.no_grad():
                 for name, tensor in bucket:
                     self._params[name].data.copy_(tensor, non_blocking=self.device.type == "cuda")
@@ -453,7 +469,7 @@ class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
                 torch.cuda.synchronize(self.device)
 
     def _flush_cache(self) -> None:
-        with self._lock:
+        with self._locked():
             self._drop_prefixes()
 
     def _shutdown(self) -> None:

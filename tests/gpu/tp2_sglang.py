@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The sglang backend at tp_size=2, as a trainer runs it: two torchrun ranks, one engine on both GPUs.
 
-    PYTHONPATH=/tmp/site-proj:/tmp/site-sglang python3 -m torch.distributed.run --nproc-per-node 2 \\
+    PYTHONPATH=/tmp/site-proj:/tmp/site-sglang:$PWD/tests python3 -m torch.distributed.run --nproc-per-node 2 \\
         tests/gpu/tp2_sglang.py [--mem 0.3] [--tol 0.02] [--json PATH]
 
 (tools/gpu/run_tests.sh sglang --tp2 does exactly this.) Rank 0 leads the TP group and owns the engine;

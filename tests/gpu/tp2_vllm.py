@@ -1,6 +1,6 @@
 """The vllm backend at tensor parallelism 2, colocated as a trainer runs it: one engine rank per process.
 
-    torchrun --nproc-per-node 2 tests/gpu/tp2_vllm.py [--model DIR] [--json PATH]
+    PYTHONPATH=tests torchrun --nproc-per-node 2 tests/gpu/tp2_vllm.py [--model DIR] [--json PATH]
 
 Asserts, on both ranks: identical outputs (greedy, seeded and unseeded sampling, even after the ranks
 consume their global RNGs differently); a prompt or an engine state that differs on one rank is caught
