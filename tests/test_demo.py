@@ -16,7 +16,7 @@ def test_reward_rises_and_the_plot_is_written(tmp_path: Path) -> None:
     lines: list[str] = []
     result = run_demo(DemoConfig(steps=12, lr=3e-3, plot=str(plot), progress=False), echo=lines.append)
     assert len(result.steps) == 12
-    assert result.last_quarter > result.first_quarter + 0.15, [s.reward for s in result.steps]
+    assert result.last_quarter > result.first_quarter + 0.3, [s.reward for s in result.steps]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and result.plot == str(plot)
     first = result.steps[0]
     assert first.logprob_gap < 1e-4, "float32 engine and trainer agree on the rollout logprobs"
