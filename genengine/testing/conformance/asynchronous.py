@@ -165,6 +165,32 @@ class AsyncTests(ConformanceBase):
         after = reference_logprobs(other_hf_model, prompt + tokens[:switch], tokens[switch:], params)
         self._assert_close(logprobs[switch:], after)
 
+    def test_pause_keep_reusing_the_old_kv_still_labels_the_switch(
+        self, async_engine: Any, hf_model: Any, original_weights: dict[str, Any], other_weights: dict[str, Any]
+    ) -> None:
+        """``clear_cache=False``: the old KV goes on (no parity claim after the switch), the versions are exact."""
+        params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, logprobs=True)
+
+        async def main() -> GenerationResult:
+            stream = async_engine.stream(PROMPTS[1], params)
+            await _read(stream, 4)
+            await async_engine.pause_generation("keep", clear_cache=False)
+            async_engine.load_weights(other_weights.items(), version=async_engine.weight_version + 7)
+            await async_engine.resume_generation()
+            return await stream.collect()
+
+        start = async_engine.weight_version
+        try:
+            result = _run(main())
+        finally:
+            async_engine.load_weights(original_weights.items(), version=start)
+        out = result.outputs[0]
+        assert len(out.token_ids) == params.max_new_tokens and len(out.weight_versions) == 2, out.weight_versions
+        (_, v0), (switch, v1) = out.weight_versions
+        assert (v0, v1) == (start, start + 7) and 4 <= switch < params.max_new_tokens
+        prompt, tokens = result.prompt_token_ids, out.token_ids
+        self._assert_close((out.logprobs or [])[:switch], reference_logprobs(hf_model, prompt, tokens[:switch], params))
+
     def test_pause_abort_loses_nothing_the_caller_was_not_told(self, async_engine: Any) -> None:
         async def main() -> list[tuple[list[int], GenerationResult]]:
             streams = [async_engine.stream(p, _LONG) for p in PROMPTS]
