@@ -166,28 +166,14 @@ def run_demo(cfg: DemoConfig | None = None, *, echo: Callable[[str], None] | Non
 
 
 def _run(cfg: DemoConfig, echo: Callable[[str], None] | None) -> DemoResult:
-    import torch
-    import transformers
     from tqdm import tqdm
 
     from genengine.registry import create_engine
-    from genengine.testing.tiny_model import tiny_model_dir
 
     start = time.perf_counter()
-    model = cfg.model or str(tiny_model_dir())
-    gpu_engine = cfg.backend != "transformers"
-    dtype = cfg.dtype or ("bfloat16" if gpu_engine else "float32")
-    on_gpu = _engine_device(cfg).startswith("cuda") and torch.cuda.is_available()
-    trainer_device = cfg.trainer_device or ("cuda" if on_gpu else "cpu")
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-
-    transformers.utils.logging.disable_progress_bar()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    policy: Any = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    policy.to(trainer_device).train()
-    optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    t = Trainer.build(cfg)
+    model, dtype, trainer_device, rng = t.model, t.dtype, t.device, t.rng
+    tokenizer, policy, optimizer, pad = t.tokenizer, t.policy, t.optimizer, t.pad
 
     bar: Any = None
     say = echo or print
@@ -253,6 +239,41 @@ def _run(cfg: DemoConfig, echo: Callable[[str], None] | None) -> DemoResult:
         + (f"; plot: {plot}" if plot else "")
     )
     return result
+
+
+@dataclass
+class Trainer:
+    """The demo's trainer side: its own fp32 HF copy of the model and an optimizer, on ``device``."""
+
+    model: str
+    dtype: str
+    """The engine's dtype."""
+    device: str
+    rng: random.Random
+    tokenizer: Any
+    policy: Any
+    optimizer: Any
+    pad: int
+
+    @classmethod
+    def build(cls, cfg: DemoConfig) -> Trainer:
+        import torch
+        import transformers
+
+        from genengine.testing.tiny_model import tiny_model_dir
+
+        model = cfg.model or str(tiny_model_dir())
+        dtype = cfg.dtype or ("bfloat16" if cfg.backend != "transformers" else "float32")
+        on_gpu = _engine_device(cfg).startswith("cuda") and torch.cuda.is_available()
+        device = cfg.trainer_device or ("cuda" if on_gpu else "cpu")
+        torch.manual_seed(cfg.seed)
+        transformers.utils.logging.disable_progress_bar()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+        policy: Any = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        policy.to(device).train()
+        optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return cls(model, dtype, device, random.Random(cfg.seed), tokenizer, policy, optimizer, int(pad))
 
 
 def rewards_and_advantages(samples: list[tuple[list[int], list[int], list[float]]], target: int, group: int) -> Any:

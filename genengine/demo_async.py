@@ -14,7 +14,6 @@ demo on the same settings and plots both reward curves in one PNG.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -26,6 +25,7 @@ from genengine.demo import (
     DemoConfig,
     DemoResult,
     StepStats,
+    Trainer,
     pick_target,
     rewards_and_advantages,
     run_demo,
@@ -74,24 +74,13 @@ def run_async_demo(
 
 
 async def _run(cfg: DemoConfig, say: Callable[[str], None]) -> tuple[DemoResult, int]:
-    import torch
-    import transformers
 
     from genengine.registry import create_engine
-    from genengine.testing.tiny_model import tiny_model_dir
 
     start = time.perf_counter()
-    model = cfg.model or str(tiny_model_dir())
-    dtype = cfg.dtype or ("float32" if cfg.backend == "transformers" else "bfloat16")
-    trainer_device = cfg.trainer_device or ("cpu" if cfg.backend == "transformers" else "cuda")
-    torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
-    transformers.utils.logging.disable_progress_bar()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
-    policy: Any = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    policy.to(trainer_device).train()
-    optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    t = Trainer.build(cfg)
+    model, dtype, trainer_device, rng = t.model, t.dtype, t.device, t.rng
+    tokenizer, policy, optimizer, pad = t.tokenizer, t.policy, t.optimizer, t.pad
 
     engine: Any = create_engine(backend=cfg.backend, model=model, dtype=dtype, seed=cfg.seed, **cfg.options)
     if not getattr(engine, "supports_async", False):

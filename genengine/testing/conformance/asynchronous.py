@@ -39,6 +39,28 @@ async def _read(stream: Any, count: int) -> list[int]:
     return tokens
 
 
+_SWITCH = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, logprobs=True)
+
+
+async def _switch_weights(
+    engine: Any, prompt: str, clear_cache: bool, step: int, original: dict[str, Any], other: dict[str, Any]
+) -> GenerationResult:
+    """``_SWITCH`` on ``prompt``, switched to ``other`` (version + ``step``) after 4 tokens by pause(keep) →
+    load → resume; the engine gets ``original`` and its version back afterwards."""
+    start = engine.weight_version
+    try:
+        stream = engine.stream(prompt, _SWITCH)
+        await _read(stream, 4)
+        await engine.pause_generation("keep", clear_cache=clear_cache)
+        engine.load_weights(other.items(), version=start + step)
+        await engine.resume_generation()
+        return await stream.collect()
+    finally:
+        await engine.resume_generation()
+        await engine.abort()
+        engine.load_weights(original.items(), version=start)
+
+
 class AsyncTests(ConformanceBase):
     """Async tests; skipped for engines without ``supports_async``."""
 
@@ -140,21 +162,9 @@ class AsyncTests(ConformanceBase):
         other_weights: dict[str, Any],
     ) -> None:
         """Tokens before the switch are model A's, after it model B's, each checked by teacher forcing."""
-        params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, logprobs=True)
-
-        async def main() -> GenerationResult:
-            stream = async_engine.stream(PROMPTS[2], params)
-            await _read(stream, 4)
-            await async_engine.pause_generation("keep")
-            async_engine.load_weights(other_weights.items(), version=async_engine.weight_version + 1)
-            await async_engine.resume_generation()
-            return await stream.collect()
-
+        params = _SWITCH
         start = async_engine.weight_version
-        try:
-            result = _run(main())
-        finally:
-            async_engine.load_weights(original_weights.items(), version=start)
+        result = _run(_switch_weights(async_engine, PROMPTS[2], True, 1, original_weights, other_weights))
         out = result.outputs[0]
         assert out.finish_reason == "length" and len(out.token_ids) == params.max_new_tokens
         assert len(out.weight_versions) == 2, out.weight_versions
@@ -169,21 +179,9 @@ class AsyncTests(ConformanceBase):
         self, async_engine: Any, hf_model: Any, original_weights: dict[str, Any], other_weights: dict[str, Any]
     ) -> None:
         """``clear_cache=False``: the old KV goes on (no parity claim after the switch), the versions are exact."""
-        params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, logprobs=True)
-
-        async def main() -> GenerationResult:
-            stream = async_engine.stream(PROMPTS[1], params)
-            await _read(stream, 4)
-            await async_engine.pause_generation("keep", clear_cache=False)
-            async_engine.load_weights(other_weights.items(), version=async_engine.weight_version + 7)
-            await async_engine.resume_generation()
-            return await stream.collect()
-
+        params = _SWITCH
         start = async_engine.weight_version
-        try:
-            result = _run(main())
-        finally:
-            async_engine.load_weights(original_weights.items(), version=start)
+        result = _run(_switch_weights(async_engine, PROMPTS[1], False, 7, original_weights, other_weights))
         out = result.outputs[0]
         assert len(out.token_ids) == params.max_new_tokens and len(out.weight_versions) == 2, out.weight_versions
         (_, v0), (switch, v1) = out.weight_versions
