@@ -307,8 +307,15 @@ def train_step(
     adv: Any,
     pad: int,
     device: str,
+    *,
+    decoupled: bool = False,
 ) -> float:
-    """One clipped policy-gradient step; the engine's logprobs are the behaviour policy's (PPO ratio)."""
+    """One clipped policy-gradient step; the engine's logprobs are the behaviour policy's (PPO ratio).
+
+    ``decoupled`` (for rollouts a version behind, as AReaL's decoupled PPO): the ratio is taken against the
+    trainer's own policy before this step, and the behaviour policy enters as a truncated importance
+    weight, so the staleness does not clip the gradient away.
+    """
     import torch
 
     width = max(len(p) + len(c) for p, c, _ in samples)
@@ -326,9 +333,15 @@ def train_step(
     logits = policy(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
     logp = torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None])[..., 0]
     target_mask, old = comp[:, 1:], old[:, 1:]
-    ratio = torch.exp(logp - old)
     a = adv.to(device)[:, None]
-    per_token = -torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a)
+    if decoupled:
+        proximal = logp.detach()
+        weight = torch.exp(proximal - old).clamp(max=2.0)
+        ratio = torch.exp(logp - proximal)
+        per_token = -weight * torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a)
+    else:
+        ratio = torch.exp(logp - old)
+        per_token = -torch.min(ratio * a, ratio.clamp(0.8, 1.2) * a)
     loss = (per_token * target_mask).sum() / target_mask.sum()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

@@ -14,6 +14,7 @@ demo on the same settings and plots both reward curves in one PNG.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -134,7 +135,8 @@ async def _run(cfg: DemoConfig, say: Callable[[str], None]) -> tuple[DemoResult,
             switched = sum(len(o.weight_versions) > 1 for r in results for o in r.outputs)
             carried += switched
             rewards, adv = rewards_and_advantages(samples, target, cfg.group_size)
-            gap = await asyncio.to_thread(train_step, policy, optimizer, samples, adv, pad, trainer_device)
+            step_args = (policy, optimizer, samples, adv, pad, trainer_device)
+            gap = await asyncio.to_thread(functools.partial(train_step, *step_args, decoupled=True))
             t1 = time.perf_counter()
             await engine.pause_generation("keep")
             version += 1

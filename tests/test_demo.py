@@ -50,13 +50,13 @@ def test_async_demo_learns_with_rollouts_one_version_ahead(tmp_path: Path) -> No
     plot = tmp_path / "async.png"
     lines: list[str] = []
     both = run_async_demo(
-        DemoConfig(steps=20, lr=3e-3, plot=str(plot), progress=False), with_sync=False, echo=lines.append
+        DemoConfig(steps=16, lr=3e-3, plot=str(plot), progress=False), with_sync=False, echo=lines.append
     )
     result = both.rollout
-    assert both.sync is None and len(result.steps) == 20
-    # A step behind the trainer, its PPO ratios drift and clip: it takes off later than the synchronous loop,
-    # and which groups finish first depends on timing (rise seen: 0.22-0.25 on a busy 2-core machine, 0.6 idle).
-    assert result.last_quarter > result.first_quarter + 0.12, [s.reward for s in result.steps]
+    assert both.sync is None and len(result.steps) == 16
+    # Which groups finish first depends on timing, so the run is not reproducible; the rise was 0.95-1.0 at
+    # 16 steps (on a busy 2-core machine too), where plain PPO against the stale logprobs reached 0.3-0.6.
+    assert result.last_quarter > result.first_quarter + 0.5, [s.reward for s in result.steps]
     assert all(s.sync_ms > 0 and s.tokens_per_s > 0 for s in result.steps)
     assert result.steps[0].logprob_gap < 1e-4, "the first batch is on-policy: engine and trainer agree"
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and both.plot == str(plot)
