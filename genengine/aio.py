@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import threading
 import uuid
 from collections.abc import AsyncGenerator, Sequence
@@ -70,7 +69,6 @@ class AsyncRequest:
         self.prompt_token_ids: tuple[int, ...] | None = request.prompt_token_ids
         self.samples = [_Sample(versions=[(0, version)]) for _ in range(request.params.n)]
         self.error: BaseException | None = None
-        self._version = version
         self._loop = loop
         self._queue: asyncio.Queue[StreamChunk | BaseException | None] = asyncio.Queue()
         self._lock = threading.Lock()
@@ -105,7 +103,8 @@ class AsyncRequest:
             if sample.finish is not None:
                 return
             sample.finish, sample.stop_reason, sample.text = reason, stop_reason, text
-            chunk = StreamChunk(self.request_id, index, [], [] if self.params.logprobs else None, self._version, reason)
+            logprobs: list[float] | None = [] if self.params.logprobs else None
+            chunk = StreamChunk(self.request_id, index, [], logprobs, sample.versions[-1][1], reason)
             last = all(s.finish is not None for s in self.samples)
         if last:
             self._set_done()  # before the stream ends, so that a reader at its end sees the request done
@@ -122,10 +121,6 @@ class AsyncRequest:
         self._set_done()
         self._put(exc)
 
-    def tokens_so_far(self, index: int) -> list[int]:
-        with self._lock:
-            return list(self.samples[index].tokens)
-
     # ---- what the core uses ------------------------------------------------------------------------------
     @property
     def done(self) -> bool:
@@ -138,7 +133,6 @@ class AsyncRequest:
     def new_version(self, version: int) -> None:
         """Tokens from here on come from weight version ``version``."""
         with self._lock:
-            self._version = version
             for sample in self.samples:
                 if sample.finish is None and sample.versions[-1][1] != version:
                     start = len(sample.tokens)
@@ -364,10 +358,10 @@ class AsyncEngineMixin:
 
     def _check_weights_may_change(self) -> None:
         """A weight load may not land under running requests: pause them first (``keep`` carries them over)."""
-        state = self._async_state()
-        if state.paused is None and self.in_flight:
+        count = self.in_flight
+        if self._async_state().paused is None and count:
             raise EngineStateError(
-                f"load_weights with {self.in_flight} request(s) running: call pause_generation() first "
+                f"load_weights with {count} request(s) running: call pause_generation() first "
                 "('keep' carries them over to the new weights)"
             )
 
@@ -492,8 +486,3 @@ class _AsyncState:
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
-
-
-def with_weight_versions(output: GenerationOutput, version: int) -> GenerationOutput:
-    """A synchronous output labelled with the one weight version that produced all of it."""
-    return dataclasses.replace(output, weight_versions=((0, version),))

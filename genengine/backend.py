@@ -9,14 +9,13 @@ module imports no torch (helpers that need it import it when called), so a plugi
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import random
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from genengine.base import EngineBase
+from genengine.checkpoint import checkpoint_dtype, read_model_config
 from genengine.config import EngineConfig, check_options, option_bool, option_int, option_number
 from genengine.errors import (
     CheckpointError,
@@ -120,9 +119,7 @@ def torch_dtype(dtype: str, model_dir: str) -> torch.dtype:
     import torch
 
     if dtype == "auto":
-        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as fh:
-            cfg = json.load(fh)
-        dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").removeprefix("torch.")
+        dtype = checkpoint_dtype(read_model_config(model_dir)) or "float32"
     found: torch.dtype = getattr(torch, dtype)
     return found
 

@@ -350,6 +350,13 @@ def train_step(
     return float(((logp.detach() - old).abs() * target_mask).sum() / target_mask.sum())
 
 
+def running_mean(values: list[float]) -> tuple[int, list[float]]:
+    """The window (an eighth of the run, at least 1) and each point's mean over the window ending there."""
+    window = max(1, len(values) // 8)
+    spans = [values[max(0, i - window + 1) : i + 1] for i in range(len(values))]
+    return window, [sum(span) / len(span) for span in spans]
+
+
 def _plot(result: DemoResult, cfg: DemoConfig) -> str:
     import matplotlib
 
@@ -361,10 +368,7 @@ def _plot(result: DemoResult, cfg: DemoConfig) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     steps = [s.step for s in result.steps]
     rewards = [s.reward for s in result.steps]
-    window = max(1, len(rewards) // 8)
-    smooth = [
-        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1]) for i in steps
-    ]
+    window, smooth = running_mean(rewards)
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(steps, rewards, marker="o", markersize=3, linewidth=1, alpha=0.6, label="reward per step")
     ax.plot(steps, smooth, linewidth=2.5, label=f"running mean ({window} steps)")

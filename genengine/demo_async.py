@@ -30,6 +30,7 @@ from genengine.demo import (
     pick_target,
     rewards_and_advantages,
     run_demo,
+    running_mean,
     train_step,
 )
 from genengine.protocol import GenerationResult, SamplingParams
@@ -175,8 +176,7 @@ def _plot(sync: DemoResult | None, rollout: DemoResult, cfg: DemoConfig) -> str:
     for label, run in runs:
         steps = [s.step for s in run.steps]
         rewards = [s.reward for s in run.steps]
-        window = max(1, len(rewards) // 8)
-        smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / (i - max(0, i - window + 1) + 1) for i in steps]
+        _, smooth = running_mean(rewards)
         (line,) = ax.plot(steps, smooth, linewidth=2.5, label=f"{label}: {run.seconds:.0f} s")
         ax.plot(steps, rewards, marker="o", markersize=2, linewidth=0.8, alpha=0.4, color=line.get_color())
     ax.set_xlabel("RL step")
