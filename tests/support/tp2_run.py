@@ -92,7 +92,11 @@ class Tp2Run:
             if json_path:
                 with open(json_path, "w", encoding="utf-8") as fh:
                     fh.write(line + "\n")
+        # Tear the groups down in step: the gloo subgroup first, then the world once every rank is past that,
+        # so that no rank's gloo threads still talk to a peer that has already gone.
         dist.barrier(group=self.gloo)
+        dist.destroy_process_group(self.gloo)
+        dist.barrier(group=self.world)
         dist.destroy_process_group()
         self.log(f"{self.name.upper().replace('-', ' ')} {'FAILED' if failed else 'PASSED'}")
         return 1 if failed else 0
@@ -105,4 +109,9 @@ def exit_with(run: Tp2Run, main: Callable[[], int]) -> NoReturn:
     except Exception:
         run.log("FAIL: exception\n" + traceback.format_exc())
         code = 2
-    sys.exit(code)
+    # os._exit, not sys.exit: the verdict is printed and every group destroyed; what is left is CPython's
+    # teardown of torch's C++ statics, which now and then aborts with "terminate called without an active
+    # exception" (a gloo thread joined at exit) and would turn a passed run into exit -6.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
