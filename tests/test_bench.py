@@ -201,3 +201,55 @@ def test_under_torchrun_every_rank_measures_and_rank_0_reports(tmp_path: Path) -
     assert report["rank"] == 0 and report["world_size"] == 2
     assert "2 ranks (memory summed)" in proc.stdout
     assert report["sleep"][0]["greedy_unchanged"] is True
+
+
+# ---- genengine bench --async ---------------------------------------------------------------------------
+def test_lognormal_lengths_are_long_tailed_and_capped() -> None:
+    from genengine.bench.asynchronous import lognormal_lengths
+
+    lengths = lognormal_lengths(4000, 64, 1.0, 1024, seed=3)
+    assert lengths == lognormal_lengths(4000, 64, 1.0, 1024, seed=3)
+    assert min(lengths) >= 1 and max(lengths) <= 1024
+    median = sorted(lengths)[len(lengths) // 2]
+    assert 58 <= median <= 70
+    assert max(lengths) > 8 * median  # the tail a synchronous step waits for
+    assert lognormal_lengths(50, 8, 0.0, 1024, seed=0) == [8] * 50
+
+
+def test_async_bench_collects_the_samples_with_partial_rollouts(capsys: pytest.CaptureFixture[str]) -> None:
+    from genengine.bench.asynchronous import AsyncBenchSettings, _jobs, format_async_report, run_async_bench
+
+    settings = AsyncBenchSettings(batch_size=4, steps=3, median_new_tokens=4, max_new_tokens=24, prompt_len=8)
+    report = run_async_bench(settings)
+    sync, asy = report["sync"], report["async"]
+    # The synchronous run generated exactly the jobs' forced lengths (ignore_eos), batch after batch.
+    jobs = _jobs(settings, 4096)
+    assert sync["tokens"] == sum(next(jobs).params.max_new_tokens for _ in range(12))
+    assert sync["samples"] == asy["samples"] == 12
+    assert len(sync["load_seconds"]) == len(asy["pause_load_resume_seconds"]) == 3
+    assert all(g > 0 for g in asy["pause_load_resume_seconds"])
+    assert asy["in_flight"] == 6 and asy["aborted_at_end"] >= 1
+    # Samples carried over an update say so in their weight_versions, and their older tokens are counted.
+    assert asy["carried_samples"] >= 1 and 0 < asy["off_policy_tokens"] < asy["tokens"]
+    assert report["ratio"] == pytest.approx(asy["seconds"] / sync["seconds"])
+    table = format_async_report(report)
+    assert "async / sync" in table and f"{report['ratio']:.3f}" in table
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--oversample", "0.5"], "oversample=0.5 must be >= 1.0"),
+        (["--median-new-tokens", "300", "--max-new-tokens", "64"], "median_new_tokens=300 must be <= max_new_tokens"),
+        (["--steps", "0"], "steps=0 must be an integer >= 1"),
+        (["--backend", "nope"], "unknown backend 'nope'"),
+        (["--model", "/nonexistent/model"], "is not a local model folder"),
+    ],
+)
+def test_async_bench_bad_arguments_fail_before_any_work(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = _spy_on_work(monkeypatch)
+    assert main(["bench", "--async", "--quiet", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert work == []

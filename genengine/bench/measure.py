@@ -228,17 +228,17 @@ def _maybe_init_distributed(device: str) -> bool:
     return True
 
 
-def _resolve_backend(settings: BenchSettings) -> tuple[Any, str, str | None, Any]:
+def resolve_backend(given: Any) -> tuple[Any, str, str | None, Any]:
     """(backend for the config, display name, distribution, raw runner); imports the engine's module now,
     so a bad name fails before any model is built and imports do not count as engine memory."""
     from genengine.registry import get_backend, resolve_ref
 
-    backend = settings.backend
+    backend = given
     if isinstance(backend, str) and ":" in backend:
         try:
             backend = resolve_ref(backend)
         except (ImportError, AttributeError) as exc:
-            raise ConfigError(f"backend={settings.backend!r} cannot be imported: {exc}") from exc
+            raise ConfigError(f"backend={given!r} cannot be imported: {exc}") from exc
         return backend, f"{backend.__module__}.{backend.__qualname__}", None, None
     if isinstance(backend, str):
         info = get_backend(backend)
@@ -257,7 +257,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
             f"tp_size={settings.tp_size} needs a torch.distributed world of at least {settings.tp_size} ranks: "
             f"run `torchrun --nproc-per-node {settings.tp_size} -m genengine.cli bench ...`"
         )
-    resolved = _resolve_backend(settings)
+    resolved = resolve_backend(settings.backend)
     with contextlib.ExitStack() as stack:
         model = settings.model
         built = False

@@ -28,14 +28,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
             "engine when the plugin registers a raw_runner), load_weights time and GB/s (bucketed and one call "
             "per parameter), memory freed by sleep and the time of each wake stage. With no arguments it "
             "builds a tiny model and runs the embedded backend on CPU. With --tp-size N, run it under "
-            "`torchrun --nproc-per-node N`."
+            "`torchrun --nproc-per-node N`. With --async it instead times partial rollouts (pause, load, resume, "
+            "stragglers carried over) against the synchronous generate on a long-tailed batch."
         ),
     )
     add_engine_arguments(p, backend_help="a registered backend, or module:EngineClass")
     add_parallel_arguments(p, mem_util_help=None)
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument(
+        "--max-new-tokens", type=int, default=None, help="tokens per sample; with --async the length cap (32 / 256)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
     p.add_argument("--bucket-mb", type=float, default=None, help="load_weights bucket size (default: the backend's)")
     p.add_argument("--sleep-levels", type=_levels, default=(1, 2), help="comma-separated, e.g. '1,2' (default)")
@@ -44,10 +47,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--json", metavar="FILE", default=None, help="write the report as JSON ('-' for stdout)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the figures into a PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    group = p.add_argument_group("--async", "partial rollouts against the synchronous generate")
+    group.add_argument("--async", dest="async_", action="store_true", help="run the async comparison instead")
+    group.add_argument("--steps", type=int, default=4, help="trainer steps (weight updates)")
+    group.add_argument("--oversample", type=float, default=1.5, help="requests in flight per sample taken")
+    group.add_argument("--median-new-tokens", type=int, default=16, help="median of the lognormal lengths")
+    group.add_argument("--sigma", type=float, default=1.0, help="spread of the lognormal lengths")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.async_:
+        return _run_async(args)
     from genengine.bench import BenchSettings, format_report, plot_report, run_bench
 
     settings = BenchSettings(
@@ -59,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         mem_util=args.mem_util,
         batch_size=args.batch_size,
         prompt_len=args.prompt_len,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=32 if args.max_new_tokens is None else args.max_new_tokens,
         repeats=args.repeats,
         bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20)),
         sleep_levels=args.sleep_levels,
@@ -70,14 +81,7 @@ def run(args: argparse.Namespace) -> int:
     report = run_bench(settings)
     if report["rank"] != 0:  # under torchrun: every rank measured, rank 0 reports
         return 0
-    print(format_report(report), file=sys.stderr if args.json == "-" else sys.stdout)
-    if args.json == "-":
-        print(json.dumps(report, indent=2))
-    elif args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(report, fh, indent=2)
-            fh.write("\n")
-        print(f"wrote {args.json}")
+    _write(args, report, format_report(report))
     if args.plot:
         try:
             print(f"wrote {plot_report(report, args.plot)}")
@@ -85,3 +89,39 @@ def run(args: argparse.Namespace) -> int:
             print(f"genengine bench: cannot draw {args.plot}: {exc} (pip install 'genengine[plot]')", file=sys.stderr)
             return 1
     return 0
+
+
+def _run_async(args: argparse.Namespace) -> int:
+    from genengine.bench.asynchronous import AsyncBenchSettings, format_async_report, run_async_bench
+
+    if args.tp_size != 1:
+        print("genengine bench --async: --tp-size must be 1 (it measures one engine in this process)", file=sys.stderr)
+        return 2
+    settings = AsyncBenchSettings(
+        backend=args.backend,
+        model=args.model,
+        options=dict(args.option),
+        dtype=args.dtype,
+        mem_util=args.mem_util,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        oversample=args.oversample,
+        prompt_len=args.prompt_len,
+        median_new_tokens=args.median_new_tokens,
+        sigma=args.sigma,
+        max_new_tokens=256 if args.max_new_tokens is None else args.max_new_tokens,
+    )
+    report = run_async_bench(settings)
+    _write(args, report, format_async_report(report))
+    return 0
+
+
+def _write(args: argparse.Namespace, report: dict[str, object], table: str) -> None:
+    print(table, file=sys.stderr if args.json == "-" else sys.stdout)
+    if args.json == "-":
+        print(json.dumps(report, indent=2))
+    elif args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=2)
+            fh.write("\n")
+        print(f"wrote {args.json}")
