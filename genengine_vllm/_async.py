@@ -103,6 +103,7 @@ class Driver:
         self.core = llm.llm_engine.engine_core.engine_core  # InprocClient's EngineCore (core_client.py:287)
         self.lock = lock
         self.detokenize = detokenize
+        self._cuda = cuda
         self.samples: dict[str, _Sample] = {}
         self.by_request: dict[int, list[str]] = {}  # id(AsyncRequest) -> its vLLM request ids
         self.sync: dict[str, tuple[SyncBatch, int]] = {}
@@ -230,11 +231,23 @@ class Driver:
     def quiesce(self) -> None:
         """Step until the engine core is idle. Only while nothing of ours can be scheduled (held, or none
         live): the steps then only bring back the batch in flight."""
-        for _ in range(_DRAIN_STEPS):
-            if not self._core_busy():
-                return
-            self.step()
+        with self._engine_stream():
+            for _ in range(_DRAIN_STEPS):
+                if not self._core_busy():
+                    return
+                self.step()
         raise EngineStateError(f"vLLM's engine core did not go idle within {_DRAIN_STEPS} steps")
+
+    @contextlib.contextmanager
+    def _engine_stream(self) -> Iterator[None]:
+        """A step from a caller's thread runs on the engine's device and stream, as the driver's do."""
+        if self._cuda is None:
+            yield
+            return
+        import torch
+
+        with torch.cuda.device(self._cuda[0]), torch.cuda.stream(self._cuda[1]):
+            yield
 
     def settle(self) -> None:
         """Before a weight write or a sleep: collect a batch of finished or aborted requests still in flight."""
