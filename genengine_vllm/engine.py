@@ -28,6 +28,10 @@ How it maps (every choice checked against vLLM 0.26.0's source):
   sleep-mode engine is refused before any GPU memory is taken.
 * **Shutdown** leaves the trainer's default process group alive (vLLM's teardown calls
   ``torch.distributed.destroy_process_group()``, which would take the trainer's world down with it).
+* **Async** (:mod:`genengine.aio`; tp_size=1 only): a driver thread steps vLLM's ``LLMEngine`` for the
+  streamed requests (:mod:`genengine_vllm._async`); every call into vLLM holds one lock. A synchronous
+  ``generate`` with no async request live calls ``LLM.generate`` as before; with some live, the driver serves
+  it in the same batches; while a pause(keep) holds requests it is refused (vLLM schedules nothing then).
 """
 
 from __future__ import annotations
@@ -39,12 +43,14 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from genengine.aio import AsyncEngineMixin
 from genengine.base import EngineBase
 from genengine.checkpoint import vocab_size, weight_spec
 from genengine.config import EngineConfig
 from genengine.environ import scoped_environ
 from genengine.errors import EngineStateError, InvalidArgumentError
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, EngineState, GenerationResult, LoadReport
+from genengine_vllm._async import Driver, EngineLock
 from genengine_vllm._process import (
     _STATE,
     check_sleep_slot,
@@ -63,6 +69,7 @@ from genengine_vllm.settings import WEIGHT_SYNC_MODES, VLLMSettings, build_llm_k
 if TYPE_CHECKING:
     import torch
 
+    from genengine.aio import AsyncRequest
     from genengine.distributed import EngineGroup, Topology
     from genengine.requests import Request
     from genengine.weights import WeightInfo
@@ -109,7 +116,7 @@ def _unstash_saved_buffers(wrapper: Any) -> None:
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
-class VLLMEngine(EngineBase):
+class VLLMEngine(AsyncEngineMixin, EngineBase):
     """vLLM in the trainer's process: generate, sleep (levels 1 and 2), staged wake, in-place weight loads.
 
     Create it with :meth:`from_config` (what ``genengine.create_engine(backend="vllm", ...)`` calls) or
@@ -135,6 +142,9 @@ class VLLMEngine(EngineBase):
         self._life = contextlib.ExitStack()
         self._max_model_len = 0
         self._multimodal = False
+        self._lock = EngineLock()  # every call into vLLM: the async driver steps it from its own thread
+        self._driver: Driver | None = None
+        self._cuda: tuple[int, Any] | None = None
         group_index = topology.dp_rank if topology is not None else 0
         self.group_seed = settings.seed + group_index
         self._seed_rng = random.Random(self.group_seed)
@@ -207,6 +217,12 @@ class VLLMEngine(EngineBase):
             )
         self._max_model_len = int(llm.model_config.max_model_len)
         self._multimodal = bool(getattr(llm.model_config, "is_multimodal_model", False))
+        import torch
+
+        if torch.cuda.is_available():
+            # vLLM made this thread's current stream its own while it started (vllm/utils/torch_utils.py:662-699):
+            # the async driver thread steps on the same device and stream.
+            self._cuda = (torch.cuda.current_device(), torch.cuda.current_stream())
 
     @property
     def weight_sync_mode(self) -> str:
@@ -264,6 +280,12 @@ class VLLMEngine(EngineBase):
             named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
         )
 
+    def _check_weights_may_change(self) -> None:
+        super()._check_weights_may_change()
+        driver = self._driver
+        if driver is not None and driver.sync:
+            raise EngineStateError("load_weights while a synchronous generate() is running on this engine")
+
     # -- EngineBase hooks -----------------------------------------------------------------------------------
     def _vocab_size(self) -> int | None:
         return vocab_size(self.settings.model_config)
@@ -273,11 +295,10 @@ class VLLMEngine(EngineBase):
             self._spec = weight_spec(self.settings.model, self.settings.model_config, self.settings.dtype)
         return self._spec
 
-    def _generate(self, requests: list[Request]) -> list[GenerationResult]:
-        from vllm import SamplingParams as VllmSamplingParams
-
+    def _check_requests(self, requests: list[Request]) -> None:
+        """Everything that can be refused, before a seed is drawn or a request is queued."""
         detokenize = not self.settings.skip_tokenizer_init
-        for r in requests:  # everything that can be refused, before a seed is drawn or a request is queued
+        for r in requests:
             if r.prompt is not None and not detokenize:
                 raise InvalidArgumentError(
                     "text prompts need the tokenizer, but the engine was created with skip_tokenizer_init=True: "
@@ -291,43 +312,140 @@ class VLLMEngine(EngineBase):
                     f"max_model_len is {self._max_model_len} (prompt and completion together)"
                 )
             vllm_sampling_kwargs(r.params, seed=0, detokenize=detokenize)  # validates
+
+    def _vllm_requests(self, r: Request, *, one_per_sample: bool) -> list[tuple[dict[str, Any], Any]]:
+        """``(prompt, vllm.SamplingParams)`` of each vLLM request standing for ``r``, with explicit seeds.
+
+        Sample ``k`` of a split request gets ``seed + k``, the seed vLLM gives child ``k`` of an ``n > 1``
+        request (``v1/engine/parallel_sampling.py``, ``_get_child_sampling_params``), so the split async
+        requests sample what one synchronous request does.
+        """
+        from vllm import SamplingParams as VllmSamplingParams
+
+        detokenize = not self.settings.skip_tokenizer_init
+        prompt: dict[str, Any] = (
+            {"prompt": r.prompt} if r.prompt is not None else {"prompt_token_ids": list(r.prompt_token_ids or ())}
+        )
+        if r.image is not None:
+            prompt["multi_modal_data"] = {"image": load_image(r.image, r.index)}
+        seed = r.params.seed % _SEED_SPACE if r.params.seed is not None else self._seed_rng.getrandbits(61)
+        copies = r.params.n if one_per_sample else split_greedy_n(r.params)
+        return [
+            (
+                prompt,
+                VllmSamplingParams(
+                    **vllm_sampling_kwargs(r.params, seed=seed + k, detokenize=detokenize, n=1 if copies > 1 else None)
+                ),
+            )
+            for k in range(copies)
+        ]
+
+    def _generate(self, requests: list[Request]) -> list[GenerationResult]:
+        self._check_not_held()
+        self._check_requests(requests)
         prompts: list[dict[str, Any]] = []
         params: list[Any] = []
         owners: list[int] = []
         for r in requests:
-            prompt: dict[str, Any] = (
-                {"prompt": r.prompt} if r.prompt is not None else {"prompt_token_ids": list(r.prompt_token_ids or ())}
-            )
-            if r.image is not None:
-                prompt["multi_modal_data"] = {"image": load_image(r.image, r.index)}
-            seed = r.params.seed % _SEED_SPACE if r.params.seed is not None else self._seed_rng.getrandbits(61)
-            copies = split_greedy_n(r.params)
-            for k in range(copies):
-                kwargs = vllm_sampling_kwargs(
-                    r.params, seed=seed + k, detokenize=detokenize, n=1 if copies > 1 else None
-                )
+            for prompt, sampling in self._vllm_requests(r, one_per_sample=False):
                 prompts.append(prompt)
-                params.append(VllmSamplingParams(**kwargs))
+                params.append(sampling)
                 owners.append(r.index)
-        try:
-            outputs = self._llm.generate(prompts, params, use_tqdm=False)
-        except ValueError as exc:  # vLLM's VLLMValidationError: e.g. a text prompt longer than max_model_len
-            raise InvalidArgumentError(f"vLLM refused the request: {exc}") from exc
+        with self._lock():
+            self._check_not_held()
+            driver = self._driver
+            batch = driver.submit_sync(prompts, params) if driver is not None and driver.busy else None
+            if batch is None:
+                # No request of the driver in vLLM: LLM.generate as always (it steps until every request vLLM
+                # knows is done, so it cannot run beside streamed ones).
+                try:
+                    outputs = self._llm.generate(prompts, params, use_tqdm=False)
+                except ValueError as exc:  # vLLM's VLLMValidationError: e.g. a text prompt longer than max_model_len
+                    raise InvalidArgumentError(f"vLLM refused the request: {exc}") from exc
+        if batch is not None:
+            assert driver is not None
+            driver.wake()
+            outputs = batch.wait()
+        detokenize = not self.settings.skip_tokenizer_init
         grouped: dict[int, list[Any]] = {}
         for owner, out in zip(owners, outputs, strict=True):
             grouped.setdefault(owner, []).append(out)
         return [convert_request_output(grouped[r.index], r.params, detokenize=detokenize) for r in requests]
 
+    def _check_not_held(self) -> None:
+        driver = self._driver
+        if driver is not None and driver.held:
+            raise EngineStateError(
+                "generate() while generation is paused with mode 'keep': vLLM schedules nothing while it holds "
+                "the paused requests; call resume_generation() first"
+            )
+
+    # -- async (genengine.aio's hooks; genengine_vllm._async drives vLLM) ---------------------------------------
+    def _check_async(self) -> None:
+        if self.settings.tp_size > 1:
+            raise EngineStateError(
+                f"the async calls are not available with tp_size={self.settings.tp_size}: every rank of the TP "
+                "group steps its own vLLM engine core and the ranks would admit, abort and pause requests at "
+                "different steps (see docs/async.md, vLLM); use tp_size=1 engines or the synchronous generate()"
+            )
+
+    def _ensure_driver(self) -> Driver:
+        if self._driver is None:
+            self._driver = Driver(
+                self._llm, self._lock, detokenize=not self.settings.skip_tokenizer_init, cuda=self._cuda
+            )
+        return self._driver
+
+    def _async_start(self, request: AsyncRequest) -> None:
+        self._check_async()
+        self._check_requests([request.request])
+        inputs = self._vllm_requests(request.request, one_per_sample=True)
+        with self._lock():
+            driver = self._ensure_driver()
+            driver.add(request, inputs)
+        driver.wake()
+
+    def _async_abort(self, requests: list[AsyncRequest]) -> None:
+        with self._lock():
+            driver = self._driver
+            if driver is None:  # never started (or shut down): nothing is in vLLM
+                for request in requests:
+                    for index in request.unfinished():
+                        request.finish(index, "abort")
+                return
+            driver.abort(requests)
+        driver.wake()  # it steps the batch in flight back
+
+    def _async_hold(self, clear_cache: bool) -> None:
+        self._check_async()
+        with self._lock():
+            self._ensure_driver().hold(clear_cache)
+
+    def _async_release_hold(self) -> None:
+        with self._lock():
+            driver = self._ensure_driver()
+            driver.release()
+        driver.wake()
+
     def _release(self, level: int) -> None:
         import torch
 
-        torch.cuda.synchronize()
-        # vLLM's allocator unmaps synchronously, then runs gc.collect() and empty_cache() itself: the memory
-        # is back when this returns (one more full gc here would only cost time in every RL step).
-        self._llm.sleep(level=level)
-        torch.cuda.synchronize()
+        with self._lock():
+            if self._driver is not None:
+                if self._driver.sync:
+                    raise EngineStateError("cannot sleep while a synchronous generate() is running on this engine")
+                self._driver.settle()
+            torch.cuda.synchronize()
+            # vLLM's allocator unmaps synchronously, then runs gc.collect() and empty_cache() itself: the memory
+            # is back when this returns (one more full gc here would only cost time in every RL step).
+            self._llm.sleep(level=level)
+            torch.cuda.synchronize()
 
     def _resume(self, tags: tuple[str, ...]) -> None:
+        with self._lock():
+            self._resume_locked(tags)
+
+    def _resume_locked(self, tags: tuple[str, ...]) -> None:
         import torch
 
         torch.cuda.empty_cache()  # hand the trainer's cached blocks back so that vLLM can map them
@@ -350,22 +468,34 @@ class VLLMEngine(EngineBase):
             self._group.check_consistent(
                 [(name, tuple(t.shape), str(t.dtype)) for name, t in bucket], what="weight names and shapes"
             )
-        if self.settings.weight_sync_mode == "per_param":
-            for item in bucket:
-                self._load_into_model([item])
-        else:
-            self._load_into_model(bucket)
+        with self._lock():  # the driver never steps while the weights change
+            if self._driver is not None:
+                self._driver.settle()
+            if self.settings.weight_sync_mode == "per_param":
+                for item in bucket:
+                    self._load_into_model([item])
+            else:
+                self._load_into_model(bucket)
 
     def _load_into_model(self, items: list[tuple[str, torch.Tensor]]) -> None:
         # vLLM's own loader for the architecture: maps HF names (q/k/v → qkv_proj, ...) and shards for TP.
         self._llm.apply_model(lambda model: model.load_weights(iter(items)))
 
     def _flush_cache(self) -> None:
-        if not self._llm.reset_prefix_cache():
-            raise EngineStateError("vLLM could not reset its prefix cache (requests still running)")
-        self._llm.llm_engine.reset_encoder_cache()  # vision embeddings computed with the old weights
+        with self._lock():
+            driver = self._driver
+            if driver is not None and driver.held and driver.kept_kv:
+                # pause(keep, clear_cache=False): the held requests keep their KV blocks, which vLLM's reset
+                # refuses (block_pool.py:761-777); the driver takes every block out of the prefix cache instead.
+                driver.evict_prefix_cache()
+            elif not self._llm.reset_prefix_cache():
+                raise EngineStateError("vLLM could not reset its prefix cache (requests still running)")
+            self._llm.llm_engine.reset_encoder_cache()  # vision embeddings computed with the old weights
 
     def _shutdown(self) -> None:
+        driver, self._driver = self._driver, None
+        if driver is not None:
+            driver.stop()  # streams in flight end with "abort", keeping their tokens
         llm, self._llm = self._llm, None
         try:
             # EngineBase woke every released tag first (wake_before_shutdown); when that wake failed, memory is

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 from genengine.errors import EngineStateError, InvalidArgumentError
-from genengine.protocol import GenerationOutput, GenerationResult, SamplingParams
+from genengine.protocol import FinishReason, GenerationOutput, GenerationResult, SamplingParams
 
 __all__ = [
     "MIN_TEMPERATURE",
+    "CompletionDelta",
+    "completion_delta",
+    "contract_stop_reason",
     "convert_request_output",
     "load_image",
     "sampled_logprobs",
@@ -126,20 +130,25 @@ def sampled_logprobs(token_ids: Sequence[int], logprobs: Any) -> list[float]:
     return out
 
 
+def contract_stop_reason(stop_reason: Any, params: SamplingParams) -> str | int | None:
+    """vLLM's ``stop_reason`` as the contract reports it: an EOS id that is not one of ``stop_token_ids``
+    (an extra EOS id of generation_config.json) is None, like EOS itself."""
+    if isinstance(stop_reason, int) and stop_reason not in params.stop_token_ids:
+        return None
+    return cast("str | int | None", stop_reason)
+
+
 def _completion(c: Any, params: SamplingParams, *, detokenize: bool) -> GenerationOutput:
     token_ids = [int(t) for t in c.token_ids]
     reason = c.finish_reason
     if reason not in ("stop", "length"):
         raise EngineStateError(f"vLLM finished a request with finish_reason={reason!r}; no result for it")
-    stop_reason = c.stop_reason
-    if isinstance(stop_reason, int) and stop_reason not in params.stop_token_ids:
-        stop_reason = None  # an extra EOS id of generation_config.json: the contract reports EOS as None
     return GenerationOutput(
         token_ids=token_ids,
         text=c.text if detokenize else None,
         finish_reason=reason,
         logprobs=sampled_logprobs(token_ids, c.logprobs) if params.logprobs else None,
-        stop_reason=stop_reason,
+        stop_reason=contract_stop_reason(c.stop_reason, params),
     )
 
 
@@ -152,4 +161,40 @@ def convert_request_output(outputs: Sequence[Any], params: SamplingParams, *, de
     return GenerationResult(
         prompt_token_ids=[int(t) for t in (prompt_ids or [])],
         outputs=[_completion(c, params, detokenize=detokenize) for c in completions],
+    )
+
+
+@dataclass(frozen=True)
+class CompletionDelta:
+    """What one streamed ``CompletionOutput`` adds to a sample."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    """The new tokens' processed logprobs (None when not asked for)."""
+    text: str
+    """The new text ("" without the tokenizer); vLLM holds back text that may start a stop string."""
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None
+
+
+def completion_delta(c: Any, params: SamplingParams, *, detokenize: bool) -> CompletionDelta:
+    """One ``CompletionOutput`` of a ``RequestOutputKind.DELTA`` request as the tokens it adds.
+
+    vLLM cuts the delta's logprobs off the end of the whole list by the number of new tokens
+    (``v1/engine/output_processor.py:403-404``), so with no new token (a last output carrying only the
+    finish) its ``logprobs`` are every position's: they are read only when there are tokens.
+    """
+    token_ids = [int(t) for t in c.token_ids]
+    logprobs: list[float] | None = None
+    if params.logprobs:
+        logprobs = sampled_logprobs(token_ids, c.logprobs) if token_ids else []
+    reason = c.finish_reason
+    if reason is not None and reason not in ("stop", "length", "abort"):
+        raise EngineStateError(f"vLLM finished a request with finish_reason={reason!r}; no result for it")
+    return CompletionDelta(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        text=(c.text or "") if detokenize else "",
+        finish_reason=cast("FinishReason | None", reason),
+        stop_reason=contract_stop_reason(c.stop_reason, params) if reason is not None else None,
     )

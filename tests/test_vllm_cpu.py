@@ -37,7 +37,14 @@ from genengine_vllm import _process as vprocess
 from genengine_vllm import settings as vsettings
 from genengine_vllm.engine import VLLMEngine, generate_check_value
 from genengine_vllm.lightrft import get_vllm_engine
-from genengine_vllm.mapping import convert_request_output, sampled_logprobs, split_greedy_n, vllm_sampling_kwargs
+from genengine_vllm.mapping import (
+    completion_delta,
+    contract_stop_reason,
+    convert_request_output,
+    sampled_logprobs,
+    split_greedy_n,
+    vllm_sampling_kwargs,
+)
 from genengine_vllm.settings import LOGPROBS_MODE, build_llm_kwargs, resolve_settings
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -389,6 +396,78 @@ def test_convert_refuses_what_it_cannot_map() -> None:
         convert_request_output([abort], SamplingParams(n=2), detokenize=True)
     with pytest.raises(EngineStateError, match="sampled token 5"):
         sampled_logprobs([5], _Flat([0], [1], [6], [-1.0]))
+
+
+# ---- streamed outputs (RequestOutputKind.DELTA) ------------------------------------------------------------
+def test_completion_delta_reads_only_the_new_tokens_logprobs() -> None:
+    params = SamplingParams(logprobs=True, stop=("END",))
+    delta = completion_delta(
+        _completion(0, [7, 8], "xy", None, None, _Flat([0, 1], [1, 2], [7, 8], [-0.5, -1.5])), params, detokenize=True
+    )
+    assert (delta.token_ids, delta.logprobs, delta.text, delta.finish_reason) == ([7, 8], [-0.5, -1.5], "xy", None)
+    # A last output with no new token: vLLM's slice logprobs[-0:] is every position; none is taken.
+    every = _Flat([0, 1, 2], [1, 2, 3], [7, 8, 9], [-0.5, -1.5, -0.1])
+    last = completion_delta(_completion(0, [], "", "stop", "END", every), params, detokenize=True)
+    assert (last.token_ids, last.logprobs, last.finish_reason, last.stop_reason) == ([], [], "stop", "END")
+    plain = completion_delta(_completion(0, [3], "t", "length"), SamplingParams(), detokenize=False)
+    assert (plain.logprobs, plain.text, plain.finish_reason, plain.stop_reason) == (None, "", "length", None)
+
+
+def test_completion_delta_finish_and_stop_reasons() -> None:
+    params = SamplingParams(stop_token_ids=(42,))
+    assert completion_delta(_completion(0, [42], "", "stop", 42), params, detokenize=True).stop_reason == 42
+    assert completion_delta(_completion(0, [2], "", "stop", 151643), params, detokenize=True).stop_reason is None
+    assert completion_delta(_completion(0, [2], "", "abort"), params, detokenize=True).finish_reason == "abort"
+    assert contract_stop_reason(151643, params) is None and contract_stop_reason("END", params) == "END"
+    with pytest.raises(EngineStateError, match="finish_reason='error'"):
+        completion_delta(_completion(0, [], "", "error"), params, detokenize=True)
+
+
+def test_engine_declares_async_and_refuses_it_on_tp_groups() -> None:
+    from genengine.aio import AsyncEngineMixin
+
+    assert VLLMEngine.supports_async and issubclass(VLLMEngine, AsyncEngineMixin)
+    engine = VLLMEngine.__new__(VLLMEngine)  # the check reads the settings only: nothing is started
+    engine.settings = SimpleNamespace(tp_size=2)  # type: ignore[assignment]
+    with pytest.raises(EngineStateError, match="tp_size=2"):
+        engine._check_async()
+    engine.settings = SimpleNamespace(tp_size=1)  # type: ignore[assignment]
+    engine._check_async()
+
+
+def test_engine_lock_lets_callers_in_between_driver_steps() -> None:
+    """The driver takes the lock straight back after each step; a caller waiting for it still gets it soon."""
+    import threading
+    import time
+
+    from genengine_vllm._async import EngineLock
+
+    lock = EngineLock()
+    stop = threading.Event()
+    steps = 0
+
+    def driver() -> None:
+        nonlocal steps
+        while not stop.is_set():
+            with lock.for_driver():
+                time.sleep(0.002)  # one step
+                steps += 1
+
+    thread = threading.Thread(target=driver)
+    thread.start()
+    try:
+        while steps < 3:
+            time.sleep(0.001)
+        waits = []
+        for _ in range(20):
+            start = time.perf_counter()
+            with lock():
+                waits.append(time.perf_counter() - start)
+        assert max(waits) < 0.5, max(waits)
+    finally:
+        stop.set()
+        thread.join()
+    assert lock.waiting == 0
 
 
 # ---- weight spec --------------------------------------------------------------------------------------------

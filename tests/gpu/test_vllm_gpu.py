@@ -11,6 +11,7 @@ Run on the GPU machine with tools/gpu/run_tests.sh vllm, which amounts to:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import os
@@ -37,7 +38,7 @@ from support.gpu_checks import (  # noqa: E402
 )
 
 from genengine import create_engine  # noqa: E402
-from genengine.errors import EngineStateError  # noqa: E402
+from genengine.errors import EngineClosedError, EngineStateError  # noqa: E402
 from genengine.protocol import GenerationEngine, GenerationResult, SamplingParams  # noqa: E402
 from genengine.testing.conformance import PROMPTS, EngineConformance  # noqa: E402
 from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
@@ -92,6 +93,31 @@ def allocator_settings() -> Any:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = saved
     enabled = "expandable_segments:True" in (saved or "")
     torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enabled}")
+
+
+_LONG = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True, logprobs=True)
+
+
+async def _read(stream: Any, count: int) -> list[int]:
+    """Read ``stream`` until it gave ``count`` tokens (or ended); the stream stays open."""
+    tokens: list[int] = []
+    while len(tokens) < count:
+        try:
+            chunk = await stream.__anext__()
+        except StopAsyncIteration:
+            break
+        tokens.extend(chunk.token_ids)
+    return tokens
+
+
+def _scheduler(engine: Any) -> Any:
+    """vLLM's scheduler inside the in-process engine core (what the async driver pauses)."""
+    return engine._llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def _hashed_blocks(engine: Any) -> int:
+    """Blocks in vLLM's prefix cache (with a hash a new request could hit)."""
+    return sum(1 for b in _scheduler(engine).kv_cache_manager.block_pool.blocks if b.block_hash is not None)
 
 
 def _rng_kept(cpu: Any, cuda: list[Any] | None) -> bool:
@@ -232,6 +258,116 @@ class TestVLLMConformance(EngineConformance):
         second = engine.generate(PROMPTS, params)
         tokens = token_ids([*first, *second])
         assert tokens[: len(PROMPTS)] != tokens[len(PROMPTS) :], "each call must draw new seeds"
+
+    # ---- async, beyond the suite ---------------------------------------------------------------------------
+    def test_sync_generate_while_streams_run_is_served_in_the_same_batches(
+        self, engine: Any, baseline: list[GenerationResult]
+    ) -> None:
+        """The driver serves a synchronous generate() beside the streams (LLM.generate would step theirs too)."""
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=12, logprobs=True)
+
+        async def main() -> tuple[list[GenerationResult], int, Any]:
+            stream = engine.stream(PROMPTS[0], _LONG)
+            try:
+                await _read(stream, 2)
+                results = await asyncio.to_thread(engine.generate, PROMPTS, greedy)
+                more = await _read(stream, 4)
+                return results, len(more), engine.in_flight
+            finally:
+                await engine.abort()
+
+        results, more, in_flight = asyncio.run(main())
+        assert more == 4 and in_flight == 1, "the stream must go on after the synchronous generate"
+        assert len(results) == len(PROMPTS) and [r.prompt_token_ids for r in results] == [
+            r.prompt_token_ids for r in baseline
+        ]
+        for result in results:
+            out = result.outputs[0]
+            assert out.finish_reason in ("stop", "length") and 0 < len(out.token_ids) <= 12
+            assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+            assert out.weight_versions == ((0, engine.weight_version),)
+        assert engine.in_flight == 0 and engine._driver is not None and not engine._driver.busy
+        self.assert_baseline(engine, baseline)  # the direct LLM.generate path again
+
+    def test_generate_while_requests_are_held_is_refused(self, engine: Any) -> None:
+        async def main() -> None:
+            stream = engine.stream(PROMPTS[1], _LONG)
+            try:
+                await _read(stream, 2)
+                await engine.pause_generation("keep")
+                with pytest.raises(EngineStateError, match="resume_generation"):
+                    engine.generate(PROMPTS[:1], {"max_new_tokens": 2})
+                await engine.resume_generation()
+                assert len(await _read(stream, 3)) == 3
+            finally:
+                await engine.resume_generation()
+                await engine.abort()
+
+        asyncio.run(main())
+
+    @pytest.mark.parametrize("clear_cache", [True, False])
+    def test_pause_keep_maps_clear_cache_onto_vllm(
+        self, engine: Any, original_weights: dict[str, Any], other_weights: dict[str, Any], clear_cache: bool
+    ) -> None:
+        """True: vLLM preempts the running request (KV freed, recomputed at resume); False: it keeps its KV and
+        a weight load still empties the prefix cache (blocks in use included), so nothing new hits old KV."""
+        sched = _scheduler(engine)
+
+        async def main() -> tuple[int, int, int, int]:
+            stream = engine.stream(PROMPTS[2], _LONG)
+            try:
+                await _read(stream, 4)
+                await engine.pause_generation("keep", clear_cache=clear_cache)
+                running, computed = len(sched.running), sum(r.num_computed_tokens for r in sched.running)
+                waiting = len(sched.waiting)
+                engine.load_weights(other_weights.items())
+                hashed = _hashed_blocks(engine)
+                await engine.resume_generation()
+                assert len(await _read(stream, 3)) == 3
+                return running, computed, waiting, hashed
+            finally:
+                await engine.resume_generation()
+                await engine.abort()
+                engine.load_weights(original_weights.items())
+
+        running, computed, waiting, hashed = asyncio.run(main())
+        assert hashed == 0, f"{hashed} blocks computed with the old weights still in the prefix cache"
+        if clear_cache:
+            assert (running, waiting) == (0, 1)
+        else:
+            assert running == 1 and computed > 0 and waiting == 0
+
+
+def test_shutdown_with_streams_open_ends_them_with_abort(trainer_world: Any) -> None:
+    """Streams open at shutdown end with "abort" and keep their tokens; the engine object then says it is closed."""
+    engine = create_engine(
+        backend="vllm", model=str(tiny_model_dir()), mem_util=MEM_UTIL, max_model_len=1024, enable_sleep=False
+    )
+
+    async def main() -> list[tuple[list[int], Any]]:
+        streams = [engine.stream(p, _LONG) for p in PROMPTS]
+        seen = [await _read(stream, 2) for stream in streams]
+        engine.shutdown()
+        for tokens, stream in zip(seen, streams, strict=True):
+            async for chunk in stream:
+                tokens.extend(chunk.token_ids)
+        with pytest.raises(EngineClosedError):
+            engine.stream(PROMPTS[0], _LONG)
+        with pytest.raises(EngineClosedError):
+            await engine.pause_generation("keep")
+        return [(tokens, stream.result()) for tokens, stream in zip(seen, streams, strict=True)]
+
+    try:
+        for tokens, result in asyncio.run(main()):
+            out = result.outputs[0]
+            assert out.finish_reason == "abort" and out.token_ids == tokens and len(tokens) >= 2
+            assert out.logprobs is not None and len(out.logprobs) == len(tokens)
+        assert engine.state.closed and engine.in_flight == 0
+        engine.shutdown()  # idempotent
+        with pytest.raises(EngineClosedError):
+            engine.generate(PROMPTS, {"max_new_tokens": 2})
+    finally:
+        engine.shutdown()
 
 
 def test_shutdown_keeps_the_trainer_world_and_frees_memory(trainer_world: Any) -> None:

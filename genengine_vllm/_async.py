@@ -1,0 +1,356 @@
+"""The async capability on vLLM 0.26.0: one driver thread steps the in-process engine for streamed requests.
+
+vLLM's ``LLM.generate`` steps its ``LLMEngine`` until *every* request it knows is finished, so streamed
+requests cannot share it; they go through the same v1 ``LLMEngine`` one level down, as ``LLM`` itself does:
+``add_request`` (``RequestOutputKind.DELTA``: each step's new tokens), ``step``, ``abort_request``; the pause
+is the engine core's own ``pause_scheduler(mode="keep")`` / ``resume_scheduler``. Source lines named below
+are vLLM 0.26.0's.
+
+vLLM's engine is not thread-safe: every call into it, from the driver or from a caller's thread (a submit,
+an abort, a pause, a weight load, a sleep, a synchronous ``generate``), runs under one :class:`EngineLock`.
+The driver takes it for one step at a time and lets waiting callers in first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from genengine.errors import EngineClosedError, EngineStateError, InvalidArgumentError
+from genengine_vllm.mapping import completion_delta
+
+if TYPE_CHECKING:
+    from genengine.aio import AsyncRequest
+
+__all__ = ["Driver", "EngineLock", "SyncBatch"]
+
+_DRAIN_STEPS = 16
+"""Steps a pause may take to collect the batch still in flight (async scheduling keeps at most 2)."""
+_IDLE_STEPS = 4
+"""Steps the driver takes with nothing of its own left, so that a batch of aborted requests comes back."""
+_COALESCE_S = 0.002
+"""The driver's pause before stepping again after idling: a burst of submissions lands in one batch."""
+
+
+class EngineLock:
+    """The lock around every call into vLLM. Callers outside the driver count themselves in ``waiting``:
+    the driver takes the lock straight back after each step (Python locks are not fair), so it waits
+    while anyone else does."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._count = threading.Lock()
+        self.waiting = 0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._count:
+            self.waiting += 1
+        try:
+            with self._lock:
+                yield
+        finally:
+            with self._count:
+                self.waiting -= 1
+
+    @contextlib.contextmanager
+    def for_driver(self) -> Iterator[None]:
+        while self.waiting:
+            time.sleep(0.0002)
+        with self._lock:
+            yield
+
+
+@dataclass
+class _Sample:
+    """One vLLM request (always ``n=1``): completion ``index`` of an async request."""
+
+    request: AsyncRequest
+    index: int
+    text: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SyncBatch:
+    """A synchronous ``generate``'s vLLM requests, served by the driver while async requests are live."""
+
+    outputs: list[Any]
+    remaining: int
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def wait(self) -> list[Any]:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.outputs
+
+
+class Driver:
+    """Steps vLLM's ``LLMEngine`` on its own thread while streamed (or driver-served sync) requests live.
+
+    Every method but :meth:`wake` and :meth:`stop` is called with the :class:`EngineLock` held.
+    """
+
+    def __init__(self, llm: Any, lock: EngineLock, *, detokenize: bool, cuda: tuple[int, Any] | None) -> None:
+        self.llm = llm
+        self.engine = llm.llm_engine  # v1 LLMEngine (vllm/v1/engine/llm_engine.py:48)
+        self.core = llm.llm_engine.engine_core.engine_core  # InprocClient's EngineCore (core_client.py:287)
+        self.lock = lock
+        self.detokenize = detokenize
+        self._cuda = cuda
+        self.samples: dict[str, _Sample] = {}
+        self.by_request: dict[int, list[str]] = {}  # id(AsyncRequest) -> its vLLM request ids
+        self.sync: dict[str, tuple[SyncBatch, int]] = {}
+        self.held = False
+        self.kept_kv = False
+        """Held with ``clear_cache=False``: the held requests keep KV blocks computed with the old weights."""
+        self._stopping = False
+        self._wake = threading.Event()
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, args=(cuda,), daemon=True, name="genengine-vllm-driver")
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        """Requests of ours are in vLLM (a synchronous ``generate`` must then go through the driver)."""
+        return bool(self.samples or self.sync)
+
+    # ---- requests ----------------------------------------------------------------------------------------
+    def add(self, request: AsyncRequest, inputs: list[tuple[dict[str, Any], Any]]) -> None:
+        """Hand vLLM one single-sample request per completion; a refusal adds none of them."""
+        from vllm.sampling_params import RequestOutputKind
+
+        ids = self._add(inputs, "a", RequestOutputKind.DELTA, request)
+        for index, vid in enumerate(ids):
+            self.samples[vid] = _Sample(request, index)
+        self.by_request[id(request)] = ids
+
+    def submit_sync(self, prompts: list[dict[str, Any]], params: list[Any]) -> SyncBatch:
+        """A synchronous ``generate``'s requests; their final outputs come back in ``prompts``' order."""
+        from vllm.sampling_params import RequestOutputKind
+
+        ids = self._add(list(zip(prompts, params, strict=True)), "s", RequestOutputKind.FINAL_ONLY, None)
+        batch = SyncBatch(outputs=[None] * len(ids), remaining=len(ids))
+        for position, vid in enumerate(ids):
+            self.sync[vid] = (batch, position)
+        if not ids:
+            batch.done.set()
+        return batch
+
+    def _add(
+        self, inputs: list[tuple[dict[str, Any], Any]], kind: str, output_kind: Any, request: AsyncRequest | None
+    ) -> list[str]:
+        ids: list[str] = []
+        try:
+            for prompt, params in inputs:
+                params.output_kind = output_kind  # as LLM._add_request sets FINAL_ONLY (offline_utils.py:552-560)
+                # Rendered as LLM.generate renders (offline_utils.py:145, 299-318): the same prompt token ids.
+                engine_input = self.llm._preprocess_cmpl_one(prompt)
+                vid = f"genengine-{kind}{next(self._ids)}"
+                self.engine.add_request(vid, engine_input, params)  # llm_engine.py:218
+                ids.append(vid)
+                if request is not None and request.prompt_token_ids is None:
+                    token_ids = engine_input.get("prompt_token_ids") if isinstance(engine_input, dict) else None
+                    if token_ids is not None:
+                        request.prompt_token_ids = tuple(int(t) for t in token_ids)
+        except BaseException as exc:
+            if ids:
+                self.engine.abort_request(ids)
+            if isinstance(exc, ValueError) and not isinstance(exc, InvalidArgumentError):
+                raise InvalidArgumentError(f"vLLM refused the request: {exc}") from exc
+            raise
+        return ids
+
+    def abort(self, requests: list[AsyncRequest]) -> None:
+        """vLLM forgets them and frees their KV (``abort_request``, llm_engine.py:212); each keeps the tokens it
+        was told of (a token sampled in the batch still in flight is dropped with the request)."""
+        ids = [vid for r in requests for vid in self.by_request.pop(id(r), [])]
+        try:
+            if ids:
+                self.engine.abort_request(ids)
+        finally:
+            for vid in ids:
+                self.samples.pop(vid, None)
+            for request in requests:
+                for index in request.unfinished():
+                    request.finish(index, "abort")
+
+    # ---- stepping ----------------------------------------------------------------------------------------
+    def step(self) -> None:
+        outputs = self.engine.step()  # llm_engine.py:296: one engine-core step, outputs as RequestOutputs
+        for out in outputs:
+            sample = self.samples.get(out.request_id)  # the id we gave (output_processor.py:370-371)
+            if sample is not None:
+                self._report(out.request_id, sample, out)
+                continue
+            entry = self.sync.get(out.request_id)
+            if entry is not None and out.finished:
+                del self.sync[out.request_id]
+                batch, position = entry
+                batch.outputs[position] = out
+                batch.remaining -= 1
+                if not batch.remaining:
+                    batch.done.set()
+
+    def _report(self, vid: str, sample: _Sample, out: Any) -> None:
+        request = sample.request
+        try:
+            for completion in out.outputs:  # one: every request here has n=1
+                delta = completion_delta(completion, request.params, detokenize=self.detokenize)
+                if delta.token_ids:
+                    request.emit(sample.index, delta.token_ids, delta.logprobs)
+                sample.text.append(delta.text)
+                if delta.finish_reason is not None:
+                    self._forget(vid, request)
+                    text = "".join(sample.text) if self.detokenize else None
+                    request.finish(sample.index, delta.finish_reason, stop_reason=delta.stop_reason, text=text)
+        except EngineStateError as exc:
+            self.abort([request])  # its other completions too: the request has no result
+            request.fail(exc)
+
+    def _forget(self, vid: str, request: AsyncRequest) -> None:
+        self.samples.pop(vid, None)
+        ids = self.by_request.get(id(request))
+        if ids is not None:
+            with contextlib.suppress(ValueError):
+                ids.remove(vid)
+            if not ids:
+                del self.by_request[id(request)]
+
+    def _core_busy(self) -> bool:
+        """The engine core has work: a batch in flight (async scheduling's batch queue, core.py:199-205,
+        617-720) or requests its scheduler has not returned yet."""
+        return bool(self.core.batch_queue) or bool(self.core.scheduler.has_requests())
+
+    def quiesce(self) -> None:
+        """Step until the engine core is idle. Only while nothing of ours can be scheduled (held, or none
+        live): the steps then only bring back the batch in flight."""
+        with self._engine_stream():
+            for _ in range(_DRAIN_STEPS):
+                if not self._core_busy():
+                    return
+                self.step()
+        raise EngineStateError(f"vLLM's engine core did not go idle within {_DRAIN_STEPS} steps")
+
+    @contextlib.contextmanager
+    def _engine_stream(self) -> Iterator[None]:
+        """A step from a caller's thread runs on the engine's device and stream, as the driver's do."""
+        if self._cuda is None:
+            yield
+            return
+        import torch
+
+        with torch.cuda.device(self._cuda[0]), torch.cuda.stream(self._cuda[1]):
+            yield
+
+    def settle(self) -> None:
+        """Before a weight write or a sleep: collect a batch of finished or aborted requests still in flight."""
+        if self.held or not self.busy:
+            self.quiesce()
+
+    # ---- pause --------------------------------------------------------------------------------------------
+    def hold(self, clear_cache: bool) -> None:
+        """vLLM's ``pause_scheduler(mode="keep")``: nothing is scheduled any more (``PAUSED_ALL``,
+        scheduler.py:446-448); the batch in flight comes back first, so every token sampled with the old
+        weights is reported before they change. ``clear_cache``: then ``_reset_caches`` (core.py:807-819):
+        ``reset_prefix_cache(reset_running_requests=True)`` preempts every running request to the waiting
+        queue with its KV freed (scheduler.py:2326-2362), so at resume vLLM recomputes prompt + tokens so
+        far with the weights then loaded; without it each keeps its KV blocks and goes on from them."""
+        if self.sync:
+            raise EngineStateError(
+                "a synchronous generate() is being served with the async requests: pause after it returned"
+            )
+        self.core.pause_scheduler(mode="keep", clear_cache=False)  # core.py:821-850 (in-process: no "wait")
+        try:
+            self.quiesce()
+            if clear_cache:
+                self.core.pause_scheduler(mode="keep", clear_cache=True)
+        except BaseException:
+            self.core.resume_scheduler()
+            raise
+        self.held, self.kept_kv = True, not clear_cache
+
+    def release(self) -> None:
+        self.core.resume_scheduler()  # core.py:852-854
+        self.held = self.kept_kv = False
+
+    def evict_prefix_cache(self) -> None:
+        """Take every block out of vLLM's prefix cache, blocks in use included (they stay allocated to their
+        requests): ``evict_blocks`` (kv_cache_manager.py:548 → block_pool.py:742-759). After a weight load
+        under requests that keep their KV, no new request may hit KV computed with the old weights."""
+        manager = self.core.scheduler.kv_cache_manager
+        cached = {block.block_id for block in manager.block_pool.blocks if block.block_hash is not None}
+        if cached:
+            manager.evict_blocks(cached)
+
+    # ---- the thread ---------------------------------------------------------------------------------------
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _run(self, cuda: tuple[int, Any] | None) -> None:
+        if cuda is not None:
+            import torch
+
+            # The device and CUDA stream of the thread that started vLLM (vLLM keeps its stream per thread,
+            # vllm/utils/torch_utils.py:646-699, and would make a new one here): kernels launched from any
+            # thread then run in one order on the GPU, a weight write never overlaps a step.
+            torch.cuda.set_device(cuda[0])
+            torch.cuda.set_stream(cuda[1])
+        idle = 0
+        while True:
+            self._wake.clear()
+            with self.lock.for_driver():
+                if self._stopping:
+                    return
+                mine = self.busy
+                stepping = not self.held and (mine or (idle < _IDLE_STEPS and self._core_busy()))
+                if stepping:
+                    idle = 0 if mine else idle + 1
+                    try:
+                        self.step()
+                    except BaseException as exc:
+                        self._fail_all(exc)
+            if not stepping:
+                self._wake.wait()
+                idle = 0
+                time.sleep(_COALESCE_S)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        requests = {id(s.request): s.request for s in self.samples.values()}
+        batches = {id(b): b for b, _ in self.sync.values()}
+        ids = [*self.samples, *self.sync]
+        self.samples.clear()
+        self.by_request.clear()
+        self.sync.clear()
+        with contextlib.suppress(Exception):
+            self.engine.abort_request(ids)
+        for request in requests.values():
+            request.fail(exc)
+        for batch in batches.values():
+            batch.error = exc
+            batch.done.set()
+
+    def stop(self) -> None:
+        """Abort every request (streams end with "abort", keeping their tokens), fail a driver-served
+        ``generate`` with ``EngineClosedError``, and end the thread."""
+        with self.lock():
+            self._stopping = True
+            requests = list({id(s.request): s.request for s in self.samples.values()}.values())
+            with contextlib.suppress(Exception):
+                self.abort(requests)
+            batches = {id(b): b for b, _ in self.sync.values()}
+            with contextlib.suppress(Exception):
+                if self.sync:
+                    self.engine.abort_request(list(self.sync))
+            self.sync.clear()
+            for batch in batches.values():
+                batch.error = EngineClosedError("the engine was shut down while generate() was running")
+                batch.done.set()
+        self._wake.set()
+        self._thread.join(timeout=60)
