@@ -357,6 +357,9 @@ class AsyncSGLang:
     async def _pause_in_place(self) -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
+        # SGLang's own pause, not merely ours: a weight update while SGLang is not paused waits for its writer
+        # lock, which every request in flight holds a reader side of (tokenizer_control_mixin.py:514-521,
+        # tokenizer_manager.py:787): the held requests would never let it through.
         self._in_place = True
         if self._resumed is None:
             self._resumed = asyncio.Event()
@@ -476,7 +479,7 @@ class AsyncSGLang:
         self._emit(sample, ids, logprobs)
         if reason is not None:
             finish, stop_reason = finish_from_sglang(reason, params)
-            if sample.segments == 1 and not self._tm.incremental_streaming_output:
+            if sample.segments == 1 and not self._tm.incremental_streaming_output:  # tokenizer_manager.py:408
                 text = out.get("text")  # the whole text, as the sync path gets it
             else:
                 text = self._decode(sample.tokens)

@@ -355,7 +355,7 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
 
         def run() -> None:
             if self._aio is not None:
-                self._aio.quiesce("sleep")  # SGLang asserts it is idle (weight_updater.py:196)
+                self._aio.quiesce("sleep")  # SGLang asserts it is idle (weight_updater.py:205)
             self._sgl(lambda: self._engine.release_memory_occupation(tags=tags))
 
         self._on_leader("sleep", run)
@@ -663,6 +663,8 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
                 self._aio.close()
             elif self._driver is not None:
                 self._driver.close(_timeout(self._settings))
+        except Exception as exc:  # SGLang's processes are stopped all the same
+            warnings.warn(f"stopping the async requests failed: {exc!r}", RuntimeWarning, stacklevel=2)
         finally:
             state = self._async_state()
             with state.lock:
