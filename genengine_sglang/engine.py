@@ -14,6 +14,10 @@ the KV cache and the CUDA-graph memory and keeps the weights: on the GPU by defa
 the copy to host takes seconds at 7B). Level 2 releases everything and keeps nothing (no copy: the trainer
 sends the weights again, which is the fast RL cycle). ``cuda_graph`` comes back with the first of
 ``weights``/``kv_cache`` to wake (its memory is small and generation needs it), or alone when asked.
+
+Async (``genengine.aio``): streamed requests, abort, pause/resume through SGLang's own calls, served by the TP
+leader (see :mod:`genengine_sglang._async` and docs/async.md); a sync ``generate`` while async requests run is
+served by the same SGLang engine, batched with them.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from genengine.aio import AsyncEngineMixin, PauseMode, RequestStream
 from genengine.base import EngineBase
 from genengine.checkpoint import read_model_config, vocab_size, weight_spec
 from genengine.config import EngineConfig
@@ -39,6 +44,7 @@ from genengine.distributed import (
 from genengine.errors import (
     CollectiveTimeoutError,
     DistributedSetupError,
+    EngineStateError,
     GenEngineError,
     InconsistentInputsError,
     InvalidArgumentError,
@@ -60,8 +66,10 @@ from genengine_sglang.settings import (
 if TYPE_CHECKING:
     import torch
 
+    from genengine.aio import AsyncRequest
     from genengine.lifecycle import ExitHandle
     from genengine.weights import WeightInfo
+    from genengine_sglang._async import AsyncSGLang, LoopDriver
 
 __all__ = ["TAG_CUDA_GRAPH", "SGLangEngine", "live_engines"]
 
@@ -130,7 +138,7 @@ class _LoadCall:
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
-class SGLangEngine(EngineBase):
+class SGLangEngine(AsyncEngineMixin, EngineBase):
     """The SGLang engine of one tensor-parallel group (see the module docstring)."""
 
     supported_tags: tuple[str, ...] = (TAG_WEIGHTS, TAG_KV_CACHE, TAG_CUDA_GRAPH)
@@ -153,6 +161,11 @@ class SGLangEngine(EngineBase):
         self._settings = settings
         self._group = group
         self._engine: Any = None
+        self._driver: LoopDriver | None = None
+        self._aio: AsyncSGLang | None = None
+        self._cache_epoch = 0
+        """Bumped when a weight load cannot flush SGLang's prefix cache (requests hold their KV in an in-place
+        pause): requests from then on use a radix-cache namespace of their own (``_cache_key``)."""
         self._exit: ExitHandle | None = None
         self._processor: str | None = None
         self._sgl_released: set[str] = set()
@@ -239,8 +252,10 @@ class SGLangEngine(EngineBase):
     def _start(self, port: int) -> None:
         kwargs = server_kwargs(self._settings, base_gpu_id=self._base_gpu_id, port=port)
         self._engine, self._exit = _process.launch(kwargs, enable_sleep=self._settings.enable_sleep)
+        from genengine_sglang._async import LoopDriver
         from genengine_sglang._logits import serialized_processor
 
+        self._driver = LoopDriver(self._engine.loop)
         self._processor = serialized_processor()
 
     def _device(self) -> torch.device | None:
@@ -253,14 +268,21 @@ class SGLangEngine(EngineBase):
             self._gpu = torch.device("cuda", self._group.topology.gpu_id)
         return self._gpu
 
-    # ---- EngineBase hooks ----------------------------------------------------------------------------------
-    def _vocab_size(self) -> int | None:
-        return self._vocab
+    def _sgl(self, fn: Callable[[], T]) -> T:
+        """Run a sync SGLang call (one that runs SGLang's event loop) with the loop to itself: in this thread,
+        or, while async requests keep the loop running in ours, on that thread (``_async.LoopDriver``)."""
+        driver = self._driver
+        return fn() if driver is None else driver.call(fn)
 
-    def _weight_spec(self) -> Mapping[str, WeightInfo]:
-        return self._spec
+    def _cache_key(self) -> str | None:
+        """The radix-cache namespace of new requests (``GenerateReqInput.extra_key``); None: SGLang's default."""
+        return None if self._cache_epoch == 0 else f"genengine-weights-{self._cache_epoch}"
 
-    def _generate(self, requests: list[Request]) -> list[GenerationResult]:
+    def _check_sync_generate(self) -> None:
+        if self._aio is not None:
+            self._aio.check_not_paused_in_place("generate")
+
+    def _check_request_kinds(self, requests: Sequence[Request]) -> None:
         if not self._multimodal and any(r.image is not None for r in requests):
             raise InvalidArgumentError(
                 f"image_data given, but {self._settings.model_path} is not a vision-language model "
@@ -270,6 +292,16 @@ class SGLangEngine(EngineBase):
             raise InvalidArgumentError(
                 "image prompts need the tokenizer: create the engine with skip_tokenizer_init=False"
             )
+
+    # ---- EngineBase hooks ----------------------------------------------------------------------------------
+    def _vocab_size(self) -> int | None:
+        return self._vocab
+
+    def _weight_spec(self) -> Mapping[str, WeightInfo]:
+        return self._spec
+
+    def _generate(self, requests: list[Request]) -> list[GenerationResult]:
+        self._check_request_kinds(requests)
         entries = build_entries(
             requests, deterministic=self._settings.deterministic, has_tokenizer=not self._settings.skip_tokenizer_init
         )
@@ -279,6 +311,7 @@ class SGLangEngine(EngineBase):
         def run() -> list[GenerationResult]:
             from sglang.srt.managers.io_struct import GenerateReqInput
 
+            self._check_sync_generate()
             by_index = {r.index: r for r in requests}
             kwargs: dict[str, Any] = {
                 "sampling_params": [e.params for e in entries],
@@ -293,6 +326,9 @@ class SGLangEngine(EngineBase):
                 kwargs["image_data"] = [by_index[e.request].image for e in entries]
             if any(e.use_filter for e in entries):
                 kwargs["custom_logit_processor"] = [self._processor if e.use_filter else None for e in entries]
+            key = self._cache_key()
+            if key is not None:
+                kwargs["extra_key"] = key
             outputs = self._call_sglang(GenerateReqInput(**kwargs))
             tokenizer = getattr(self._engine.tokenizer_manager, "tokenizer", None)
             decode = None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
@@ -306,7 +342,7 @@ class SGLangEngine(EngineBase):
         engine = self._engine
         try:
             generator = engine.tokenizer_manager.generate_request(obj, None)
-            return engine.loop.run_until_complete(generator.__anext__())
+            return self._sgl(lambda: engine.loop.run_until_complete(generator.__anext__()))
         except GenEngineError:
             raise
         except ValueError as exc:
@@ -316,14 +352,20 @@ class SGLangEngine(EngineBase):
         tags = [TAG_KV_CACHE, TAG_CUDA_GRAPH]
         if level == 2 or self._settings.weights_cpu_backup:
             tags.insert(0, TAG_WEIGHTS)
-        self._on_leader("sleep", lambda: self._engine.release_memory_occupation(tags=tags))
+
+        def run() -> None:
+            if self._aio is not None:
+                self._aio.quiesce("sleep")  # SGLang asserts it is idle (weight_updater.py:205)
+            self._sgl(lambda: self._engine.release_memory_occupation(tags=tags))
+
+        self._on_leader("sleep", run)
         self._sgl_released.update(tags)
         self._settle_memory()
 
     def _resume(self, tags: tuple[str, ...]) -> None:
         todo = [t for t in tags if t in self._sgl_released]
         if todo:
-            self._on_leader("wake", lambda: self._engine.resume_memory_occupation(tags=todo))
+            self._on_leader("wake", lambda: self._sgl(lambda: self._engine.resume_memory_occupation(tags=todo)))
             self._sgl_released.difference_update(todo)
 
     def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -345,7 +387,11 @@ class SGLangEngine(EngineBase):
                         "every rank of a TP group must pass the same names in the same order"
                     )
             payloads = [p for _, p in gathered]
-            _weightsync.apply_payloads(self._engine, call.mode, payloads, synced=synced, load_format=call.load_format)
+            self._sgl(
+                lambda: _weightsync.apply_payloads(
+                    self._engine, call.mode, payloads, synced=synced, load_format=call.load_format
+                )
+            )
 
         try:
             self._on_leader("load_weights", run)
@@ -377,18 +423,46 @@ class SGLangEngine(EngineBase):
         barrier = self._unsynced and self._settings.weight_sync_barrier == "loader"
         if flush or barrier:
             tp = self._group.topology.tp_size
-            self._on_leader("load_weights barrier", lambda: _weightsync.barrier(self._engine, tp, flush=flush))
+
+            def run() -> None:
+                do_flush = flush and not self._cannot_flush()
+                if do_flush or barrier:
+                    self._sgl(lambda: _weightsync.barrier(self._engine, tp, flush=do_flush))
+                if do_flush:
+                    self._cache_epoch = 0
+
+            self._on_leader("load_weights barrier", run)
         self._unsynced = False
+
+    def _cannot_flush(self) -> bool:
+        """On the leader, before a cache flush: True when requests keep their KV in SGLang (an in-place
+        pause), where a flush fails (and one inside a weight update kills the scheduler:
+        ``weight_updater.py:108`` asserts it): new requests get a fresh radix namespace instead, so none
+        reuses a prefix computed with the old weights. Otherwise waits until SGLang has finished what was
+        aborted, so that the flush finds it idle."""
+        aio = self._aio
+        if aio is None:
+            return False
+        if aio.keeps_kv():
+            self._cache_epoch += 1
+            return True
+        aio.quiesce("the cache flush")
+        return False
 
     def _flush_cache(self) -> None:
         def run() -> None:
-            ret = self._engine.flush_cache()
+            if self._cannot_flush():
+                return
+            ret = self._sgl(self._engine.flush_cache)
             if getattr(ret, "success", True) is False:
                 raise SGLangEngineError(f"SGLang did not flush its cache (requests still running?): {ret}")
+            self._cache_epoch = 0
 
         self._on_leader("flush_cache", run)
 
     def _shutdown(self) -> None:
+        self._end_async()
+
         def stop() -> list[int]:
             pids: list[int] = []
             if self._engine is not None:
@@ -483,13 +557,121 @@ class SGLangEngine(EngineBase):
                 self._unsynced = False
                 tp = self._group.topology.tp_size
                 try:
-                    self._on_leader("load_weights barrier", lambda: _weightsync.barrier(self._engine, tp, flush=False))
+                    self._on_leader(
+                        "load_weights barrier",
+                        lambda: self._sgl(lambda: _weightsync.barrier(self._engine, tp, flush=False)),
+                    )
                 except Exception:
                     if not failed:
                         raise
 
     def _engine_up(self) -> bool:
         return not self.closed and (self._engine is not None or not self._group.is_leader)
+
+    # ---- async (genengine.aio's hooks; genengine_sglang._async does the work) ---------------------------------
+    def stream(
+        self,
+        prompt: str | None = None,
+        sampling_params: Any = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        image_data: Any = None,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        self._check_async_here()
+        return super().stream(
+            prompt, sampling_params, prompt_token_ids=prompt_token_ids, image_data=image_data, request_id=request_id
+        )
+
+    async def abort(self, request_ids: str | Sequence[str] | None = None) -> list[str]:
+        self._check_async_here()
+        return await super().abort(request_ids)
+
+    async def pause_generation(self, mode: PauseMode = "keep", *, clear_cache: bool = True) -> None:
+        self._check_async_here()
+        await super().pause_generation(mode, clear_cache=clear_cache)
+
+    async def resume_generation(self) -> None:
+        self._check_async_here()
+        await super().resume_generation()
+
+    def _check_async_here(self) -> None:
+        """Async requests are served by the TP leader, where the engine is; the other ranks have none."""
+        self._check_open()
+        g = self._group
+        if not g.is_leader:
+            raise EngineStateError(
+                f"the async calls run on the TP group's leader (rank {g.topology.leader_rank}) only: this is rank "
+                f"{g.topology.rank} of a tp_size={g.topology.tp_size} group and holds no SGLang engine; call them "
+                "on the leader (the synchronous calls stay collective)"
+            )
+
+    def _async_driver(self) -> AsyncSGLang:
+        if self._aio is None:
+            from genengine_sglang._async import AsyncSGLang
+
+            assert self._driver is not None and self._engine is not None  # on the leader, started
+            self._aio = AsyncSGLang(
+                self._driver,
+                self._engine.tokenizer_manager,
+                deterministic=self._settings.deterministic,
+                processor=self._processor,
+                extra_key=self._cache_key,
+                timeout_s=_timeout(self._settings),
+            )
+        return self._aio
+
+    def _async_start(self, request: AsyncRequest) -> None:
+        aio = self._async_driver()
+        self._check_request_kinds([request.request])
+        entries = build_entries(
+            [request.request],
+            deterministic=self._settings.deterministic,
+            has_tokenizer=not self._settings.skip_tokenizer_init,
+        )
+        if not self._settings.deterministic and request.params.seed is not None:
+            _warn_seed()
+        aio.start(request, entries)
+
+    def _async_abort(self, requests: list[AsyncRequest]) -> None:
+        if self._aio is not None:
+            self._aio.abort(requests)
+
+    def _async_hold(self, clear_cache: bool) -> None:
+        self._async_driver().hold(clear_cache)
+
+    def _async_release_hold(self) -> None:
+        self._async_driver().release()
+
+    def _check_idle(self, what: str) -> None:
+        if self._group.topology.tp_size == 1:
+            return super()._check_idle(what)
+        check = super()._check_idle  # the requests are the leader's: its answer is every rank's (or they desync)
+        self._on_leader(f"{what} check", lambda: check(what))
+
+    def _check_weights_may_change(self) -> None:
+        if self._group.topology.tp_size == 1:
+            return super()._check_weights_may_change()
+        check = super()._check_weights_may_change
+        self._on_leader("load_weights check", check)
+
+    def _end_async(self) -> None:
+        """Shutdown with requests in flight: each ends "abort" with the tokens it has, queued ones with none;
+        then the loop's thread stops."""
+        try:
+            if self._aio is not None:
+                self._aio.close()
+            elif self._driver is not None:
+                self._driver.close(_timeout(self._settings))
+        except Exception as exc:  # SGLang's processes are stopped all the same
+            warnings.warn(f"stopping the async requests failed: {exc!r}", RuntimeWarning, stacklevel=2)
+        finally:
+            state = self._async_state()
+            with state.lock:
+                queued, state.queued = state.queued, []
+            for request in queued:
+                for index in request.unfinished():
+                    request.finish(index, "abort")
 
 
 def _warn_seed() -> None:

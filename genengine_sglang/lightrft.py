@@ -357,7 +357,7 @@ class RLGenerationEngine(SGLangEngine):
         args = {k: v for k, v in {"sampling_params": sampling_params, "image_data": image_data, **kwargs}.items()}
         args = {k: v for k, v in args.items() if v is not None}
         if not gather or self._group.topology.tp_size == 1:
-            return self._on_leader("generate", lambda: self._engine.generate(**args))
+            return self._on_leader("generate", lambda: self._reference_call(args))
 
         key = "prompt" if prompt is not None else "input_ids"
         single = isinstance(prompt, str) or (input_ids is not None and _flat_ids(input_ids))
@@ -381,7 +381,7 @@ class RLGenerationEngine(SGLangEngine):
                         f"{sorted(part)}, the leader {sorted(local)}"
                     )
             merged = {k: [x for part in gathered for x in part[k]] for k in local}
-            return self._engine.generate(**merged, **shared), [len(part[key]) for part in gathered]
+            return self._reference_call({**merged, **shared}), [len(part[key]) for part in gathered]
 
         out, counts = self._on_leader("generate", run)
         params = sampling_params[0] if isinstance(sampling_params, list) and sampling_params else sampling_params
@@ -390,6 +390,21 @@ class RLGenerationEngine(SGLangEngine):
         start = sum(counts[:index]) * n
         mine = out[start : start + counts[index] * n]
         return mine[0] if single and n == 1 else mine
+
+    def _reference_call(self, args: dict[str, Any]) -> Any:
+        """On the leader: ``sglang.Engine.generate(**args)``, run with SGLang's loop to itself (async requests
+        may be running it). After a weight load that could not flush the prefix cache the request is built as
+        that method builds it (``prompt`` is its ``text``), with the cache namespace of new requests."""
+        self._check_sync_generate()
+        key = self._cache_key()
+        if key is None:
+            return self._sgl(lambda: self._engine.generate(**args))
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        fields = dict(args)
+        obj = GenerateReqInput(text=fields.pop("prompt", None), extra_key=key, **fields)
+        tm, loop = self._engine.tokenizer_manager, self._engine.loop
+        return self._sgl(lambda: loop.run_until_complete(tm.generate_request(obj, None).__anext__()))
 
     # LEGACY: LightRFT's way to send weights, one tensor per call
     def update_weights_from_tensor(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from genengine.errors import InvalidArgumentError
-from genengine.protocol import GenerationOutput, GenerationResult, SamplingParams
+from genengine.protocol import FinishReason, GenerationOutput, GenerationResult, SamplingParams
 from genengine.requests import Request
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.settings import LOGIT_PROCESSOR_PARAM
@@ -21,9 +21,12 @@ __all__ = [
     "SEEDED_TOP_K",
     "SglEntry",
     "build_entries",
+    "finish_from_sglang",
+    "logprobs_from_triples",
     "output_from_sglang",
     "results_from_sglang",
     "sampling_to_sglang",
+    "stream_delta",
 ]
 
 
@@ -117,46 +120,92 @@ def _cut_at_stop_id(output: GenerationOutput, params: SamplingParams, decode: De
     return output
 
 
-def output_from_sglang(out: Mapping[str, Any], params: SamplingParams) -> GenerationOutput:
-    meta = out.get("meta_info") or {}
-    reason = meta.get("finish_reason")
-    token_ids = [int(t) for t in out.get("output_ids") or []]
+def finish_from_sglang(reason: Any, params: SamplingParams) -> tuple[FinishReason, str | int | None]:
+    """SGLang's ``meta_info["finish_reason"]`` of a finished request → our finish reason and stop reason.
+
+    An abort is SGLang's own (a request SGLang refused or failed: ours are mapped by the caller) and raises.
+    """
     if not isinstance(reason, Mapping):
-        raise SGLangEngineError(f"SGLang returned no finish reason for a finished request: {meta!r}")
+        raise SGLangEngineError(f"SGLang returned no finish reason for a finished request: {reason!r}")
     kind = reason.get("type")
-    stop_reason: str | int | None = None
     if kind == "length":
-        finish = "length"
-    elif kind == "stop":
-        finish = "stop"
+        return "length", None
+    if kind == "stop":
         matched = reason.get("matched")
         if isinstance(matched, str):
-            stop_reason = matched
-        elif isinstance(matched, int) and matched in params.stop_token_ids:
-            stop_reason = matched  # EOS (not asked for by the caller) reports None
-    elif kind == "abort":
+            return "stop", matched
+        if isinstance(matched, int) and matched in params.stop_token_ids:
+            return "stop", matched
+        return "stop", None  # EOS (not asked for by the caller) reports None
+    if kind == "abort":
         message = reason.get("message") or "aborted"
         raise SGLangEngineError(f"SGLang aborted the request: {message}")
-    else:
-        raise SGLangEngineError(f"SGLang returned an unknown finish reason {reason!r}")
-    logprobs = None
-    if params.logprobs:
-        triples = meta.get("output_token_logprobs")
-        if triples is None or len(triples) != len(token_ids):
-            raise SGLangEngineError(
-                f"SGLang returned {0 if triples is None else len(triples)} logprobs for {len(token_ids)} tokens"
-            )
-        for (_, tok, _), want in zip(triples, token_ids, strict=True):
-            if tok != want:
-                raise SGLangEngineError(f"SGLang's logprob entries name token {tok} where the output has {want}")
-        logprobs = [float(lp) for lp, _, _ in triples]
+    raise SGLangEngineError(f"SGLang returned an unknown finish reason {reason!r}")
+
+
+def logprobs_from_triples(triples: Any, token_ids: Sequence[int]) -> list[float]:
+    """The logprobs of ``token_ids`` from SGLang's ``(logprob, token_id, text)`` triples, checked one to one."""
+    if triples is None or len(triples) != len(token_ids):
+        raise SGLangEngineError(
+            f"SGLang returned {0 if triples is None else len(triples)} logprobs for {len(token_ids)} tokens"
+        )
+    for (_, tok, _), want in zip(triples, token_ids, strict=True):
+        if tok != want:
+            raise SGLangEngineError(f"SGLang's logprob entries name token {tok} where the output has {want}")
+    return [float(lp) for lp, _, _ in triples]
+
+
+def output_from_sglang(out: Mapping[str, Any], params: SamplingParams) -> GenerationOutput:
+    meta = out.get("meta_info") or {}
+    token_ids = [int(t) for t in out.get("output_ids") or []]
+    finish, stop_reason = finish_from_sglang(meta.get("finish_reason"), params)
+    logprobs = logprobs_from_triples(meta.get("output_token_logprobs"), token_ids) if params.logprobs else None
     return GenerationOutput(
         token_ids=token_ids,
         text=out.get("text"),
-        finish_reason=finish,  # type: ignore[arg-type]
+        finish_reason=finish,
         logprobs=logprobs,
         stop_reason=stop_reason,
     )
+
+
+def stream_delta(out: Mapping[str, Any], seen: int, *, logprobs: bool) -> tuple[list[int], list[float] | None, int]:
+    """The tokens (and logprobs) of a streamed chunk that are new after the ``seen`` already taken, and the
+    request's token count after it.
+
+    SGLang's chunks come in three shapes (``tokenizer_manager.py``): cumulative ``output_ids`` and logprobs
+    (the default; intermediate chunks hold references to the request's growing lists, so they are read by
+    position up to the chunk's own ``completion_tokens``), deltas (server option
+    ``incremental_streaming_output``, several queued deltas coalesced into one), and the echo of an abort in the
+    waiting queue (``_handle_abort_req``: only the last token, but the full logprob list). Reading positions
+    ``seen:total``, or the last ``total - seen`` entries of a shorter list, is right for all three.
+    """
+    meta = out.get("meta_info") or {}
+    ids = [int(t) for t in out.get("output_ids") or ()]
+    total = meta.get("completion_tokens")
+    if isinstance(total, bool) or not isinstance(total, int):
+        total = seen + len(ids)
+    count = total - seen
+    if count <= 0:
+        return [], [] if logprobs else None, max(total, seen)
+    triples = list(meta.get("output_token_logprobs") or ()) if logprobs else []
+
+    def take(items: list[Any]) -> list[Any] | None:
+        if len(items) >= total:
+            return items[seen:total]
+        if len(items) >= count:
+            return items[len(items) - count :]
+        return None
+
+    new_ids = take(ids)
+    new_triples = take(triples) if logprobs else None
+    if new_ids is None:
+        if new_triples is None:
+            return [], [] if logprobs else None, total  # tokens SGLang did not send: nobody saw them
+        new_ids = [int(tok) for _, tok, _ in new_triples]
+    if not logprobs:
+        return new_ids, None, total
+    return new_ids, logprobs_from_triples(new_triples, new_ids), total
 
 
 def results_from_sglang(

@@ -40,9 +40,11 @@ from genengine_sglang.lightrft import RLGenerationEngine, get_sglang_engine
 from genengine_sglang.mapping import (
     SEEDED_TOP_K,
     build_entries,
+    finish_from_sglang,
     output_from_sglang,
     results_from_sglang,
     sampling_to_sglang,
+    stream_delta,
 )
 from genengine_sglang.settings import (
     DEFAULT_BUCKET_BYTES,
@@ -78,6 +80,7 @@ def test_imports_load_neither_torch_nor_sglang() -> None:
         "import genengine_sglang, genengine_sglang.plugin, genengine_sglang.engine, genengine_sglang.sgl_model_saver\n"
         "import genengine_sglang.lightrft, genengine_sglang.raw, genengine_sglang._weightsync\n"
         "import genengine_sglang._process, genengine_sglang.settings, genengine_sglang.mapping\n"
+        "import genengine_sglang._async\n"
         "import sys; print(sorted(m for m in ('torch', 'sglang', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
@@ -505,6 +508,136 @@ def test_results_group_samples_in_prompt_order() -> None:
     assert results[1].prompt_token_ids == [6, 6]
     with pytest.raises(SGLangEngineError, match="2 outputs for 3"):
         results_from_sglang(requests, entries, outs[:2])
+
+
+# ---- async: streamed chunks and SGLang's event loop ----------------------------------------------------------------
+def _chunk(ids: list[int], total: int | None, lps: list[float] | None = None, reason: Any = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"finish_reason": reason}
+    if total is not None:
+        meta["completion_tokens"] = total
+    if lps is not None:
+        meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(lps, ids, strict=False)]
+    return {"output_ids": ids, "meta_info": meta}
+
+
+def test_stream_delta_reads_every_chunk_shape() -> None:
+    # Cumulative (SGLang's default): read by position up to the chunk's own count, even when the referenced list
+    # has grown meanwhile.
+    grown = _chunk([1, 2, 3, 4, 5], 3, [-0.1, -0.2, -0.3, -0.4, -0.5])
+    assert stream_delta(grown, 1, logprobs=True) == ([2, 3], [-0.2, -0.3], 3)
+    # Incremental (incremental_streaming_output): a delta, or several coalesced ones.
+    assert stream_delta(_chunk([4, 5], 5, [-0.4, -0.5]), 3, logprobs=True) == ([4, 5], [-0.4, -0.5], 5)
+    assert stream_delta(_chunk([4, 5], 5), 3, logprobs=False) == ([4, 5], None, 5)
+    # The echo of an abort in the waiting queue: only the last token, nothing new.
+    assert stream_delta(_chunk([5], 5, [-0.5]), 5, logprobs=True) == ([], [], 5)
+    assert stream_delta(_chunk([5], 5), 5, logprobs=False) == ([], None, 5)
+    # ... with tokens never sent: from the full logprob list when there is one, else none (nobody saw them).
+    echo = {"output_ids": [9], "meta_info": {"completion_tokens": 3, "output_token_logprobs": [(-1.0, 7, None)] * 3}}
+    echo["meta_info"]["output_token_logprobs"][2] = (-2.0, 9, None)
+    assert stream_delta(echo, 1, logprobs=True) == ([7, 9], [-1.0, -2.0], 3)
+    assert stream_delta(_chunk([9], 3), 1, logprobs=False) == ([], None, 3)
+    # No count (an older SGLang): the ids are taken as new.
+    assert stream_delta({"output_ids": [1, 2]}, 0, logprobs=False) == ([1, 2], None, 2)
+
+
+def test_stream_delta_checks_logprobs_against_tokens() -> None:
+    bad = _chunk([1, 2], 2, [-0.1, -0.2])
+    bad["meta_info"]["output_token_logprobs"][1] = (-0.2, 8, None)
+    with pytest.raises(SGLangEngineError, match="token 8 where the output has 2"):
+        stream_delta(bad, 0, logprobs=True)
+    with pytest.raises(SGLangEngineError, match="0 logprobs for 2 tokens"):
+        stream_delta(_chunk([1, 2], 2), 0, logprobs=True)
+
+
+def test_finish_reasons() -> None:
+    p = SamplingParams(stop_token_ids=(7,))
+    assert finish_from_sglang({"type": "length", "length": 3}, p) == ("length", None)
+    assert finish_from_sglang({"type": "stop", "matched": 7}, p) == ("stop", 7)
+    assert finish_from_sglang({"type": "stop", "matched": 0}, p) == ("stop", None)  # EOS
+    assert finish_from_sglang({"type": "stop", "matched": "###"}, p) == ("stop", "###")
+    with pytest.raises(SGLangEngineError, match="too long"):
+        finish_from_sglang({"type": "abort", "message": "too long"}, p)
+    with pytest.raises(SGLangEngineError, match="unknown finish reason"):
+        finish_from_sglang({"type": "odd"}, p)
+
+
+def test_loop_driver_lends_the_loop_to_a_thread_while_tasks_run() -> None:
+    """The driver on a plain asyncio loop (SGLang's is one): sync calls run in the caller's thread while no task
+    is live, on the loop's thread while tasks are, and the tasks go on during them; the thread ends when idle."""
+    import asyncio
+    import threading
+
+    from genengine_sglang._async import LoopDriver
+
+    loop = asyncio.new_event_loop()
+    driver = LoopDriver(loop)
+    try:
+
+        async def where() -> threading.Thread:
+            return threading.current_thread()
+
+        assert driver.run(where()) is threading.current_thread()  # today's path
+        release = asyncio.Event()
+        ticks: list[int] = []
+
+        async def task() -> None:
+            while not release.is_set():
+                ticks.append(1)
+                await asyncio.sleep(0.001)
+
+        driver.spawn(task())
+        assert driver.live == 1
+        thread = driver.run(where())
+        assert thread is not threading.current_thread() and thread.name == "genengine-sglang-loop"
+
+        async def slow() -> int:
+            before = len(ticks)
+            await asyncio.sleep(0.05)
+            return len(ticks) - before
+
+        assert driver.run(slow()) > 5  # the task ran during the job's run_until_complete
+        with pytest.raises(ZeroDivisionError):
+            driver.call(lambda: 1 // 0)  # a job's error reaches the caller
+        loop.call_soon_threadsafe(release.set)
+        assert driver.wait_idle(10)
+        thread.join(10)
+        assert not thread.is_alive()
+        assert driver.run(where()) is threading.current_thread()  # the loop is the callers' again
+        driver.spawn(task())  # and a thread takes it back for new tasks
+        driver.close(10)
+        with pytest.raises(GenEngineError, match="shut down"):
+            driver.spawn(task())
+    finally:
+        loop.close()
+
+
+def test_loop_driver_tasks_spawned_while_a_caller_runs_the_loop() -> None:
+    """A task spawned from another thread while a caller runs the loop itself: it starts there, and a thread
+    takes the loop over when that call ends."""
+    import asyncio
+    import threading
+
+    from genengine_sglang._async import LoopDriver
+
+    loop = asyncio.new_event_loop()
+    driver = LoopDriver(loop)
+    done = threading.Event()
+    try:
+
+        async def task() -> None:
+            await asyncio.sleep(0.05)
+            done.set()
+
+        async def caller() -> None:
+            threading.Thread(target=driver.spawn, args=(task(),)).start()
+            await asyncio.sleep(0.01)
+
+        driver.run(caller())
+        assert done.wait(10)
+        assert driver.wait_idle(10)
+    finally:
+        driver.close(10)
+        loop.close()
 
 
 # ---- the logit filter makes SGLang's logprobs the processed ones ------------------------------------------------

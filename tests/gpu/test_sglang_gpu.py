@@ -5,7 +5,10 @@ weight syncs from CUDA tensors (mean |Δ| <= 0.01 and not growing: the SGLang dr
 trainer overwriting its tensors right after load_weights changes nothing (the barrier); each weight-sync mode
 (handles, flattened, per-parameter) against the fresh engine on the new weights; sleep gives back >= 99% of
 the engine's memory and wake takes it back; the reference's face (``lightrft.strategy.sglang_utils``) on the
-same engine; ``sgl_model_saver``.
+same engine; ``sgl_model_saver``. Async beyond the suite's async tests: a sync generate while streams run,
+refused during an in-place pause; no prefix computed with the old weights reused after pause(keep) → load →
+resume, for both ``clear_cache`` mappings; abort during a clear-cache pause; the stop-id cut under
+``ignore_eos`` and seeded ``n > 1`` samples equal to the sync path's; shutdown with streams open.
 
 Machine settings (not product defaults) come from the environment: ``$GENENGINE_SGLANG_OPTIONS`` (what
 tools/gpu/run_tests.sh sets for the H200 kit: triton attention, pytorch sampling) and the test knobs
@@ -18,6 +21,7 @@ Run on the GPU machine:  bash tools/gpu/run_tests.sh sglang tests/gpu/test_sglan
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -43,8 +47,14 @@ from support.gpu_checks import (  # noqa: E402
 )
 
 from genengine import create_engine  # noqa: E402
-from genengine.errors import EngineSleepingError, WeightLoadError, WeightsNotLoadedError  # noqa: E402
-from genengine.protocol import GenerationEngine, GenerationResult  # noqa: E402
+from genengine.errors import (  # noqa: E402
+    EngineClosedError,
+    EngineSleepingError,
+    EngineStateError,
+    WeightLoadError,
+    WeightsNotLoadedError,
+)
+from genengine.protocol import GenerationEngine, GenerationResult, SamplingParams  # noqa: E402
 from genengine.testing.conformance import GREEDY, PROMPTS, EngineConformance  # noqa: E402
 from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
 
@@ -61,6 +71,18 @@ TEST_OPTIONS: dict[str, Any] = {
     "log_level": "warning",
 }
 _MEMORY: dict[str, int] = {}
+# Long enough that a stream read for a few tokens is still running when the test acts on it.
+_LONG = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True, logprobs=True)
+
+
+async def _read(stream: Any, count: int) -> list[int]:
+    """Read ``stream`` until it gave ``count`` tokens (or ended); it stays open."""
+    tokens: list[int] = []
+    async for chunk in stream:
+        tokens.extend(chunk.token_ids)
+        if len(tokens) >= count:
+            break
+    return tokens
 
 
 class TestSGLangConformance(EngineConformance):
@@ -245,6 +267,132 @@ class TestSGLangConformance(EngineConformance):
         assert not engine.is_sleeping
         self.assert_baseline(engine, baseline)
 
+    # ---- async: what the conformance suite's async tests do not cover ---------------------------------------
+    def test_sync_generate_while_async_requests_run(self, engine: Any, baseline: list[GenerationResult]) -> None:
+        """Served by the same SGLang engine, batched with the streams (SGLang's loop is on our thread then)."""
+
+        async def main() -> tuple[list[GenerationResult], list[GenerationResult], int]:
+            streams = [engine.stream(p, _LONG) for p in PROMPTS[:2]]
+            for stream in streams:
+                await _read(stream, 2)
+            results = engine.generate(PROMPTS, GREEDY)  # blocks this loop; the streams go on in SGLang
+            live = engine.in_flight
+            await engine.abort()
+            return results, [await stream.collect() for stream in streams], live
+
+        results, streamed, live = asyncio.run(main())
+        assert token_ids(results) == token_ids(baseline) and live == 2
+        for result in streamed:
+            out = result.outputs[0]
+            assert out.finish_reason == "abort" and 2 <= len(out.token_ids) < _LONG.max_new_tokens
+        self.assert_baseline(engine, baseline)  # and without async requests (the loop is the callers' again)
+
+    def test_sync_generate_during_an_in_place_pause_is_refused(
+        self, engine: Any, baseline: list[GenerationResult]
+    ) -> None:
+        """SGLang holds every new request during pause(in_place): a sync generate would wait for the resume."""
+
+        async def main() -> None:
+            stream = engine.stream(PROMPTS[0], _LONG)
+            await _read(stream, 2)
+            await engine.pause_generation("keep", clear_cache=False)
+            with pytest.raises(EngineStateError, match="resume_generation"):
+                engine.generate(PROMPTS, GREEDY)
+            with pytest.raises(EngineStateError, match="resume_generation"):
+                engine.generate(input_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 2})  # the reference's
+            await engine.resume_generation()
+            assert token_ids(engine.generate(PROMPTS, GREEDY)) == token_ids(baseline)
+            await engine.abort()
+            assert (await stream.collect()).outputs[0].finish_reason == "abort"
+
+        asyncio.run(main())
+
+    @pytest.mark.parametrize("clear_cache", [True, False])
+    def test_no_prefix_from_the_old_weights_after_pause_keep(
+        self,
+        engine: Any,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        other_record: dict[str, Any],
+        clear_cache: bool,
+    ) -> None:
+        """A prompt cached with the old weights must not reuse their KV after the update (the field bug).
+        clear_cache=True: the held samples end in SGLang, so it is idle and the load flushes its cache as the
+        sync path does; False: they keep their KV in SGLang, which cannot flush, and new requests get a fresh
+        radix namespace."""
+        engine.generate(PROMPTS, GREEDY)  # the prompts' KV in the radix cache, from the original weights
+
+        async def main() -> tuple[list[GenerationResult], GenerationResult]:
+            stream = engine.stream(PROMPTS[1], _LONG)
+            await _read(stream, 2)
+            await engine.pause_generation("keep", clear_cache=clear_cache)
+            engine.load_weights(other_weights.items())
+            await engine.resume_generation()
+            results = engine.generate(PROMPTS, GREEDY)
+            await _read(stream, 2)  # the held sample goes on after the update
+            await engine.abort()
+            return results, await stream.collect()
+
+        with self.restoring(engine, original_weights):
+            results, streamed = asyncio.run(main())
+        assert token_ids(results) == token_ids(other_record["results"])
+        out = streamed.outputs[0]
+        assert out.finish_reason == "abort" and len(out.logprobs or []) == len(out.token_ids) >= 4
+        self.assert_baseline(engine, baseline)
+
+    def test_abort_during_a_clear_cache_pause_keeps_the_tokens(self, engine: Any) -> None:
+        async def main() -> tuple[list[int], list[str], GenerationResult]:
+            stream = engine.stream(PROMPTS[2], _LONG, request_id="held")
+            head = await _read(stream, 3)
+            await engine.pause_generation("keep")
+            engine.flush_cache()  # SGLang is idle: the held sample waits here, not in SGLang
+            assert engine.in_flight == 1
+            aborted = await engine.abort()
+            await engine.resume_generation()
+            return head, aborted, await stream.collect()
+
+        head, aborted, result = asyncio.run(main())
+        out = result.outputs[0]
+        assert aborted == ["held"] and engine.in_flight == 0
+        assert out.finish_reason == "abort" and out.token_ids[: len(head)] == head
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) < _LONG.max_new_tokens
+
+    def test_stop_ids_under_ignore_eos_stream_as_generate_returns(
+        self, engine: Any, baseline: list[GenerationResult]
+    ) -> None:
+        """SGLang's ignore_eos drops stop_token_ids; both paths cut at the first one (mapping.sampling_to_sglang)."""
+        tokens = baseline[0].outputs[0].token_ids
+        stop = tokens[len(tokens) // 2]
+        params = SamplingParams(
+            temperature=0.0,
+            max_new_tokens=GREEDY.max_new_tokens,
+            ignore_eos=True,
+            stop_token_ids=(stop,),
+            logprobs=True,
+        )
+        (sync,) = engine.generate(PROMPTS[:1], params)
+        streamed = asyncio.run(engine.generate_async(PROMPTS[0], params)).outputs[0]
+        want = tokens[: tokens.index(stop) + 1]
+        assert streamed.token_ids == sync.outputs[0].token_ids == want
+        assert (
+            (streamed.finish_reason, streamed.stop_reason)
+            == ("stop", stop)
+            == (
+                sync.outputs[0].finish_reason,
+                sync.outputs[0].stop_reason,
+            )
+        )
+        assert streamed.text == sync.outputs[0].text and len(streamed.logprobs or []) == len(want)
+
+    @pytest.mark.skipif(not DETERMINISTIC, reason="SGLang honours seeds only in deterministic mode")
+    def test_seeded_samples_stream_as_generate_returns(self, engine: Any) -> None:
+        params = SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=5, logprobs=True)
+        (sync,) = engine.generate(PROMPTS[:1], params)
+        streamed = asyncio.run(engine.generate_async(PROMPTS[0], params))
+        assert [o.token_ids for o in streamed.outputs] == [o.token_ids for o in sync.outputs]
+        assert streamed.prompt_token_ids == sync.prompt_token_ids
+
     def test_engine_facts(self, engine: Any) -> None:
         """What the run used, printed for the record (and the processes belong to the engine alone)."""
         sgl = engine.sglang_engine
@@ -257,6 +405,43 @@ class TestSGLangConformance(EngineConformance):
             "uniform_logprob": -math.log(512),
         }
         print("SGLANG_GPU_FACTS " + json.dumps(facts, default=str))
+
+
+def test_shutdown_with_streams_open_ends_them_with_abort() -> None:
+    """Streams end "abort" with every token they were sent (held ones too), queued requests with none;
+    shutdown stays idempotent and the engine object refuses everything after it."""
+    engine: Any = create_engine(backend="sglang", model=str(tiny_model_dir()), mem_util=0.3, **TEST_OPTIONS)
+
+    async def main() -> list[tuple[list[int], GenerationResult]]:
+        streams = [engine.stream(p, _LONG) for p in PROMPTS[:2]]
+        seen = [await _read(stream, 2) for stream in streams]
+        await engine.pause_generation("keep", clear_cache=False)  # held in SGLang with their KV
+        streams.append(engine.stream(PROMPTS[2], _LONG))  # queued until a resume that never comes
+        seen.append([])
+        engine.shutdown()
+        engine.shutdown()
+        for tokens, stream in zip(seen, streams, strict=True):
+            async for chunk in stream:
+                tokens.extend(chunk.token_ids)
+        with pytest.raises(EngineClosedError):
+            engine.stream(PROMPTS[0], GREEDY)
+        with pytest.raises(EngineClosedError):
+            await engine.abort()
+        with pytest.raises(EngineClosedError):
+            await engine.resume_generation()
+        return [(tokens, stream.result()) for tokens, stream in zip(seen, streams, strict=True)]
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for tokens, result in results:
+        out = result.outputs[0]
+        assert out.finish_reason == "abort" and out.token_ids == tokens, (tokens, out)
+        assert out.logprobs is not None and len(out.logprobs) == len(tokens)
+    assert [len(tokens) >= 2 for tokens, _ in results] == [True, True, False]
+    with pytest.raises(EngineClosedError):
+        engine.generate(PROMPTS, GREEDY)
 
 
 def test_server_args_fallback_equals_the_installed_fields() -> None:

@@ -1,0 +1,498 @@
+"""The async capability on SGLang 0.5.17, through SGLang's own calls.
+
+SGLang's ``sgl.Engine`` keeps its ``TokenizerManager`` in this process, on one asyncio loop
+(``engine.loop``, ``entrypoints/engine.py:302-306``) that runs only while a caller runs it: every sync
+``Engine`` method is ``loop.run_until_complete(...)``. Streamed requests need the loop to keep running between
+our calls, so :class:`LoopDriver` lends it to a thread while any async request is live, and gives it back to
+the callers when none is (the sync path is then exactly what it was). Sync calls made while the thread runs
+the loop are handed to that thread as jobs: it leaves ``run_forever``, runs the job (which runs the loop itself
+through ``run_until_complete``, so the streamed requests go on meanwhile) and goes back. One thread owns the
+loop at any time, so SGLang's zmq sockets are never used from two threads.
+
+:class:`AsyncSGLang` maps the four hooks of :class:`genengine.aio.AsyncEngineMixin` onto SGLang's calls:
+
+* a request: one ``tokenizer_manager.generate_request(GenerateReqInput(stream=True, rid=...))`` per sample
+  (``tokenizer_manager.py:744``), with our own rids (uuid hex: SGLang aborts by rid *prefix*,
+  ``scheduler.py:4335/4454``, so rids must not be prefixes of each other);
+* abort: the sample finishes "abort" at once with the tokens the caller was sent, and
+  ``tokenizer_manager.abort_request(rid)`` (``tokenizer_manager.py:1930``) stops it in SGLang; what SGLang
+  sends after that is dropped;
+* ``keep`` with ``clear_cache=False``: ``pause_generation(mode="in_place")`` (``scheduler.py:4469``: the
+  requests stay in the running batch with their KV) and ``continue_generation``;
+* ``keep`` with ``clear_cache=True``: each sample is aborted in SGLang and, at resume, continued from its
+  prompt and the tokens it has (token-in/token-out, the remaining ``max_new_tokens``), so its whole KV is
+  computed again with the weights then in force. SGLang's ``retract`` mode does not give that: retracted
+  requests are prefilled again against the radix cache, which still holds their prompt's KV from the old
+  weights (``release_kv_cache(..., is_insert=False)`` frees only what is outside the tree,
+  ``schedule_batch.py:1855``), and the flush that would drop it fails while they wait in the queue
+  (``is_fully_idle`` counts the waiting queue, ``scheduler.py:3984``). The last token of SGLang's abort
+  chunk is not sent on: the abort wins over the finish checks of that step (``schedule_batch.py:1572``), so
+  that token was never checked for EOS, stop strings or length; the continuation samples that position again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import threading
+import uuid
+from collections.abc import Callable, Coroutine, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from genengine.errors import EngineClosedError, EngineStateError, InvalidArgumentError
+from genengine_sglang.errors import SGLangEngineError
+from genengine_sglang.mapping import SglEntry, finish_from_sglang, sampling_to_sglang, stream_delta
+
+if TYPE_CHECKING:
+    from genengine.aio import AsyncRequest
+
+__all__ = ["AsyncSGLang", "LoopDriver"]
+
+T = TypeVar("T")
+
+
+class _Job:
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as exc:  # handed to the caller's thread
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+class LoopDriver:
+    """SGLang's event loop: run by a thread of ours while tasks are live, by the callers otherwise."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._mutex = threading.Lock()
+        self._changed = threading.Condition(self._mutex)
+        self._thread: threading.Thread | None = None
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._live = 0
+        self._borrowed = False  # a caller runs the loop itself (no thread)
+        self._forever = False  # the thread is in run_forever (not in a job)
+        self._closing = False
+
+    # ---- what callers use ------------------------------------------------------------------------------------
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (a sync SGLang call: it may ``run_until_complete`` on the loop) with the loop to itself."""
+        if threading.current_thread() is self._thread:
+            return fn()  # inside a job already
+        with self._changed:
+            while self._borrowed and self._thread is None:
+                self._changed.wait()
+            if self._thread is None:
+                self._borrowed = True
+                job = None
+            else:
+                job = _Job(fn)
+                self._jobs.append(job)
+        if job is None:
+            try:
+                return fn()  # today's sync path, in the caller's thread
+            finally:
+                with self._changed:
+                    self._borrowed = False
+                    if self._live and self._thread is None and not self._closing:
+                        self._start()  # tasks were spawned meanwhile: someone must run the loop now
+                    self._changed.notify_all()
+        self.loop.call_soon_threadsafe(self._maybe_stop)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.value  # type: ignore[no-any-return]
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run one SGLang coroutine to its end (as ``call``)."""
+        return self.call(lambda: self.loop.run_until_complete(coro))
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Start ``coro`` as a task on the loop; the thread runs the loop until every task has ended."""
+        with self._changed:
+            if self._closing:
+                coro.close()
+                raise EngineClosedError("the engine was shut down")
+            self._live += 1
+            if self._thread is None and not self._borrowed:
+                self._start()
+        self.loop.call_soon_threadsafe(self._create_task, coro)
+
+    def soon(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` on the loop's thread soon, or drop it when no task is live (nothing of ours runs in
+        SGLang then, so there is nothing to tell it)."""
+        with self._mutex:
+            if self._live:
+                self.loop.call_soon_threadsafe(fn)
+
+    @property
+    def live(self) -> int:
+        return self._live
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Until every task has ended (False on timeout). Not from inside ``call``: nobody would run the loop."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._live == 0, timeout_s)
+
+    def close(self, timeout_s: float) -> None:
+        """Stop the thread (tasks still live are cancelled); later calls raise ``EngineClosedError``."""
+        with self._mutex:
+            self._closing = True
+            thread = self._thread
+        if thread is not None:
+            self.loop.call_soon_threadsafe(self._cancel_all)
+            thread.join(timeout_s)
+
+    # ---- the loop's thread -----------------------------------------------------------------------------------
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True, name="genengine-sglang-loop")
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        while True:
+            self._forever = True
+            try:
+                self.loop.run_forever()
+            finally:
+                self._forever = False
+            while True:
+                with self._changed:
+                    if self._jobs:
+                        job: _Job | None = self._jobs.popleft()
+                    elif self._closing or self._live == 0:
+                        self._thread = None  # the callers run the loop again from here on
+                        self._changed.notify_all()
+                        return
+                    else:
+                        job = None
+                if job is None:
+                    break
+                job.run()
+
+    def _maybe_stop(self) -> None:
+        # Only the thread's run_forever may be stopped: a stop inside a job's (or a caller's)
+        # run_until_complete would end that call with "Event loop stopped before Future completed".
+        if self._forever:
+            self.loop.stop()
+
+    def _create_task(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)  # also for a task cancelled before it started
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        with self._changed:
+            self._live -= 1
+            idle = self._live == 0
+            self._changed.notify_all()
+        if idle:
+            self._maybe_stop()
+
+    def _cancel_all(self) -> None:
+        # The last task to end stops the loop (_tracked); a task that does not end in time is left behind.
+        for task in list(self._tasks):
+            task.cancel()
+        if not self._tasks:
+            self._maybe_stop()
+        else:
+            self.loop.call_later(5.0, self._maybe_stop)
+
+
+@dataclasses.dataclass(eq=False)
+class _Sample:
+    """One completion of one async request, as one SGLang request (or, after a clear-cache hold, several)."""
+
+    handle: AsyncRequest
+    index: int
+    entry: SglEntry
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    """What the caller was sent."""
+    segments: int = 0
+    seen: int = 0
+    """Tokens of the current SGLang request taken (sent on, or dropped)."""
+    rid: str | None = None
+    submitted: bool = False
+    want: str | None = None
+    """None; "drop": finished here, SGLang's answers are ignored; "park": held for a clear-cache resume."""
+    parked: bool = False
+    finished: bool = False
+
+
+class AsyncSGLang:
+    """The mixin's hooks on one ``sgl.Engine`` (see the module docstring); lives on the TP leader only."""
+
+    def __init__(
+        self,
+        driver: LoopDriver,
+        tokenizer_manager: Any,
+        *,
+        deterministic: bool,
+        processor: str | None,
+        extra_key: Callable[[], str | None],
+        timeout_s: float,
+    ) -> None:
+        self._driver = driver
+        self._tm = tokenizer_manager
+        self._deterministic = deterministic
+        self._processor = processor
+        self._extra_key = extra_key
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._samples: dict[int, list[_Sample]] = {}  # id(handle) → its samples
+        self._in_place = False
+        self._resumed: asyncio.Event | None = None  # made and used on the loop's thread
+
+    # ---- the hooks ---------------------------------------------------------------------------------------------
+    def start(self, handle: AsyncRequest, entries: list[SglEntry]) -> None:
+        samples = [_Sample(handle, e.sample, e) for e in entries]
+        with self._lock:
+            self._forget_done()
+            self._samples[id(handle)] = samples
+        for sample in samples:
+            self._driver.spawn(self._segment(sample))
+
+    def abort(self, handles: list[AsyncRequest]) -> None:
+        """Each unfinished sample ends now with the tokens it was sent; SGLang is told to stop it."""
+        with self._lock:
+            for handle in handles:
+                for sample in self._samples.get(id(handle), ()):
+                    self._finish_here(sample, "abort")
+
+    def hold(self, clear_cache: bool) -> None:
+        with self._lock:
+            running = [s for group in self._samples.values() for s in group if not s.finished]
+            if clear_cache and any(s.handle.request.image is not None for s in running):
+                raise EngineStateError(
+                    "pause_generation('keep', clear_cache=True) cannot carry image requests over on SGLang (their "
+                    "continuation would process the image again): use clear_cache=False, 'wait' or 'abort'"
+                )
+            if clear_cache:
+                for sample in running:
+                    sample.want = "park"
+                    self._tell_abort(sample)
+        if clear_cache:
+            # Every sample ends in SGLang (parked here), so SGLang is idle for the load and its cache flush.
+            self._wait_idle("pause_generation('keep')")
+        elif self._driver.live:
+            self._driver.run(self._pause_in_place())
+
+    def release(self) -> None:
+        if self._in_place:
+            self._driver.run(self._continue())
+        with self._lock:
+            parked = [s for group in self._samples.values() for s in group if s.parked and not s.finished]
+            for sample in parked:
+                sample.parked = False
+                sample.want = None
+        for sample in parked:
+            self._driver.spawn(self._segment(sample))
+
+    # ---- what the engine asks before SGLang calls that need it idle ------------------------------------------
+    def keeps_kv(self) -> bool:
+        """Requests are held in SGLang with their KV (an in-place pause): its cache cannot be flushed now."""
+        return self._in_place and self._unfinished()
+
+    def quiesce(self, what: str) -> None:
+        """Make SGLang idle before ``what``: the requests left in it were finished here and are only being
+        stopped (an in-place pause would keep them there: SGLang is let go on, it has nothing else to run)."""
+        if self._in_place and not self._unfinished():
+            self._driver.run(self._continue())
+        self._wait_idle(what)
+
+    def _unfinished(self) -> bool:
+        with self._lock:
+            return any(not s.finished for group in self._samples.values() for s in group)
+
+    def check_not_paused_in_place(self, what: str) -> None:
+        if self._in_place:
+            raise EngineStateError(
+                f"cannot {what} during pause_generation('keep', clear_cache=False): SGLang holds every new request "
+                "until resume_generation() (call it first)"
+            )
+
+    def close(self) -> None:
+        """For shutdown: every unfinished sample ends "abort" with its tokens; the loop's thread stops."""
+        with self._lock:
+            for group in self._samples.values():
+                for sample in group:
+                    self._finish_here(sample, "abort")
+        self._driver.close(self._timeout_s)
+
+    # ---- internals -----------------------------------------------------------------------------------------------
+    def _wait_idle(self, what: str) -> None:
+        if not self._driver.wait_idle(self._timeout_s):
+            raise SGLangEngineError(
+                f"SGLang did not finish the aborted requests within {self._timeout_s:g} s before {what}"
+            )
+
+    def _forget_done(self) -> None:
+        for key in [k for k, group in self._samples.items() if all(s.finished for s in group)]:
+            del self._samples[key]
+
+    def _finish_here(self, sample: _Sample, reason: str, **kwargs: Any) -> None:
+        """Under ``_lock``: end ``sample`` with what it has; SGLang's later answers for it are dropped."""
+        if sample.finished:
+            return
+        sample.finished = True
+        sample.want = "drop"
+        sample.handle.finish(sample.index, reason, **kwargs)  # type: ignore[arg-type]
+        self._tell_abort(sample)
+
+    def _tell_abort(self, sample: _Sample) -> None:
+        rid = sample.rid
+        if sample.submitted and rid is not None:
+            self._driver.soon(lambda: self._tm.abort_request(rid))
+
+    async def _pause_in_place(self) -> None:
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        # SGLang's own pause, not merely ours: a weight update while SGLang is not paused waits for its writer
+        # lock, which every request in flight holds a reader side of (tokenizer_control_mixin.py:514-521,
+        # tokenizer_manager.py:787): the held requests would never let it through.
+        self._in_place = True
+        if self._resumed is None:
+            self._resumed = asyncio.Event()
+        self._resumed.clear()
+        await self._tm.pause_generation(PauseGenerationReqInput(mode="in_place"))
+
+    async def _continue(self) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        await self._tm.continue_generation(ContinueGenerationReqInput())
+        self._in_place = False
+        if self._resumed is not None:
+            self._resumed.set()
+
+    def _request(self, sample: _Sample) -> Any:
+        """Under ``_lock``: SGLang's request for the rest of ``sample``."""
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        request = sample.handle.request
+        params = request.params
+        sgl, use_filter = sample.entry.params, sample.entry.use_filter
+        kwargs: dict[str, Any] = {"return_logprob": params.logprobs, "return_prompt_token_ids": True}
+        if sample.tokens:
+            prompt = sample.handle.prompt_token_ids
+            if prompt is None:
+                raise SGLangEngineError("cannot continue a sample whose prompt token ids SGLang never returned")
+            rest = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(sample.tokens))
+            sgl, use_filter = sampling_to_sglang(rest, deterministic=self._deterministic, sample=sample.index)
+            kwargs["input_ids"] = [*prompt, *sample.tokens]
+        elif request.prompt is not None:
+            kwargs["text"] = request.prompt
+        else:
+            kwargs["input_ids"] = list(request.prompt_token_ids or ())
+        if request.image is not None:
+            kwargs["image_data"] = request.image
+        if use_filter:
+            kwargs["custom_logit_processor"] = self._processor
+        key = self._extra_key()
+        if key is not None:
+            kwargs["extra_key"] = key  # io_struct.py:287, the radix cache's namespace (radix_cache.py:155)
+        sample.rid = uuid.uuid4().hex
+        sample.segments += 1
+        sample.seen = 0
+        sample.submitted = True
+        return GenerateReqInput(rid=sample.rid, stream=True, sampling_params=sgl, **kwargs)
+
+    async def _segment(self, sample: _Sample) -> None:
+        """One SGLang request of ``sample``, from submission to its last chunk (on the loop's thread)."""
+        try:
+            if self._in_place and self._resumed is not None:
+                await self._resumed.wait()  # admitted as the in-place pause began: it starts after the resume
+            with self._lock:
+                if sample.finished:
+                    return
+                if sample.want == "park":
+                    sample.parked = True
+                    return
+                obj = self._request(sample)
+            async for out in self._tm.generate_request(obj, None):
+                with self._lock:
+                    self._take(sample, out)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            with self._lock:
+                self._failed(sample, exc)
+        finally:
+            sample.submitted = False
+
+    def _failed(self, sample: _Sample, exc: Exception) -> None:
+        """Under ``_lock``: ``generate_request`` raised (SGLang refused the request, or it was aborted before
+        it reached the scheduler: ``RequestAbortedError``, a ``ValueError``, ``tokenizer_manager.py:3405``)."""
+        if sample.finished:
+            return
+        if sample.want == "park":
+            sample.parked = True
+            return
+        if isinstance(exc, ValueError):
+            exc = InvalidArgumentError(f"SGLang rejected the request: {exc}")
+        sample.handle.fail(exc)
+        for other in self._samples.get(id(sample.handle), ()):
+            other.finished, other.want = True, "drop"
+            self._tell_abort(other)
+
+    def _take(self, sample: _Sample, out: Mapping[str, Any]) -> None:
+        """Under ``_lock``: one streamed chunk of ``sample``'s current SGLang request."""
+        if sample.finished or sample.want == "drop":
+            return
+        handle, params = sample.handle, sample.handle.params
+        if sample.segments == 1 and handle.prompt_token_ids is None and out.get("prompt_token_ids") is not None:
+            handle.prompt_token_ids = tuple(int(t) for t in out["prompt_token_ids"])
+        meta = out.get("meta_info") or {}
+        reason = meta.get("finish_reason")
+        if isinstance(reason, Mapping) and reason.get("type") == "abort":
+            if sample.want == "park":
+                sample.parked = True  # the tokens of this last chunk are not sent on (see the module docstring)
+                return
+            status = reason.get("status_code")
+            message = reason.get("message") or "aborted"
+            error: Exception = (
+                InvalidArgumentError(f"SGLang rejected the request: {message}")
+                if status == 400
+                else SGLangEngineError(f"SGLang aborted the request: {message}")
+            )
+            self._failed(sample, error)
+            return
+        ids, logprobs, sample.seen = stream_delta(out, sample.seen, logprobs=params.logprobs)
+        if params.ignore_eos and params.stop_token_ids:
+            # SGLang's ignore_eos disables stop_token_ids too (mapping.sampling_to_sglang): cut here, as the sync
+            # path does (mapping._cut_at_stop_id).
+            for k, token in enumerate(ids):
+                if token in params.stop_token_ids:
+                    self._emit(sample, ids[: k + 1], None if logprobs is None else logprobs[: k + 1])
+                    text = self._decode(sample.tokens[:-1])
+                    self._finish_here(sample, "stop", stop_reason=token, text=text)
+                    return
+        self._emit(sample, ids, logprobs)
+        if reason is not None:
+            finish, stop_reason = finish_from_sglang(reason, params)
+            if sample.segments == 1 and not self._tm.incremental_streaming_output:  # tokenizer_manager.py:408
+                text = out.get("text")  # the whole text, as the sync path gets it
+            else:
+                text = self._decode(sample.tokens)
+                if text is not None and isinstance(stop_reason, str) and stop_reason in text:
+                    text = text[: text.find(stop_reason)]  # as detokenizer_manager.py trim_matched_stop
+            sample.finished = True
+            handle.finish(sample.index, finish, stop_reason=stop_reason, text=text)
+
+    def _emit(self, sample: _Sample, ids: list[int], logprobs: list[float] | None) -> None:
+        if ids:
+            sample.tokens.extend(ids)
+            sample.handle.emit(sample.index, ids, logprobs)
+
+    def _decode(self, ids: list[int]) -> str | None:
+        tokenizer = getattr(self._tm, "tokenizer", None)
+        return None if tokenizer is None else str(tokenizer.decode(ids, skip_special_tokens=True))
