@@ -372,6 +372,19 @@ class AsyncEngineMixin:
         for request in live:
             request.new_version(version)
 
+    def _after_shutdown(self) -> None:
+        """No stream outlives the engine unfinished: requests the backend did not end (queued ones, or held
+        ones it lost) end "abort" with what they have. The registry lets go of every request, so that an
+        engine kept after shutdown holds nothing of them (their errors' tracebacks reach engine internals)."""
+        state = self._async_state()
+        with state.lock:
+            requests = [*state.queued, *state.live.values()]
+            state.queued, state.live = [], {}
+            state.paused, state.held = None, False
+        for request in requests:
+            for index in request.unfinished():
+                request.finish(index, "abort")
+
     # ---- internals -------------------------------------------------------------------------------------------
     def _engine(self) -> EngineBase:
         return self  # type: ignore[return-value]
@@ -426,6 +439,9 @@ class AsyncEngineMixin:
         try:
             self._async_start(handle)
         except BaseException as exc:
+            with state.lock:  # refused: the caller gets the error, the registry keeps nothing of it
+                if state.live.get(handle.request_id) is handle:
+                    del state.live[handle.request_id]
             handle.fail(exc)
             raise
 

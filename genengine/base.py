@@ -110,6 +110,9 @@ class EngineBase(abc.ABC):
     def _on_new_weight_version(self, version: int) -> None:  # noqa: B027
         """Requests in flight go on with weight version ``version``."""
 
+    def _after_shutdown(self) -> None:  # noqa: B027
+        """The engine is closed: drop what still refers to requests (a caller may keep the engine for long)."""
+
     def _finish_weights(self) -> None:
         """After a load: make sure no cache computed with the old weights survives."""
         self._flush_cache()
@@ -347,6 +350,7 @@ class EngineBase(abc.ABC):
                 self._shutdown()  # released_tags is still non-empty here when that wake failed
         finally:
             self.__closed = True
+            self._after_shutdown()
 
     def __enter__(self) -> EngineBase:
         return self

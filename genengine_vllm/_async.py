@@ -354,3 +354,6 @@ class Driver:
                 batch.done.set()
         self._wake.set()
         self._thread.join(timeout=60)
+        # Let go of vLLM: a request's error (kept by whoever holds its stream) has tracebacks through this
+        # driver's frames, and must not keep the model and the KV cache alive after shutdown.
+        self.llm = self.engine = self.core = None

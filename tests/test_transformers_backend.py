@@ -325,3 +325,38 @@ class TestTransformersConformanceCuda(EngineConformance):
 
     def make_engine(self, model_dir: str, **options: Any) -> Any:
         return create_engine(backend="transformers", model=model_dir, dtype="bfloat16", device="cuda", **options)
+
+
+def test_shutdown_ends_every_stream_and_lets_go_of_the_requests(model_dir: str) -> None:
+    """Running, held and queued streams all end "abort" at shutdown (none hangs), and the engine kept afterwards
+    refers to no request: a refused request's error (its traceback reaches the engine) is not kept either."""
+    import asyncio
+    import gc
+    import weakref
+
+    from genengine.errors import EngineClosedError, InvalidArgumentError
+    from genengine.protocol import SamplingParams
+
+    long = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True)
+    eng = TransformersEngine.from_config(EngineConfig(backend="transformers", model=model_dir))
+
+    async def main() -> tuple[list[str], list[int], Any]:
+        running = eng.stream("a", long)
+        await running.__anext__()
+        with pytest.raises(InvalidArgumentError, match="max_new_tokens"):  # refused by the backend's own check
+            eng.stream("d", SamplingParams(max_new_tokens=10**6))
+        assert list(eng._async_state().live) == [running.request_id]
+        await eng.pause_generation("keep")
+        queued = eng.stream("b", long)
+        refs = [weakref.ref(running._request), weakref.ref(queued._request)]
+        eng.shutdown()
+        results = [await s.collect() for s in (running, queued)]
+        with pytest.raises(EngineClosedError):
+            eng.stream("c", long)
+        return [r.outputs[0].finish_reason for r in results], [len(r.outputs[0].token_ids) for r in results], refs
+
+    reasons, lengths, refs = asyncio.run(main())
+    assert reasons == ["abort", "abort"] and lengths[0] >= 1 and lengths[1] == 0
+    assert eng.in_flight == 0 and eng.paused is None
+    gc.collect()
+    assert [r() for r in refs] == [None, None]  # the engine, still referenced here, holds neither request

@@ -474,6 +474,11 @@ class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
 
     def _shutdown(self) -> None:
         if self._scheduler is not None:
+            with self._locked():  # requests in flight end "abort" with their tokens, as on every backend
+                for row in self._scheduler.live_rows():
+                    if row.sink is not None:
+                        row.out.abort()
+                        row.report()
             self._scheduler.stop(EngineClosedError("the engine was shut down while the request was running"))
         self._drop_prefixes()
         self._host_backup = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import importlib.util
 import os
 import socket
@@ -339,10 +340,17 @@ class TestVLLMConformance(EngineConformance):
 
 
 def test_shutdown_with_streams_open_ends_them_with_abort(trainer_world: Any) -> None:
-    """Streams open at shutdown end with "abort" and keep their tokens; the engine object then says it is closed."""
+    """Streams open at shutdown end with "abort" and keep their tokens; the engine object then says it is closed,
+    and (kept by the caller, with its streams) holds no GPU memory any more."""
+    import weakref
+
+    from genengine_vllm._process import _STATE
+
+    free_before = _free_device_wide()
     engine = create_engine(
         backend="vllm", model=str(tiny_model_dir()), mem_util=MEM_UTIL, max_model_len=1024, enable_sleep=False
     )
+    llm = weakref.ref(engine._llm)  # type: ignore[attr-defined]
 
     async def main() -> list[tuple[list[int], Any]]:
         streams = [engine.stream(p, _LONG) for p in PROMPTS]
@@ -368,6 +376,12 @@ def test_shutdown_with_streams_open_ends_them_with_abort(trainer_world: Any) -> 
             engine.generate(PROMPTS, {"max_new_tokens": 2})
     finally:
         engine.shutdown()
+    left = free_before - _free_device_wide()
+    holders = [type(r).__name__ for r in gc.get_referrers(llm())] if llm() is not None else []
+    assert left <= GIB // 2, (
+        f"{left / GIB:.2f} GiB still held after shutdown; vLLM's LLM object alive: {llm() is not None} "
+        f"(held by {holders}); live engines in this process: {len(_STATE.live)}"
+    )
 
 
 def test_shutdown_keeps_the_trainer_world_and_frees_memory(trainer_world: Any) -> None:
