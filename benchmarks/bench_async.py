@@ -5,7 +5,7 @@
 Model: Qwen2-7B shapes with ``load_format="dummy"`` (random bf16 weights), as bench_sglang.py and
 bench_vllm.py (same engine options, the context raised to fit the length cap). Workload
 (genengine/bench/asynchronous.py says how both loops run): 3 steps x 64 samples, prompts of 128 random
-ids, output lengths lognormal (median 128, sigma 1.0) capped at 4096, forced with ``ignore_eos``;
+ids, output lengths lognormal (median 64, sigma 1.0) capped at 4096, forced with ``ignore_eos``;
 ``load_weights`` of all 339 trainer-held CUDA tensors after each step. Async keeps 96 requests in flight
 (oversample 1.5) and carries the stragglers over each update with ``pause_generation("keep")``.
 
@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="the 7B-shaped model folder (default: built in the temp dir)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--median-new-tokens", type=int, default=128)
+    ap.add_argument("--median-new-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     t0 = time.time()
