@@ -266,7 +266,7 @@ class AsyncEngineMixin:
         An aborted request's result keeps every token it produced, with its logprobs, and ``finish_reason
         "abort"``; requests queued during a pause finish at once with no tokens.
         """
-        self._engine()._check_open()
+        self._engine_base()._check_open()
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         elif request_ids is not None and not isinstance(request_ids, Sequence):
@@ -296,7 +296,7 @@ class AsyncEngineMixin:
         resume, with False the old KV is reused (faster, but the tokens after the switch attend to keys and
         values computed by the old weights).
         """
-        engine = self._engine()
+        engine = self._engine_base()
         engine._check_open()
         if mode not in PAUSE_MODES:
             raise InvalidArgumentError(f"pause mode={mode!r}: allowed are 'abort', 'wait' and 'keep'")
@@ -329,7 +329,7 @@ class AsyncEngineMixin:
 
     async def resume_generation(self) -> None:
         """Go on after ``pause_generation``: held requests continue, queued ones start."""
-        engine = self._engine()
+        engine = self._engine_base()
         engine._check_open()
         state = self._async_state()
         with state.lock:
@@ -386,7 +386,7 @@ class AsyncEngineMixin:
                 request.finish(index, "abort")
 
     # ---- internals -------------------------------------------------------------------------------------------
-    def _engine(self) -> EngineBase:
+    def _engine_base(self) -> EngineBase:
         return self  # type: ignore[return-value]
 
     def _submit(
@@ -397,7 +397,7 @@ class AsyncEngineMixin:
         image_data: Any,
         request_id: str | None,
     ) -> AsyncRequest:
-        engine = self._engine()
+        engine = self._engine_base()
         engine._check_open()
         if prompt is not None and not isinstance(prompt, str):
             raise InvalidArgumentError(
