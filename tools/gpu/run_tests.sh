@@ -68,5 +68,6 @@ case "${1:-}" in
     paths=()
     for arg in "$@"; do case "$arg" in tests/*|*.py|*::*) paths+=("$arg") ;; esac; done
     [ ${#paths[@]} -gt 0 ] || set -- "tests/gpu/test_${ENGINE}_gpu.py" "$@"
-    python3 -m pytest -m gpu -p no:cacheprovider -q -s --junitxml "$OUTDIR/${ENGINE}_gpu_junit.xml" "$@" ;;
+    # faulthandler_timeout: a test that hangs prints every thread's stack after that many seconds (no output otherwise).
+    python3 -m pytest -m gpu -p no:cacheprovider -q -s -o faulthandler_timeout="${GPU_TEST_HANG_S:-120}" --junitxml "$OUTDIR/${ENGINE}_gpu_junit.xml" "$@" ;;
 esac
