@@ -81,19 +81,20 @@ class Group:
                 return dead
             time.sleep(_POLL_S)
 
-    def _who(self, ranks: Sequence[int], *, wait_s: float) -> str:
-        dead = self.dead_ranks(ranks, wait_s=wait_s)
+    def _who(self, ranks: Sequence[int], *, timed_out: bool) -> str:
+        dead = self.dead_ranks(ranks, wait_s=0.0 if timed_out else 1.0)
         if dead:
             return f"rank(s) {_fmt_ranks(dead)} died (their processes are gone)"
-        if list(ranks) == [0]:
-            return "the sender (rank 0) did not arrive (it is stuck elsewhere, diverged, or dead)"
-        return f"rank(s) {_fmt_ranks(ranks)} did not arrive (stuck elsewhere, diverged, or dead)"
+        who = "the sender (rank 0)" if list(ranks) == [0] else f"rank(s) {_fmt_ranks(ranks)}"
+        if timed_out:
+            return f"{who} did not arrive in time (stuck elsewhere, diverged, or dead)"
+        return f"the connection to {who} broke (a peer failed or closed the group, or died on another host)"
 
     def fail(self, op: str, ranks: Sequence[int], exc: BaseException | None = None) -> NoReturn:
         """Mark the group broken and raise TransportTimeoutError for ``op``, naming who of ``ranks`` failed."""
         text = " ".join(str(exc).split()) if exc is not None else ""
         timed_out = exc is None or "timed out" in text.lower() or "timeout" in text.lower()
-        message = f"{self.describe(op)}: {self._who(ranks, wait_s=0.0 if timed_out else 1.0)}"
+        message = f"{self.describe(op)}: {self._who(ranks, timed_out=timed_out)}"
         if text:
             message += f" ({type(exc).__name__}: {text[:400]})"
         self.broken = message

@@ -52,9 +52,15 @@ class Result:
 _STATE: dict[str, Any] = {}
 
 
-def configure(model_dir: str) -> None:
-    """Where the tiny model is (built once, by the test process)."""
+def configure(model_dir: str, device: str = "cpu") -> None:
+    """Where the tiny model is (built once, by the test process) and where this process's engine and
+    trainer tensors live (``cuda:N`` becomes the current CUDA device: NCCL needs a GPU per rank)."""
     _STATE["model"] = model_dir
+    _STATE["device"] = device
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
 
 
 def engine() -> Any:
@@ -63,7 +69,9 @@ def engine() -> Any:
     import genengine
 
     if "engine" not in _STATE:
-        _STATE["engine"] = genengine.create_engine(backend="transformers", model=_STATE["model"], dtype="float32")
+        _STATE["engine"] = genengine.create_engine(
+            backend="transformers", model=_STATE["model"], dtype="float32", device=_STATE["device"]
+        )
     return _STATE["engine"]
 
 
@@ -90,12 +98,14 @@ def checkpoint(which: str) -> dict[str, Any]:
 
 
 def trainer_stream(which: str) -> list[tuple[str, Any]]:
-    """What a trainer hands over, built from checkpoint ``which``: bf16 tensors as stored, fp32 copies,
-    transposed (non-contiguous) views and views at an odd offset into a larger storage, in one stream."""
+    """What a trainer hands over, built from checkpoint ``which`` on this process's device: bf16 tensors as
+    stored, fp32 copies, transposed (non-contiguous) views and views at an odd offset into a larger storage."""
     import torch
 
+    device = torch.device(_STATE["device"])
     out: list[tuple[str, Any]] = []
-    for i, (name, tensor) in enumerate(sorted(checkpoint(which).items())):
+    for i, (name, stored) in enumerate(sorted(checkpoint(which).items())):
+        tensor = stored.to(device)
         kind = i % 4
         if kind == 1:
             tensor = tensor.float()
@@ -103,9 +113,9 @@ def trainer_stream(which: str) -> list[tuple[str, Any]]:
             tensor = tensor.t().contiguous().t()  # same values, column-major: not contiguous
             assert not tensor.is_contiguous()
         elif kind == 3:
-            big = torch.empty(tensor.numel() + 7, dtype=tensor.dtype)
+            big = torch.empty(tensor.numel() + 7, dtype=tensor.dtype, device=device)
             big[7:].copy_(tensor.reshape(-1))
-            tensor = big[7:].view(tensor.shape)
+            tensor = big[7:].view(tensor.shape)  # a view at an odd element offset of a larger storage
         out.append((name, tensor))
     return out
 
@@ -118,7 +128,7 @@ def observe(engine: Any) -> dict[str, Any]:
     outputs = [[o.token_ids, o.logprobs, o.weight_versions] for r in results for o in r.outputs]
     # The embedded engine's own parameters (test-only access): bit-exact evidence, beyond equal outputs.
     digests = {
-        n: hashlib.sha256(p.detach().contiguous().view(-1).numpy().tobytes()).hexdigest()[:16]
+        n: hashlib.sha256(p.detach().cpu().contiguous().view(-1).numpy().tobytes()).hexdigest()[:16]
         for n, p in engine._params.items()
     }
     return {"outputs": outputs, "version": engine.weight_version, "digests": digests}
@@ -262,11 +272,11 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
 }
 
 
-def _worker(index: int, jobs: Any, results: Any, model_dir: str) -> None:
+def _worker(index: int, jobs: Any, results: Any, model_dir: str, device: str) -> None:
     import torch
 
     torch.set_num_threads(1)  # the same arithmetic in every process (the test process too), polite on 2 cores
-    configure(model_dir)
+    configure(model_dir, device)
     while True:
         job = jobs.get()
         if job is None:
@@ -295,15 +305,20 @@ class Pool:
     """Spawned workers under the given indices (the ranks they play); ``run`` gives each a job and collects
     every result (or notes its death)."""
 
-    def __init__(self, indices: list[int], model_dir: str) -> None:
+    def __init__(self, indices: list[int], model_dir: str, devices: dict[int, str] | None = None) -> None:
         self._ctx = mp.get_context("spawn")
         self._model_dir = model_dir
+        self._devices = devices or {}
         self._results: Any = self._ctx.Queue()
         self._workers: dict[int, tuple[Any, Any]] = {i: self._start(i) for i in indices}
 
     def _start(self, index: int) -> tuple[Any, Any]:
         jobs = self._ctx.Queue()
-        proc = self._ctx.Process(target=_worker, args=(index, jobs, self._results, self._model_dir), daemon=True)
+        proc = self._ctx.Process(
+            target=_worker,
+            args=(index, jobs, self._results, self._model_dir, self._devices.get(index, "cpu")),
+            daemon=True,
+        )
         proc.start()
         return proc, jobs
 
