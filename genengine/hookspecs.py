@@ -1,4 +1,5 @@
-"""The plugin hooks. A backend plugin is a module named by a ``genengine.backends`` entry point."""
+"""The plugin hooks. A plugin is a module named by a ``genengine.backends`` entry point; it implements
+``register_backends``, ``register_weight_transports`` or both."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any, Protocol
 
 import pluggy
 
-__all__ = ["RegisterBackend", "hookimpl", "hookspec"]
+__all__ = ["RegisterBackend", "RegisterTransport", "hookimpl", "hookspec"]
 
 hookspec = pluggy.HookspecMarker("genengine")
 hookimpl = pluggy.HookimplMarker("genengine")
@@ -34,4 +35,18 @@ def register_backends(register: RegisterBackend) -> None:
     imports no engine. ``requires`` names the top-level modules the backend needs (checked without importing
     them); ``install_hint`` says how to get them. ``raw_runner`` (same two forms) measures the raw engine
     beside ours in ``genengine bench``: a callable ``(config, prompt_token_ids, max_new_tokens) -> tokens/s``.
+    """
+
+
+class RegisterTransport(Protocol):
+    def __call__(self, name: str, factory: Any, *, description: str = "") -> None: ...
+
+
+@hookspec
+def register_weight_transports(register: RegisterTransport) -> None:
+    """Register weight transports by calling ``register(name, factory, description=...)`` once per transport.
+
+    ``factory`` is a callable taking no argument and returning a ``genengine.transport.WeightTransport``
+    (a class will do), or a ``"module:attribute"`` string imported only when the transport is first used,
+    so that listing transports imports no torch. ``name`` is what ``TransportSpec.transport`` selects.
     """

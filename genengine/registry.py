@@ -1,4 +1,4 @@
-"""Finding backends: entry points → pluggy → ``create_engine``.
+"""Finding backends and weight transports: entry points → pluggy → ``create_engine`` / ``get_transport_info``.
 
 Plugins load on first use. A plugin that fails to import, whose hook does not match the hookspec, whose
 hook raises, or that registers no backend does not break listing or the other backends (it is reported
@@ -22,21 +22,28 @@ import pluggy
 
 from genengine import hookspecs
 from genengine.config import EngineConfig
-from genengine.errors import BackendImportError, BackendNotFoundError, ConfigError, DuplicateBackendError
+from genengine.errors import BackendImportError, BackendNotFoundError, ConfigError, DuplicateBackendError, closest
 from genengine.protocol import GenerationEngine
+from genengine.transport.errors import DuplicateTransportError, TransportNotFoundError
 
 __all__ = [
+    "BUILTIN_TRANSPORTS_PLUGIN",
     "ENTRY_POINT_GROUP",
     "KNOWN_BACKENDS",
     "BackendInfo",
+    "TransportInfo",
     "available_backends",
+    "available_transports",
     "create_engine",
     "get_backend",
     "get_plugin_manager",
+    "get_transport_info",
     "resolve_ref",
 ]
 
 ENTRY_POINT_GROUP = "genengine.backends"
+BUILTIN_TRANSPORTS_PLUGIN = "genengine.transport.plugin"
+"""The module that registers the built-in weight transports (gloo, nccl, cuda_ipc): a plugin without an entry point."""
 
 KNOWN_BACKENDS: Mapping[str, str] = {
     "sglang": "pip install 'genengine[sglang]'",
@@ -90,6 +97,19 @@ class BackendInfo:
         return None
 
 
+@dataclass(frozen=True)
+class TransportInfo:
+    """One registered weight transport (``genengine.transport``)."""
+
+    name: str
+    plugin: str
+    distribution: str | None
+    factory: Any = None
+    description: str = ""
+    error: BaseException | None = None
+    """Set when the plugin's ``register_weight_transports`` hook raised (then ``name`` is the plugin's)."""
+
+
 def _describe(exc: BaseException) -> str:
     """``Type: message`` on one line (a backends table row), for an error raised by a plugin's own code."""
     return " ".join(f"{type(exc).__name__}: {exc}".split())
@@ -106,6 +126,7 @@ class _Registry:
         self.pm = pluggy.PluginManager("genengine")
         self.pm.add_hookspecs(hookspecs)
         self.backends: dict[str, BackendInfo] = {}
+        self.transports: dict[str, TransportInfo] = {}
         self.sources: dict[str, tuple[str | None, str | None]] = {}
 
     def load(self) -> None:
@@ -130,11 +151,14 @@ class _Registry:
                 self._fail(ep.name, dist, version, exc, stage, detail)
                 continue
             contributed[ep.name] = False
+        self.pm.register(importlib.import_module(BUILTIN_TRANSPORTS_PLUGIN), name=BUILTIN_TRANSPORTS_PLUGIN)
         for impl in self.pm.hook.register_backends.get_hookimpls():
             self._call(impl.plugin_name, impl.function)
-        for info in self.backends.values():
-            if info.plugin in contributed:
-                contributed[info.plugin] = True
+        for impl in self.pm.hook.register_weight_transports.get_hookimpls():
+            self._call_transports(impl.plugin_name, impl.function)
+        for plugin in [b.plugin for b in self.backends.values()] + [t.plugin for t in self.transports.values()]:
+            if plugin in contributed:
+                contributed[plugin] = True
         for plugin, registered_some in contributed.items():
             if not registered_some:
                 self._register_nothing(plugin)
@@ -168,10 +192,10 @@ class _Registry:
         if unknown:
             why = f"it implements {', '.join(unknown)}, which genengine does not call; genengine calls {known}"
         elif callers:
-            why = "its register_backends hook never called register(name, factory)"
+            why = "its hooks never called register(name, factory)"
         else:
             why = f"it has no hook marked @genengine.hookspecs.hookimpl; genengine calls {known}"
-        detail = f"it registered no backend: {why}"
+        detail = f"it registered no backend (nor weight transport): {why}"
         self.pm.unregister(name=plugin)
         self._fail(plugin, dist, version, BackendImportError(detail), "register", detail)
 
@@ -199,6 +223,33 @@ class _Registry:
             raise
         except Exception as exc:
             self._fail(plugin, dist, version, exc, "register")
+
+    def _call_transports(self, plugin: str, hook: Callable[..., object]) -> None:
+        dist = self.sources.get(plugin, (None, None))[0]
+
+        def register(name: str, factory: Any, *, description: str = "") -> None:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"a transport named {name!r}: a transport name must be a non-empty str")
+            old = self.transports.get(name)
+            if old is not None:
+                raise DuplicateTransportError(
+                    f"weight transport {name!r} is registered twice: by plugin {old.plugin!r} (distribution "
+                    f"{old.distribution!r}) and by plugin {plugin!r} (distribution {dist!r}); uninstall one of them"
+                )
+            self.transports[name] = TransportInfo(name, plugin, dist, factory, description)
+
+        try:
+            hook(register=register)
+        except DuplicateTransportError:
+            raise
+        except Exception as exc:
+            warnings.warn(
+                f"error registering the weight transports of genengine plugin {plugin!r} (distribution {dist!r}): "
+                f"{_describe(exc)}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self.transports.setdefault(plugin, TransportInfo(plugin, plugin, dist, error=exc))
 
     def _add(self, info: BackendInfo) -> None:
         old = self.backends.get(info.name)
@@ -267,6 +318,31 @@ def get_backend(name: str) -> BackendInfo:
     if absent:
         hint = f"; to install: {info.install_hint}" if info.install_hint else ""
         raise BackendImportError(f"backend {name!r} is not installed (missing module(s): {', '.join(absent)}){hint}")
+    return info
+
+
+def available_transports() -> list[TransportInfo]:
+    """Every registered weight transport (built-in and plugins'); imports no torch."""
+    return sorted(_get().transports.values(), key=lambda t: t.name)
+
+
+def get_transport_info(name: str) -> TransportInfo:
+    """The transport called ``name``, or an error listing the registered ones."""
+    transports = _get().transports
+    info = transports.get(name)
+    if info is None:
+        names = ", ".join(sorted(n for n, t in transports.items() if t.error is None)) or "none"
+        hint = closest(name, transports) if isinstance(name, str) else None
+        raise TransportNotFoundError(
+            f"unknown weight transport {name!r}"
+            + (f" (did you mean {hint!r}?)" if hint else "")
+            + f"; registered transports: {names}"
+        )
+    if info.error is not None:
+        raise TransportNotFoundError(
+            f"weight transport plugin {name!r} (distribution {info.distribution!r}) failed to register: "
+            f"{_describe(info.error)}"
+        ) from info.error
     return info
 
 

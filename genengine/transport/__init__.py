@@ -1,0 +1,83 @@
+"""Weight transports: moving the trainer's weights into replicas in other processes, as plugins.
+
+A transport forms a group of its own per :class:`TransportSpec` (rank 0 the trainer, ranks 1.. the
+replicas; never torch.distributed's default group) and hands out a :class:`WeightSender` and
+:class:`WeightReceiver` per rank. Built in: ``gloo`` (CPU), ``nccl`` (a GPU per rank), ``cuda_ipc``
+(one GPU); plugins add more through the ``register_weight_transports`` hook. Every wait has a hard
+timeout, and the errors name the group, the ranks and the timeout. See docs/transports.md.
+
+Importing this package imports no torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from genengine.transport.errors import (
+    ChecksumError,
+    DuplicateTransportError,
+    TransportError,
+    TransportNotFoundError,
+    TransportTimeoutError,
+)
+from genengine.transport.spec import (
+    NATIVE_RECEIVER_METHOD,
+    SyncReport,
+    TransportSpec,
+    WeightReceiver,
+    WeightSender,
+    WeightTransport,
+)
+
+if TYPE_CHECKING:
+    from genengine.protocol import GenerationEngine
+
+__all__ = [
+    "NATIVE_RECEIVER_METHOD",
+    "ChecksumError",
+    "DuplicateTransportError",
+    "SyncReport",
+    "TransportError",
+    "TransportNotFoundError",
+    "TransportSpec",
+    "TransportTimeoutError",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightTransport",
+    "available_transports",
+    "get_transport",
+    "open_receiver",
+]
+
+
+def available_transports() -> list[str]:
+    """The names of the registered transports (built-in and plugins'), sorted; imports no torch."""
+    from genengine.registry import available_transports as infos
+
+    return [t.name for t in infos() if t.error is None]
+
+
+def get_transport(name: str) -> WeightTransport:
+    """The registered transport ``name``; an unknown name raises TransportNotFoundError listing the registered."""
+    from genengine.registry import get_transport_info, resolve_ref
+
+    info = get_transport_info(name)
+    factory: Any = resolve_ref(info.factory)
+    transport: WeightTransport = factory()
+    return transport
+
+
+def open_receiver(spec: TransportSpec, rank: int, engine: GenerationEngine | None = None) -> WeightReceiver:
+    """Rank ``rank``'s receiver: the engine's own (native endpoint) when it offers one for ``spec``, else the
+    transport's generic one (receive, then ``engine.load_weights`` bucket by bucket).
+
+    An engine offers a native endpoint by defining ``weight_transport_receiver(spec, rank)`` returning a
+    :class:`WeightReceiver`, or None to decline (e.g. for a transport it does not speak).
+    """
+    transport = get_transport(spec.transport)  # an unknown transport is refused first, by name
+    native = getattr(engine, NATIVE_RECEIVER_METHOD, None) if engine is not None else None
+    if callable(native):
+        receiver = native(spec, rank)
+        if receiver is not None:
+            return receiver  # type: ignore[no-any-return]
+    return transport.receiver(spec, rank)

@@ -1,0 +1,205 @@
+"""The wire format of a sync, shared by every built-in transport: a plan of buckets, packing, unpacking.
+
+A sync is a JSON metadata record (version, names, dtypes, shapes, each tensor's byte offset in its
+bucket), then one flat ``uint8`` buffer per bucket: each tensor's bytes at a 64-byte aligned offset
+(so that the receiver's ``view(dtype)`` is legal and bf16 travels bit for bit), then a 16-byte trailer
+of two int64 words: the checksum (the sum of the data viewed as int32 words, exact in int64 for
+buckets below 16 GiB, computed where the buffer lives) and a flag (1: the sender aborted the sync here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from genengine.weights import WeightInfo, WeightValidator, iter_buckets, tensor_nbytes
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ALIGN", "CORRUPT_ENV", "TRAILER", "Bucket", "Entry", "Plan"]
+
+ALIGN = 64
+TRAILER = 16
+CORRUPT_ENV = "GENENGINE_TRANSPORT_CORRUPT_BUCKET"
+"""Fault injection for tests: the sender flips a byte of bucket N (an int) after computing its checksum."""
+
+FLAG_OK, FLAG_ABORT = 0, 1
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: str
+    """torch's name without the ``torch.`` prefix, e.g. ``bfloat16``."""
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    entries: tuple[Entry, ...]
+    nbytes: int
+    """Data bytes (aligned); the trailer follows."""
+
+    def describe(self, index: int) -> str:
+        names = [e.name for e in self.entries]
+        shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        return f"bucket {index} ({len(names)} tensor(s): {shown})"
+
+    def views(self, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's tensors as views of ``buf``: no copy."""
+        import torch
+
+        out = []
+        for e in self.entries:
+            dtype = getattr(torch, e.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"tensor {e.name!r} arrived with dtype {e.dtype!r}, which is not a torch dtype")
+            out.append((e.name, buf[e.offset : e.offset + e.nbytes].view(dtype).view(e.shape)))
+        return out
+
+
+@dataclass
+class Plan:
+    """The sender's plan of one sync: its buckets and, for each, the trainer's (checked) tensors."""
+
+    version: int
+    checksum: bool
+    buckets: list[Bucket]
+    tensors: list[list[tuple[str, torch.Tensor]]]
+    validator: WeightValidator | None = None
+
+    @property
+    def buffer_bytes(self) -> int:
+        return max((b.nbytes for b in self.buckets), default=0) + TRAILER
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(b.entries) for b in self.buckets)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(e.nbytes for b in self.buckets for e in b.entries)
+
+    def metadata(self, **extra: Any) -> bytes:
+        record = {
+            "version": self.version,
+            "checksum": self.checksum,
+            "buffer_bytes": self.buffer_bytes,
+            "buckets": [
+                {
+                    "nbytes": b.nbytes,
+                    "entries": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in b.entries],
+                }
+                for b in self.buckets
+            ],
+            **extra,
+        }
+        return json.dumps(record).encode()
+
+    @staticmethod
+    def parse(data: bytes) -> dict[str, Any]:
+        record: dict[str, Any] = json.loads(data.decode())
+        if "buckets" in record:
+            record["buckets"] = [
+                Bucket(
+                    tuple(Entry(n, d, tuple(s), int(o), int(nb)) for n, d, s, o, nb in b["entries"]),
+                    int(b["nbytes"]),
+                )
+                for b in record["buckets"]
+            ]
+        return record
+
+
+def plan(named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, bucket_bytes: int, checksum: bool) -> Plan:
+    """Check the trainer's stream and lay it out in buckets, reading no tensor data.
+
+    The stream's pairs are pulled first (references only; DTensors are gathered later, one bucket at a time),
+    because the receivers get the whole layout before the first bucket. The checks are ``load_weights``'
+    own (``genengine.weights``: kinds with data, floating dtypes, no name twice) against the stream itself,
+    so a bad tensor is refused before anything is sent.
+    """
+    import torch
+
+    if isinstance(named_tensors, dict):
+        named_tensors = named_tensors.items()
+    pulled = list(named_tensors)
+    spec: dict[str, WeightInfo] = {}
+    for item in pulled:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            tensor = item[1]
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else ()
+            spec.setdefault(item[0], WeightInfo(shape, str(getattr(tensor, "dtype", ""))))
+    validator = WeightValidator(spec)
+    groups = list(
+        iter_buckets(
+            pulled, validator, bucket_bytes, validate_all_first=True, cost=lambda t: _aligned(tensor_nbytes(t))
+        )
+    )
+    buckets = []
+    for group in groups:
+        entries, offset = [], 0
+        for name, tensor in group:
+            nbytes = tensor_nbytes(tensor)
+            entries.append(Entry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
+            offset += _aligned(nbytes)
+        buckets.append(Bucket(tuple(entries), offset))
+    return Plan(version, checksum, buckets, groups, validator)
+
+
+def corrupt_bucket() -> int | None:
+    raw = os.environ.get(CORRUPT_ENV, "").strip()
+    return int(raw) if raw.lstrip("-").isdigit() else None
+
+
+def pack(plan_: Plan, index: int, buf: torch.Tensor) -> None:
+    """Bucket ``index``'s tensors into ``buf`` (on ``buf``'s device, the current stream), then its trailer."""
+    import torch
+
+    bucket = plan_.buckets[index]
+    assert plan_.validator is not None  # internal invariant
+    with torch.no_grad():
+        ready = plan_.validator.prepare(plan_.tensors[index])  # DTensors gathered, views made contiguous
+        for (_, tensor), entry in zip(ready, bucket.entries, strict=True):
+            if entry.nbytes:
+                src = tensor.reshape(-1).view(torch.uint8)
+                buf[entry.offset : entry.offset + entry.nbytes].copy_(src, non_blocking=True)
+        trailer = buf[bucket.nbytes : bucket.nbytes + TRAILER].view(torch.int64)
+        if plan_.checksum:
+            trailer[0:1].copy_(checksum_of(buf, bucket.nbytes).reshape(1))
+        else:
+            trailer[0] = 0
+        trailer[1] = FLAG_OK
+        if corrupt_bucket() == index and bucket.nbytes:
+            buf[0:1].bitwise_xor_(0x5A)
+
+
+def mark_aborted(buf: torch.Tensor, bucket: Bucket | None) -> None:
+    import torch
+
+    end = bucket.nbytes if bucket is not None else 0
+    buf[end : end + TRAILER].view(torch.int64)[1] = FLAG_ABORT
+
+
+def checksum_of(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The sum of ``buf[:nbytes]`` as int32 words, in int64: a 0-d tensor on ``buf``'s device (no sync)."""
+    import torch
+
+    return buf[:nbytes].view(torch.int32).sum(dtype=torch.int64)
+
+
+def read_trailer(buf: torch.Tensor, bucket: Bucket) -> tuple[int, int]:
+    """(flag, sender's checksum) of a received bucket (one device sync on CUDA)."""
+    import torch
+
+    words = buf[bucket.nbytes : bucket.nbytes + TRAILER].view(torch.int64).tolist()
+    return int(words[1]), int(words[0])

@@ -1,0 +1,325 @@
+"""Broadcast transports: rank 0 broadcasts each bucket to every replica over gloo (CPU) or NCCL (GPU).
+
+One code path for both: the metadata goes over the gloo control group, the buckets over the data group
+(the same gloo group, or NCCL), so the CPU tests of "gloo" cover the logic that "nccl" runs on GPUs.
+
+Double-buffered on both sides: the sender packs bucket k+1 into one buffer while bucket k is in flight
+from the other (on CUDA on a side stream, so the copies overlap NCCL's); a receiver has bucket k+1 in
+flight into one buffer while it loads bucket k from the other into its engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from genengine.errors import InvalidArgumentError
+from genengine.transport import _layout as layout
+from genengine.transport._group import Group
+from genengine.transport.errors import ChecksumError, TransportError
+from genengine.transport.spec import SyncReport, TransportSpec
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import Work
+
+    from genengine.protocol import GenerationEngine
+
+__all__ = ["GlooTransport", "NcclTransport", "check_rank", "check_version"]
+
+# A receiver's status after a sync: (code, bucket, sync number).
+STATUS_WIDTH = 3
+OK, CHECKSUM, LOAD_FAILED, ABORTED = 0, 1, 2, 3
+_CODES = {CHECKSUM: "checksum mismatch", LOAD_FAILED: "its engine's load_weights failed", ABORTED: "saw the abort"}
+
+
+def check_version(version: object) -> int:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise InvalidArgumentError(f"version={version!r} must be an integer >= 0")
+    return version
+
+
+def check_rank(spec: TransportSpec, rank: object) -> int:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank < spec.world_size:
+        raise InvalidArgumentError(
+            f"receiver rank={rank!r} must be an integer in 1..{spec.world_size - 1} (rank 0 is the sender; "
+            f"world_size={spec.world_size})"
+        )
+    return rank
+
+
+def check_spec(spec: TransportSpec, name: str, device: str) -> None:
+    """Before any port or process group: the spec is for this transport, on its device, and CUDA is there."""
+    if not isinstance(spec, TransportSpec):
+        raise InvalidArgumentError(f"spec={spec!r} is not a genengine.transport.TransportSpec")
+    if spec.transport != name:
+        raise InvalidArgumentError(f"the {name!r} transport got a spec for transport={spec.transport!r}")
+    if spec.device != device:
+        raise InvalidArgumentError(f"transport {name!r} moves {device} tensors; the spec has device={spec.device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise TransportError(f"transport {name!r} needs a CUDA device; torch sees none")
+
+
+def load_bucket(engine: GenerationEngine, tensors: list[tuple[str, torch.Tensor]], version: int | None) -> None:
+    """``engine.load_weights(tensors)``, labelled ``version`` (the sync's last bucket) where the engine takes
+    versions (``EngineBase`` does; the protocol's ``load_weights`` need not)."""
+    load: Any = engine.load_weights
+    if version is not None and _takes_version(load):
+        load(tensors, version=version)
+    else:
+        load(tensors)
+
+
+def _takes_version(load: Any) -> bool:
+    import inspect
+
+    try:
+        params = inspect.signature(load).parameters
+    except (TypeError, ValueError):
+        return False
+    return "version" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def device_of(spec: TransportSpec) -> torch.device:
+    import torch
+
+    if spec.device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _Buffers:
+    """Two reusable flat byte buffers on one device, grown when a sync needs more."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._bufs: list[torch.Tensor] = []
+
+    def get(self, nbytes: int) -> list[torch.Tensor]:
+        import torch
+
+        if not self._bufs or self._bufs[0].numel() < nbytes:
+            self._bufs = []  # free the old pair first
+            self._bufs = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        return self._bufs
+
+    def clear(self) -> None:
+        self._bufs = []
+
+
+def side_stream(device: torch.device) -> Any:
+    """A CUDA stream that has waited for the current one (the trainer's writes), or None on CPU."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
+
+
+@contextlib.contextmanager
+def on_stream(stream: Any) -> Iterator[None]:
+    import torch
+
+    if stream is None:
+        yield
+    else:
+        with torch.cuda.stream(stream):
+            yield
+
+
+def plan_or_refuse(
+    group: Group, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, seq: int
+) -> layout.Plan:
+    """The sync's plan; a stream the checks refuse is refused on every rank (receivers raise at once)."""
+    spec = group.spec
+    try:
+        return layout.plan(named_tensors, version=version, bucket_bytes=spec.bucket_bytes, checksum=spec.checksum)
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        group.broadcast_bytes(json.dumps({"error": reason, "seq": seq}).encode(), "refusing the sync")
+        raise
+
+
+def raise_for_status(group: Group, plan: layout.Plan, statuses: dict[int, list[int]], seq: int) -> None:
+    problems = []
+    for rank, (code, bucket, their_seq) in sorted(statuses.items()):
+        if their_seq != seq:
+            problems.append(f"rank {rank} answered for sync {their_seq}, not this one ({seq}): out of step")
+        elif code != OK:
+            where = plan.buckets[bucket].describe(bucket) if 0 <= bucket < len(plan.buckets) else f"bucket {bucket}"
+            problems.append(f"rank {rank}: {_CODES.get(code, f'status {code}')} at {where}")
+    if problems:
+        raise TransportError(
+            f"{group.describe(f'sync of version {plan.version}')}: not every replica loaded it; "
+            + "; ".join(problems)
+            + " (each replica's own error says more); the weights of those replicas are a mix: sync again"
+        )
+
+
+class BroadcastSender:
+    """Rank 0's end of a broadcast group."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self._device = device_of(group.spec)
+        self._buffers = _Buffers(self._device)
+        self._seq = 0
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> SyncReport:
+        g = self.group
+        g.check_usable()
+        check_version(version)
+        start = time.perf_counter()
+        self._seq += 1
+        plan = plan_or_refuse(g, named_tensors, version, self._seq)
+        receivers = list(range(1, g.spec.world_size))
+        g.broadcast_bytes(plan.metadata(seq=self._seq), "sending the sync's metadata")
+        bufs = self._buffers.get(plan.buffer_bytes)
+        stream = side_stream(self._device)
+        pending: deque[tuple[int, Work]] = deque()
+        error: BaseException | None = None
+        for k, bucket in enumerate(plan.buckets):
+            if len(pending) == 2:  # the buffer about to be packed is still in flight
+                done, work = pending.popleft()
+                g.wait(work, f"broadcasting {plan.buckets[done].describe(done)}", receivers)
+            buf = bufs[k % 2][: bucket.nbytes + layout.TRAILER]
+            with on_stream(stream):
+                try:
+                    layout.pack(plan, k, buf)
+                except Exception as exc:  # e.g. a DTensor gather failing: stop every rank here, in step
+                    error = exc
+                    layout.mark_aborted(buf, bucket)
+                pending.append((k, g.broadcast(buf, data=True)))
+            if error is not None:
+                break
+        while pending:
+            done, work = pending.popleft()
+            g.wait(work, f"broadcasting {plan.buckets[done].describe(done)}", receivers)
+        if stream is not None:
+            stream.synchronize()
+        statuses = g.gather_status(STATUS_WIDTH, "waiting for every replica to load the sync")
+        if error is not None:
+            raise error
+        raise_for_status(g, plan, statuses, self._seq)
+        return SyncReport(version, plan.num_tensors, plan.num_bytes, len(plan.buckets), time.perf_counter() - start)
+
+    def close(self) -> None:
+        self._buffers.clear()
+        self.group.close()
+
+
+class BroadcastReceiver:
+    """A replica's end of a broadcast group."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self._buffers = _Buffers(device_of(group.spec))
+
+    def receive(self, engine: GenerationEngine) -> SyncReport:
+        g = self.group
+        g.check_usable()
+        start = time.perf_counter()
+        meta = layout.Plan.parse(g.broadcast_bytes(None, "waiting for the sync's metadata"))
+        if "error" in meta:
+            raise TransportError(f"{g.describe('receive')}: the sender refused this sync: {meta['error']}")
+        version: int = meta["version"]
+        buckets: list[layout.Bucket] = meta["buckets"]
+        bufs = self._buffers.get(int(meta["buffer_bytes"]))
+        slices = [bufs[k % 2][: b.nbytes + layout.TRAILER] for k, b in enumerate(buckets)]
+        works: dict[int, Work] = {}
+        if buckets:
+            works[0] = g.broadcast(slices[0], data=True)
+        failure: tuple[int, int, BaseException] | None = None
+        tensors = nbytes = loaded = 0
+        for k, bucket in enumerate(buckets):
+            g.wait(works.pop(k), f"receiving {bucket.describe(k)} of {len(buckets)}", [0])
+            flag, expected = layout.read_trailer(slices[k], bucket)
+            if flag == layout.FLAG_ABORT:
+                why = TransportError(
+                    f"{g.describe('receive')}: the sender aborted the sync of version {version} at "
+                    f"{bucket.describe(k)} (its error is raised on the trainer); {loaded} earlier bucket(s) were "
+                    "loaded, so the weights are a mix: sync again"
+                )
+                failure = failure or (ABORTED, k, why)
+                break
+            if k + 1 < len(buckets):
+                works[k + 1] = g.broadcast(slices[k + 1], data=True)  # in flight while bucket k loads
+            if failure is not None:
+                continue  # drain the sync, in step with the sender, but load nothing more
+            if meta["checksum"]:
+                actual = int(layout.checksum_of(slices[k], bucket.nbytes).item())
+                if actual != expected:
+                    failure = (CHECKSUM, k, ChecksumError(self._checksum_message(bucket, k, version, loaded)))
+                    continue
+            try:
+                last = k == len(buckets) - 1
+                load_bucket(engine, bucket.views(slices[k]), version if last else None)
+            except Exception as exc:
+                failure = (LOAD_FAILED, k, exc)
+                continue
+            loaded += 1
+            tensors += len(bucket.entries)
+            nbytes += sum(e.nbytes for e in bucket.entries)
+        if not buckets:
+            try:
+                load_bucket(engine, [], version)
+            except Exception as exc:
+                failure = (LOAD_FAILED, 0, exc)
+        code, at = (failure[0], failure[1]) if failure else (OK, -1)
+        g.send_status([code, at, int(meta["seq"])], "reporting the sync's outcome to the sender")
+        if failure is not None:
+            raise failure[2]
+        return SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
+
+    def _checksum_message(self, bucket: layout.Bucket, k: int, version: int, loaded: int) -> str:
+        return (
+            f"{self.group.describe('receive')}: {bucket.describe(k)} of the sync of version {version} arrived "
+            f"corrupted (its checksum differs from the sender's); nothing of it was loaded, nor of any later "
+            f"bucket. {loaded} earlier bucket(s) were loaded, so the weights are a mix: sync again"
+        )
+
+    def close(self) -> None:
+        self._buffers.clear()
+        self.group.close()
+
+
+class _BroadcastTransport:
+    name: str
+    device: str
+    nccl: bool
+
+    def sender(self, spec: TransportSpec) -> BroadcastSender:
+        check_spec(spec, self.name, self.device)
+        return BroadcastSender(Group(spec, 0, nccl=self.nccl))
+
+    def receiver(self, spec: TransportSpec, rank: int) -> BroadcastReceiver:
+        check_spec(spec, self.name, self.device)
+        return BroadcastReceiver(Group(spec, check_rank(spec, rank), nccl=self.nccl))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class GlooTransport(_BroadcastTransport):
+    """CPU tensors over gloo: trainers and replicas without GPUs, and the CPU tests of the protocol."""
+
+    name = "gloo"
+    device = "cpu"
+    nccl = False
+
+
+class NcclTransport(_BroadcastTransport):
+    """CUDA tensors broadcast over NCCL from the trainer's GPU to each replica's (distinct) GPU."""
+
+    name = "nccl"
+    device = "cuda"
+    nccl = True

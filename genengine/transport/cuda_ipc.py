@@ -1,0 +1,242 @@
+"""CUDA IPC: the trainer and its replicas on one GPU share the sender's bucket buffers, nothing is copied twice.
+
+The sender packs each bucket into one of two CUDA buffers whose IPC handles went out once with the
+sync's metadata (over the gloo control group, keyed by the GPU's UUID so that a receiver with another
+``CUDA_VISIBLE_DEVICES`` finds the same GPU); then it tells the receivers "bucket k is ready". Each
+receiver verifies and loads bucket k straight from the shared buffer, waits for its engine's copies, and
+acknowledges; the sender reuses a buffer only once every receiver acknowledged the bucket in it (slime's
+rule: never overwrite a buffer the engine may still be reading), packing bucket k+1 in the other buffer
+meanwhile. The same bucket layout, checksum and abort flag as the broadcast transports.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from genengine.transport import _layout as layout
+from genengine.transport._group import Group
+from genengine.transport.broadcast import (
+    ABORTED,
+    CHECKSUM,
+    LOAD_FAILED,
+    OK,
+    STATUS_WIDTH,
+    _Buffers,
+    check_rank,
+    check_spec,
+    check_version,
+    device_of,
+    load_bucket,
+    plan_or_refuse,
+    raise_for_status,
+    side_stream,
+)
+from genengine.transport.errors import ChecksumError, TransportError
+from genengine.transport.spec import SyncReport, TransportSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from genengine.protocol import GenerationEngine
+
+__all__ = ["CudaIpcTransport"]
+
+
+def _uuid(index: int) -> str:
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _share(bufs: list[torch.Tensor]) -> str:
+    """The buffers' IPC handles and their GPU's UUID, as text for the JSON metadata."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    args = [reduce_tensor(b)[1] for b in bufs]
+    return base64.b64encode(pickle.dumps((_uuid(bufs[0].device.index), args))).decode()
+
+
+def _open(shared: str, group: Group) -> list[torch.Tensor]:
+    """The sender's buffers in this process, on the local index of the sender's GPU."""
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    uuid, args = pickle.loads(base64.b64decode(shared))  # from our own sender, over the group's channel
+    local = [i for i in range(torch.cuda.device_count()) if _uuid(i) == uuid]
+    if not local:
+        seen = [_uuid(i) for i in range(torch.cuda.device_count())]
+        raise TransportError(
+            f"{group.describe('opening the shared buffers')}: cuda_ipc needs the sender and the replica on one "
+            f"GPU; the sender's GPU {uuid} is not visible here (visible: {seen}); use the nccl transport"
+        )
+    out = []
+    for a in args:
+        a = list(a)
+        a[6] = local[0]  # storage_device
+        out.append(rebuild_cuda_tensor(*a))
+    return out
+
+
+class CudaIpcSender:
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self._device = device_of(group.spec)
+        self._buffers = _Buffers(self._device)
+        self._seq = 0
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> SyncReport:
+        import torch
+
+        g = self.group
+        g.check_usable()
+        check_version(version)
+        start = time.perf_counter()
+        self._seq += 1
+        plan = plan_or_refuse(g, named_tensors, version, self._seq)
+        bufs = self._buffers.get(plan.buffer_bytes)
+        g.broadcast_bytes(plan.metadata(seq=self._seq, shared=_share(bufs)), "sending the sync's metadata")
+        stream = side_stream(self._device)
+        unacked: deque[int] = deque()
+        statuses: dict[int, list[int]] = {}
+        error: BaseException | None = None
+
+        def collect() -> None:
+            k = unacked.popleft()
+            got = g.gather_status(STATUS_WIDTH, f"waiting for every replica to load {plan.buckets[k].describe(k)}")
+            for rank, row in got.items():
+                if rank not in statuses or (statuses[rank][0] == OK and row[0] != OK):
+                    statuses[rank] = row  # a replica's first failure is the one to report
+
+        for k, bucket in enumerate(plan.buckets):
+            if len(unacked) == 2:
+                collect()  # bucket k-2's buffer is free once every replica has read it
+            buf = bufs[k % 2][: bucket.nbytes + layout.TRAILER]
+            assert stream is not None
+            with torch.cuda.stream(stream):
+                try:
+                    layout.pack(plan, k, buf)
+                except Exception as exc:
+                    error = exc
+                    layout.mark_aborted(buf, bucket)
+            stream.synchronize()  # the receivers read through IPC, with no stream ordering against ours
+            notice = torch.tensor([k], dtype=torch.int64)
+            g.wait(g.broadcast(notice, data=False), f"announcing {bucket.describe(k)}", range(1, g.spec.world_size))
+            unacked.append(k)
+            if error is not None:
+                break
+        while unacked:
+            collect()
+        if not plan.buckets:
+            statuses = g.gather_status(STATUS_WIDTH, "waiting for every replica to take the sync")
+        if error is not None:
+            raise error
+        raise_for_status(g, plan, statuses, self._seq)
+        return SyncReport(version, plan.num_tensors, plan.num_bytes, len(plan.buckets), time.perf_counter() - start)
+
+    def close(self) -> None:
+        import torch
+
+        self._buffers.clear()
+        self.group.close()
+        torch.cuda.ipc_collect()  # our buffers' memory, once the receivers dropped their handles
+
+
+class CudaIpcReceiver:
+    def __init__(self, group: Group) -> None:
+        self.group = group
+
+    def receive(self, engine: GenerationEngine) -> SyncReport:
+        import torch
+
+        g = self.group
+        g.check_usable()
+        start = time.perf_counter()
+        meta = layout.Plan.parse(g.broadcast_bytes(None, "waiting for the sync's metadata"))
+        if "error" in meta:
+            raise TransportError(f"{g.describe('receive')}: the sender refused this sync: {meta['error']}")
+        version: int = meta["version"]
+        seq = int(meta["seq"])
+        buckets: list[layout.Bucket] = meta["buckets"]
+        shared: list[Any] = _open(meta["shared"], g) if buckets else []
+        failure: tuple[int, int, BaseException] | None = None
+        tensors = nbytes = loaded = 0
+        try:
+            for k, bucket in enumerate(buckets):
+                notice = torch.zeros(1, dtype=torch.int64)
+                g.wait(g.broadcast(notice, data=False), f"waiting for {bucket.describe(k)}", [0])
+                buf = shared[k % 2][: bucket.nbytes + layout.TRAILER]
+                flag, expected = layout.read_trailer(buf, bucket)
+                if flag == layout.FLAG_ABORT:
+                    why = TransportError(
+                        f"{g.describe('receive')}: the sender aborted the sync of version {version} at "
+                        f"{bucket.describe(k)} (its error is raised on the trainer); {loaded} earlier bucket(s) "
+                        "were loaded, so the weights are a mix: sync again"
+                    )
+                    failure = failure or (ABORTED, k, why)
+                    g.send_status([ABORTED, k, seq], "acknowledging the abort")
+                    break
+                if (
+                    failure is None
+                    and meta["checksum"]
+                    and int(layout.checksum_of(buf, bucket.nbytes).item()) != expected
+                ):
+                    failure = (
+                        CHECKSUM,
+                        k,
+                        ChecksumError(
+                            f"{g.describe('receive')}: {bucket.describe(k)} of the sync of version {version} "
+                            "arrived corrupted (its checksum differs from the sender's); nothing of it was "
+                            f"loaded, nor of any later bucket. {loaded} earlier bucket(s) were loaded, so the "
+                            "weights are a mix: sync again"
+                        ),
+                    )
+                if failure is None:
+                    try:
+                        last = k == len(buckets) - 1
+                        load_bucket(engine, bucket.views(buf), version if last else None)
+                        torch.cuda.synchronize()  # the engine's copies have read the buffer before we ack
+                        loaded += 1
+                        tensors += len(bucket.entries)
+                        nbytes += sum(e.nbytes for e in bucket.entries)
+                    except Exception as exc:
+                        failure = (LOAD_FAILED, k, exc)
+                code, at = (failure[0], failure[1]) if failure else (OK, k)
+                g.send_status([code, at, seq], f"acknowledging {bucket.describe(k)}")
+            if not buckets:
+                try:
+                    load_bucket(engine, [], version)
+                except Exception as exc:
+                    failure = (LOAD_FAILED, 0, exc)
+                code, at = (failure[0], failure[1]) if failure else (OK, -1)
+                g.send_status([code, at, seq], "acknowledging the sync")
+        finally:
+            del shared  # drop our references to the sender's memory
+        if failure is not None:
+            raise failure[2]
+        return SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class CudaIpcTransport:
+    """The trainer and its replicas on one GPU (colocated): buckets shared through CUDA IPC handles."""
+
+    name = "cuda_ipc"
+    device = "cuda"
+
+    def sender(self, spec: TransportSpec) -> CudaIpcSender:
+        check_spec(spec, self.name, self.device)
+        return CudaIpcSender(Group(spec, 0))
+
+    def receiver(self, spec: TransportSpec, rank: int) -> CudaIpcReceiver:
+        check_spec(spec, self.name, self.device)
+        return CudaIpcReceiver(Group(spec, check_rank(spec, rank)))
+
+    def __repr__(self) -> str:
+        return "CudaIpcTransport()"

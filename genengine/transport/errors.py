@@ -1,0 +1,45 @@
+"""The errors of weight transports, under :class:`genengine.errors.GenEngineError`.
+
+The field's top complaint about weight syncs is the one that hangs with no error (TRL #6796/#6797):
+every wait of a transport has a deadline, and the error says which group, which rank(s) and which
+timeout, so that the job log names who did not arrive.
+"""
+
+from __future__ import annotations
+
+from genengine.errors import GenEngineError
+
+__all__ = [
+    "ChecksumError",
+    "DuplicateTransportError",
+    "TransportError",
+    "TransportNotFoundError",
+    "TransportTimeoutError",
+]
+
+
+class TransportError(GenEngineError, RuntimeError):
+    """A weight sync failed: bad spec, a peer failed, or the group is broken after an earlier failure."""
+
+
+class TransportTimeoutError(TransportError, TimeoutError):
+    """A peer did not arrive in time, or went away (died) while the others waited for it.
+
+    The message names the group, the rank(s) waited for and the timeout. The group is out of step
+    afterwards: close it and form a new one (a new ``group_name``).
+    """
+
+
+class ChecksumError(TransportError):
+    """A bucket arrived with a checksum other than the sender's: nothing of it was loaded.
+
+    The message names the bucket and its tensors.
+    """
+
+
+class TransportNotFoundError(TransportError, LookupError):
+    """No transport of that name is registered."""
+
+
+class DuplicateTransportError(TransportError):
+    """Two plugins registered the same transport name."""

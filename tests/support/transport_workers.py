@@ -1,0 +1,362 @@
+"""Long-lived spawned processes that play replicas (or a trainer) of weight-sync groups, and what they share
+with the test process (which plays the trainer and the reference).
+
+Spawning a process and importing torch and transformers costs seconds on a 2-core machine, so the
+workers start once per test module; each job joins a fresh group (a new port and group name), runs one
+scenario, closes the group. Every process holds a real embedded engine (``create_engine(backend=
+"transformers")`` on the project's tiny model, built once by the test process).
+Results (or the exception's type, message and base classes) come back through
+a queue; a worker that died is reported as such and restarted on the next job. ``__main__``-safe: nothing
+runs at import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from genengine.transport._layout import CORRUPT_ENV
+
+__all__ = ["CORRUPT_ENV", "Pool", "Result", "configure", "engine", "free_port", "observe", "send_one", "trainer_stream"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Result:
+    index: int
+    status: str  # "ok", "err" or "died"
+    value: Any = None
+    error_type: str = ""
+    message: str = ""
+    mro: list[str] = field(default_factory=list)
+    elapsed: float = 0.0
+
+    def raised(self, name: str) -> bool:
+        return self.status == "err" and name in self.mro
+
+
+# ---- shared by the workers and the test process ------------------------------------------------------------
+_STATE: dict[str, Any] = {}
+
+
+def configure(model_dir: str, device: str = "cpu") -> None:
+    """Where the tiny model is (built once, by the test process) and where this process's engine and
+    trainer tensors live (``cuda:N`` becomes the current CUDA device: NCCL needs a GPU per rank)."""
+    _STATE["model"] = model_dir
+    _STATE["device"] = device
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))
+
+
+def engine() -> Any:
+    """This process's embedded engine on the tiny model (created once), fp32 so that bf16 and fp32 arrive
+    bit for bit."""
+    import genengine
+
+    if "engine" not in _STATE:
+        _STATE["engine"] = genengine.create_engine(
+            backend="transformers", model=_STATE["model"], dtype="float32", device=_STATE["device"]
+        )
+    return _STATE["engine"]
+
+
+def checkpoint(which: str) -> dict[str, Any]:
+    """Weights "A" (the tiny model's own) or "B" (A plus seeded noise per tensor: other outputs, no second build)."""
+    import zlib
+
+    import torch
+
+    from genengine.testing.conformance import load_checkpoint
+
+    key = f"ckpt_{which}"
+    if key not in _STATE:
+        a = load_checkpoint(_STATE["model"])
+        if which == "A":
+            _STATE[key] = a
+        else:
+            b = {}
+            for name, t in sorted(a.items()):
+                g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+                b[name] = (t.float() + 0.05 * torch.randn(t.shape, generator=g)).to(t.dtype)
+            _STATE[key] = b
+    return _STATE[key]  # type: ignore[no-any-return]
+
+
+def trainer_stream(which: str) -> list[tuple[str, Any]]:
+    """What a trainer hands over, built from checkpoint ``which`` on this process's device: bf16 tensors as
+    stored, fp32 copies, transposed (non-contiguous) views and views at an odd offset into a larger storage."""
+    import torch
+
+    device = torch.device(_STATE["device"])
+    out: list[tuple[str, Any]] = []
+    for i, (name, stored) in enumerate(sorted(checkpoint(which).items())):
+        tensor = stored.to(device)
+        kind = i % 4
+        if kind == 1:
+            tensor = tensor.float()
+        elif kind == 2 and tensor.dim() == 2:
+            tensor = tensor.t().contiguous().t()  # same values, column-major: not contiguous
+            assert not tensor.is_contiguous()
+        elif kind == 3:
+            big = torch.empty(tensor.numel() + 7, dtype=tensor.dtype, device=device)
+            big[7:].copy_(tensor.reshape(-1))
+            tensor = big[7:].view(tensor.shape)  # a view at an odd element offset of a larger storage
+        out.append((name, tensor))
+    return out
+
+
+def observe(engine: Any) -> dict[str, Any]:
+    """What a replica's engine now holds: greedy outputs (tokens and logprobs), weight version, weight digests."""
+    from genengine.testing.conformance import GREEDY, PROMPTS
+
+    results = engine.generate(PROMPTS, GREEDY)
+    outputs = [[o.token_ids, o.logprobs, o.weight_versions] for r in results for o in r.outputs]
+    # The embedded engine's own parameters (test-only access): bit-exact evidence, beyond equal outputs.
+    digests = {
+        n: hashlib.sha256(p.detach().cpu().contiguous().view(-1).numpy().tobytes()).hexdigest()[:16]
+        for n, p in engine._params.items()
+    }
+    return {"outputs": outputs, "version": engine.weight_version, "digests": digests}
+
+
+def _bomb(tensor: Any) -> Any:
+    """``tensor`` as a subclass whose gather kills the trainer's process (a trainer dying mid-sync)."""
+    import torch
+
+    class Bomb(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.Tensor.detach:
+                os._exit(17)  # packing this tensor: the sender dies with buckets still to send
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    return tensor.as_subclass(Bomb)
+
+
+def _error_row(exc: BaseException) -> dict[str, Any]:
+    return {"error": type(exc).__name__, "message": str(exc), "mro": [c.__name__ for c in type(exc).__mro__]}
+
+
+def warm() -> float:
+    """Import, build the engine and make both checkpoints now, so that later timings are the transport's."""
+    start = time.monotonic()
+    trainer_stream("A"), trainer_stream("B")
+    observe(engine())
+    import genengine.transport.broadcast  # noqa: F401
+
+    return time.monotonic() - start
+
+
+def reference(which: str) -> dict[str, Any]:
+    """This process's engine loaded directly (``load_weights``) with the trainer's stream ``which``."""
+    engine().load_weights(trainer_stream(which), version=0)
+    return observe(engine())
+
+
+class _DiesInLoad:
+    """A real engine whose process dies inside the ``n``-th ``load_weights`` (a replica dying mid-sync)."""
+
+    def __init__(self, inner: Any, n: int) -> None:
+        self._inner, self._n = inner, n
+
+    def load_weights(self, *args: Any, **kwargs: Any) -> Any:
+        self._n -= 1
+        if self._n <= 0:
+            os._exit(18)
+        return self._inner.load_weights(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def send_one(sender: Any, sync: dict[str, Any]) -> dict[str, Any]:
+    """One sync on rank 0: ``weights`` ("A"/"B"), ``version``, and optionally ``corrupt`` (flip a byte of that
+    bucket after its checksum), ``bad`` (a stream the checks refuse), ``bomb`` (die packing that tensor index)."""
+    import torch
+
+    stream = trainer_stream(sync["weights"])
+    if sync.get("bad"):
+        stream[3] = (stream[3][0], torch.zeros(stream[3][1].shape, dtype=torch.int32))
+    if sync.get("bomb") is not None:
+        name, tensor = stream[sync["bomb"]]
+        stream[sync["bomb"]] = (name, _bomb(tensor))
+    if sync.get("corrupt") is not None:
+        os.environ[CORRUPT_ENV] = str(sync["corrupt"])
+    try:
+        r = sender.send(stream, version=sync["version"])
+        return {"report": [r.version, r.num_tensors, r.num_bytes, r.num_buckets]}
+    except Exception as exc:
+        return _error_row(exc)
+    finally:
+        os.environ.pop(CORRUPT_ENV, None)
+
+
+def scenario_send(spec: dict[str, Any], syncs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank 0 in a worker: form the group, run ``syncs`` (see :func:`send_one`) in order, close."""
+    from genengine.transport import TransportSpec, get_transport
+
+    sender = get_transport(spec["transport"]).sender(TransportSpec(**spec))
+    try:
+        return [send_one(sender, sync) for sync in syncs]
+    finally:
+        sender.close()
+
+
+def scenario_receive(spec: dict[str, Any], rank: int, syncs: int, die_in_load: int | None = None) -> dict[str, Any]:
+    """A replica: start from checkpoint A at version 0, join, receive ``syncs`` syncs (observing the engine
+    after each), close. ``seconds`` of each receive is measured so a timeout's promptness can be asserted.
+    ``die_in_load``: the process dies inside that (1-based) ``load_weights`` call."""
+    from genengine.transport import TransportSpec, get_transport
+
+    real = engine()
+    real.load_weights(trainer_stream("A"), version=0)
+    before = observe(real)
+    target = real if die_in_load is None else _DiesInLoad(real, die_in_load)
+    try:
+        receiver = get_transport(spec["transport"]).receiver(TransportSpec(**spec), rank)
+    except Exception as exc:
+        return {"before": before, "join": _error_row(exc), "syncs": []}
+    rows: list[dict[str, Any]] = []
+    try:
+        for _ in range(syncs):
+            start = time.monotonic()
+            try:
+                r = receiver.receive(target)
+                row: dict[str, Any] = {"report": [r.version, r.num_tensors, r.num_bytes, r.num_buckets]}
+            except Exception as exc:
+                row = _error_row(exc)
+            row["seconds"] = time.monotonic() - start
+            row["after"] = observe(real)
+            rows.append(row)
+            if "error" in row and "TransportTimeoutError" in row["mro"]:
+                break  # the group is broken
+    finally:
+        receiver.close()
+    return {"before": before, "join": None, "syncs": rows}
+
+
+def scenario_join_only(spec: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Form the group on ``rank`` (0: sender) and report how long the join took; nothing is sent."""
+    from genengine.transport import TransportSpec, get_transport
+
+    transport = get_transport(spec["transport"])
+    start = time.monotonic()
+    try:
+        end = transport.sender(TransportSpec(**spec)) if rank == 0 else transport.receiver(TransportSpec(**spec), rank)
+        end.close()
+        return {"seconds": time.monotonic() - start}
+    except Exception as exc:
+        return {**_error_row(exc), "seconds": time.monotonic() - start}
+
+
+SCENARIOS: dict[str, Callable[..., Any]] = {
+    "warm": warm,
+    "send": scenario_send,
+    "receive": scenario_receive,
+    "join_only": scenario_join_only,
+}
+
+
+def _worker(index: int, jobs: Any, results: Any, model_dir: str, device: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # the same arithmetic in every process (the test process too), polite on 2 cores
+    configure(model_dir, device)
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        name, kwargs = job
+        start = time.monotonic()
+        try:
+            value = SCENARIOS[name](**kwargs)
+            results.put(Result(index, "ok", value, elapsed=time.monotonic() - start))
+        except BaseException as exc:
+            results.put(
+                Result(
+                    index,
+                    "err",
+                    None,
+                    type(exc).__name__,
+                    f"{exc}\n{traceback.format_exc()}",
+                    [c.__name__ for c in type(exc).__mro__],
+                    time.monotonic() - start,
+                )
+            )
+
+
+# ---- in the test process -------------------------------------------------------------------------------------
+class Pool:
+    """Spawned workers under the given indices (the ranks they play); ``run`` gives each a job and collects
+    every result (or notes its death)."""
+
+    def __init__(self, indices: list[int], model_dir: str, devices: dict[int, str] | None = None) -> None:
+        self._ctx = mp.get_context("spawn")
+        self._model_dir = model_dir
+        self._devices = devices or {}
+        self._results: Any = self._ctx.Queue()
+        self._workers: dict[int, tuple[Any, Any]] = {i: self._start(i) for i in indices}
+
+    def _start(self, index: int) -> tuple[Any, Any]:
+        jobs = self._ctx.Queue()
+        proc = self._ctx.Process(
+            target=_worker,
+            args=(index, jobs, self._results, self._model_dir, self._devices.get(index, "cpu")),
+            daemon=True,
+        )
+        proc.start()
+        return proc, jobs
+
+    def submit(self, jobs: dict[int, tuple[str, dict[str, Any]]]) -> None:
+        """Hand each worker its job (a dead worker is restarted first); collect the results with :meth:`collect`."""
+        for index in jobs:
+            proc, _ = self._workers[index]
+            if not proc.is_alive():
+                self._workers[index] = self._start(index)
+        for index, job in jobs.items():
+            self._workers[index][1].put(job)
+
+    def collect(self, indices: list[int], *, timeout_s: float = 120.0) -> dict[int, Result]:
+        got: dict[int, Result] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < len(indices):
+            try:
+                result = self._results.get(timeout=0.2)
+                got[result.index] = result
+                continue
+            except queue.Empty:
+                pass
+            for index in indices:
+                if index not in got and not self._workers[index][0].is_alive():
+                    got[index] = Result(index, "died", message=f"exit code {self._workers[index][0].exitcode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"workers {sorted(set(indices) - set(got))} gave no result in {timeout_s} s")
+        return got
+
+    def run(self, jobs: dict[int, tuple[str, dict[str, Any]]], *, timeout_s: float = 120.0) -> dict[int, Result]:
+        self.submit(jobs)
+        return self.collect(list(jobs), timeout_s=timeout_s)
+
+    def close(self) -> None:
+        for proc, jobs in self._workers.values():
+            if proc.is_alive():
+                jobs.put(None)
+        for proc, _ in self._workers.values():
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()

@@ -1,0 +1,349 @@
+"""Weight transports on CPU: real gloo groups between real processes, each replica holding a real engine.
+
+The test process is the trainer (rank 0) and the reference (an engine loaded directly with the same
+tensors); two spawned workers (tests/support/transport_workers.py) are the replicas. The "nccl" transport
+runs the same code with NCCL carrying the buckets, so these tests cover its logic; the GPU runs are in
+tests/gpu/test_transport_gpu.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from support import transport_workers as tw
+
+from genengine import registry
+from genengine.errors import InvalidArgumentError
+from genengine.hookspecs import hookimpl
+from genengine.transport import (
+    DuplicateTransportError,
+    TransportError,
+    TransportNotFoundError,
+    TransportSpec,
+    TransportTimeoutError,
+    available_transports,
+    get_transport,
+    open_receiver,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+BUCKET = 256 << 10  # several buckets out of the tiny model's ~4 MB
+
+
+def _spec(world_size: int = 3, **kw: Any) -> dict[str, Any]:
+    base = {
+        "transport": "gloo",
+        "address": f"127.0.0.1:{tw.free_port()}",
+        "world_size": world_size,
+        "group_name": f"test-{time.monotonic_ns()}",
+        "timeout_s": 10.0,
+        "bucket_bytes": BUCKET,
+        "checksum": True,
+    }
+    return {**base, **kw}
+
+
+def _port_is_free(address: str) -> bool:
+    """Whether a new rendezvous could listen there (as TCPStore does, with SO_REUSEADDR)."""
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError:
+            return False
+    return True
+
+
+# ---- the pool: 2 replica processes, warm before any timing matters -------------------------------------------
+@pytest.fixture(scope="module")
+def pool() -> Iterator[tw.Pool]:
+    import torch
+
+    from genengine.testing.tiny_model import tiny_model_dir
+
+    torch.set_num_threads(1)  # the same arithmetic as the workers'
+    model = str(tiny_model_dir())
+    tw.configure(model)
+    workers = tw.Pool([1, 2], model)  # worker i plays rank i
+    try:
+        workers.submit({1: ("warm", {}), 2: ("warm", {})})
+        tw.warm()
+        got = workers.collect([1, 2], timeout_s=240)
+        assert all(r.status == "ok" for r in got.values()), got
+        yield workers
+    finally:
+        workers.close()
+
+
+@pytest.fixture(scope="module")
+def expected(pool: tw.Pool) -> dict[str, dict[str, Any]]:
+    """What an engine holds after loading each weight set directly (``load_weights``, no transport)."""
+    return {"A": tw.reference("A"), "B": tw.reference("B")}
+
+
+def _error(row: dict[str, Any], name: str) -> str:
+    assert "error" in row and name in row["mro"], row
+    return str(row["message"])
+
+
+# ---- one group, four syncs: a clean one, a refused one, a corrupted one, a clean one again ---------------------
+SYNCS = [
+    {"weights": "B", "version": 5},
+    {"weights": "B", "version": 9, "bad": True},
+    {"weights": "A", "version": 6, "corrupt": 1},
+    {"weights": "A", "version": 7},
+]
+
+
+@pytest.fixture(scope="module")
+def run(pool: tw.Pool, expected: dict[str, Any]) -> dict[str, Any]:
+    from genengine.transport import _layout
+
+    spec = _spec()
+    pool.submit({r: ("receive", {"spec": spec, "rank": r, "syncs": len(SYNCS)}) for r in (1, 2)})
+    sender = get_transport("gloo").sender(TransportSpec(**spec))
+    outcomes: list[Any] = []
+    try:
+        for sync in SYNCS:
+            outcomes.append(tw.send_one(sender, sync))
+    finally:
+        sender.close()
+    got = pool.collect([1, 2])
+    assert all(r.status == "ok" for r in got.values()), got
+    plan = _layout.plan(tw.trainer_stream("A"), version=0, bucket_bytes=BUCKET, checksum=True)
+    return {"sender": outcomes, "replicas": {r: got[r].value for r in (1, 2)}, "plan": plan}
+
+
+def test_a_sync_reaches_every_replica_bit_for_bit(run: dict[str, Any], expected: dict[str, Any]) -> None:
+    report = run["sender"][0]
+    assert report["report"][0] == 5 and report["report"][3] == len(run["plan"].buckets) > 2
+    for rank, replica in run["replicas"].items():
+        assert replica["join"] is None
+        first = replica["syncs"][0]
+        assert first["report"] == report["report"], rank
+        after = first["after"]
+        assert after["version"] == 5
+        # bf16 and fp32, views and non-contiguous tensors: every parameter as a direct load leaves it...
+        assert after["digests"] == expected["B"]["digests"], rank
+        # ...so the engine generates exactly what the directly loaded engine does (tokens and logprobs).
+        assert [o[:2] for o in after["outputs"]] == [o[:2] for o in expected["B"]["outputs"]], rank
+        assert all(o[2] == [[0, 5]] or o[2] == ((0, 5),) for o in after["outputs"]), after["outputs"][0][2]
+        assert after["outputs"] != replica["before"]["outputs"]  # the sync changed something
+
+
+def test_a_refused_stream_fails_every_rank_at_once_and_changes_nothing(run: dict[str, Any]) -> None:
+    message = _error(run["sender"][1], "WeightLoadError")
+    assert "int32" in message
+    for replica in run["replicas"].values():
+        row = replica["syncs"][1]
+        assert "the sender refused this sync" in _error(row, "TransportError") and "int32" in row["message"]
+        assert row["seconds"] < 5  # at once, not after the timeout
+        assert row["after"]["version"] == 5
+        assert row["after"]["digests"] == replica["syncs"][0]["after"]["digests"]
+
+
+def test_a_corrupted_bucket_is_caught_and_nothing_of_it_is_loaded(
+    run: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    plan = run["plan"]
+    corrupted = [e.name for e in plan.buckets[1].entries]
+    clean = [e.name for e in plan.buckets[0].entries]
+    message = _error(run["sender"][2], "TransportError")
+    assert "rank 1: checksum mismatch at bucket 1" in message and "rank 2: checksum mismatch at bucket 1" in message
+    for rank, replica in run["replicas"].items():
+        row = replica["syncs"][2]
+        text = _error(row, "ChecksumError")
+        assert "bucket 1" in text and all(repr(n) in text for n in corrupted), text
+        digests, before = row["after"]["digests"], replica["syncs"][1]["after"]["digests"]
+        assert all(digests[n] == before[n] != expected["A"]["digests"][n] for n in corrupted), rank
+        assert all(digests[n] == expected["A"]["digests"][n] for n in clean), rank  # bucket 0 did land
+        assert row["after"]["version"] == 5  # the version moves only with a whole sync
+
+
+def test_the_group_stays_usable_after_refused_and_corrupted_syncs(
+    run: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    assert run["sender"][3]["report"][0] == 7
+    for replica in run["replicas"].values():
+        after = replica["syncs"][3]["after"]
+        assert after["version"] == 7 and after["digests"] == expected["A"]["digests"]
+        assert [o[:2] for o in after["outputs"]] == [o[:2] for o in expected["A"]["outputs"]]
+
+
+# ---- peers that never come or die ----------------------------------------------------------------------------
+def test_a_receiver_that_never_joins_is_named_by_the_sender(pool: tw.Pool) -> None:
+    spec = _spec(timeout_s=3.0)
+    pool.submit({1: ("join_only", {"spec": spec, "rank": 1})})  # rank 2 never comes
+    start = time.monotonic()
+    with pytest.raises(TransportTimeoutError) as info:
+        get_transport("gloo").sender(TransportSpec(**spec))
+    elapsed = time.monotonic() - start
+    assert 3.0 <= elapsed < 3.0 + 3.0
+    message = str(info.value)
+    assert "rank(s) [2] did not join within 3 s" in message and spec["group_name"] in message
+    joined = pool.collect([1])[1].value
+    assert "TransportTimeoutError" in joined["mro"] and "rank(s) [2] did not join" in joined["message"]
+    assert _port_is_free(spec["address"])  # the rendezvous was released
+
+
+def test_a_receiver_dying_mid_sync_makes_the_sender_raise_naming_it(pool: tw.Pool) -> None:
+    spec = _spec(timeout_s=5.0)
+    pool.submit(
+        {
+            1: ("receive", {"spec": spec, "rank": 1, "syncs": 1}),
+            2: ("receive", {"spec": spec, "rank": 2, "syncs": 1, "die_in_load": 2}),
+        }
+    )
+    sender = get_transport("gloo").sender(TransportSpec(**spec))
+    start = time.monotonic()
+    try:
+        with pytest.raises(TransportTimeoutError) as info:
+            sender.send(tw.trainer_stream("B"), version=3)
+    finally:
+        sender.close()
+    assert time.monotonic() - start < 5.0 + 3.0
+    assert "rank(s) [2] died" in str(info.value), info.value
+    got = pool.collect([1, 2])
+    assert got[2].status == "died"
+    row = got[1].value["syncs"][0]
+    assert "TransportTimeoutError" in row["mro"] and row["seconds"] < 5.0 + 3.0
+    assert row["after"]["version"] == 0
+    with pytest.raises(TransportError, match="is broken"):
+        sender.send([], version=4)
+
+
+def test_a_sender_killed_mid_broadcast_makes_receivers_raise_within_the_timeout(pool: tw.Pool) -> None:
+    timeout = 5.0
+    spec = _spec(world_size=2, timeout_s=timeout)
+    plan_tensors = tw.trainer_stream("A")
+    from genengine.transport import _layout
+
+    plan = _layout.plan(plan_tensors, version=0, bucket_bytes=BUCKET, checksum=True)
+    bomb = [name for name, _ in plan_tensors].index(plan.buckets[3].entries[0].name)  # dies packing bucket 3
+    pool.submit({1: ("send", {"spec": spec, "syncs": [{"weights": "B", "version": 2, "bomb": bomb}]})})
+    tw.engine().load_weights(tw.trainer_stream("A"), version=0)
+    receiver = get_transport("gloo").receiver(TransportSpec(**spec), 1)
+    start = time.monotonic()
+    try:
+        with pytest.raises(TransportTimeoutError) as info:
+            receiver.receive(tw.engine())
+    finally:
+        receiver.close()
+    assert time.monotonic() - start < timeout + 2.0
+    message = str(info.value)
+    assert "rank(s) [0] died" in message and spec["group_name"] in message and "receiving bucket" in message
+    assert pool.collect([1])[1].status == "died"
+    assert tw.engine().weight_version == 0  # the version moves only with a whole sync
+
+
+# ---- refused before anything is taken -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"world_size": 1}, "world_size=1 must be >= 2"),
+        ({"world_size": 2.0}, "world_size=2.0 must be a positive integer"),
+        ({"address": "localhost"}, "address='localhost'"),
+        ({"address": "localhost:0"}, "address='localhost:0'"),
+        ({"address": "localhost:70000"}, "address='localhost:70000'"),
+        ({"address": "local host:29600"}, "address='local host:29600'"),
+        ({"timeout_s": 0}, "timeout_s=0"),
+        ({"timeout_s": float("inf")}, "timeout_s=inf"),
+        ({"bucket_bytes": 0}, "bucket_bytes=0"),
+        ({"checksum": 1}, "checksum=1"),
+        ({"device": "cuda:1"}, "device='cuda:1'"),
+        ({"group_name": ""}, "group_name=''"),
+    ],
+)
+def test_bad_specs_are_refused_when_built(fields: dict[str, Any], match: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=match.replace("(", r"\(").replace(")", r"\)")):
+        TransportSpec(**{**_spec(checksum=False), **fields})
+
+
+def test_unknown_transport_and_wrong_rank_or_device_take_no_port() -> None:
+    spec = TransportSpec(**_spec())
+    with pytest.raises(TransportNotFoundError, match=r"unknown weight transport 'glo' \(did you mean 'gloo'\?\).*gloo"):
+        get_transport("glo")
+    with pytest.raises(TransportNotFoundError, match="registered transports: cuda_ipc, gloo, nccl"):
+        open_receiver(TransportSpec(**{**_spec(), "transport": "tcp"}), 1)
+    for rank in (0, 3, True):
+        with pytest.raises(InvalidArgumentError, match=f"rank={rank!r} must be an integer in 1..2"):
+            get_transport("gloo").receiver(spec, rank)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="moves cpu tensors; the spec has device='cuda'"):
+        get_transport("gloo").sender(TransportSpec(**{**_spec(), "device": "cuda"}))
+    with pytest.raises(InvalidArgumentError, match="the 'nccl' transport got a spec for transport='gloo'"):
+        get_transport("nccl").sender(spec)
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(TransportError, match="needs a CUDA device"):
+            get_transport("cuda_ipc").sender(TransportSpec(**{**_spec(), "transport": "cuda_ipc", "device": "cuda"}))
+    assert _port_is_free(spec.address)
+
+
+def test_version_is_checked_before_anything_is_sent() -> None:
+    from genengine.transport.broadcast import check_version
+
+    for bad in (-1, 1.0, True, None):
+        with pytest.raises(InvalidArgumentError, match="must be an integer >= 0"):
+            check_version(bad)
+
+
+# ---- the registry ---------------------------------------------------------------------------------------------
+def test_builtin_transports_are_registered_through_the_hook() -> None:
+    assert {"gloo", "nccl", "cuda_ipc"} <= set(available_transports())
+    infos = {t.name: t for t in registry.available_transports()}
+    assert infos["gloo"].plugin == registry.BUILTIN_TRANSPORTS_PLUGIN
+    assert type(get_transport("gloo")).__name__ == "GlooTransport"
+
+
+def _fresh_registry(*plugins: types.ModuleType) -> Any:
+    reg = registry._Registry()
+    for i, plugin in enumerate(plugins):
+        reg.pm.register(plugin, name=f"third-party-{i}")
+    reg.load()
+    return reg
+
+
+def test_a_third_party_plugin_registers_a_transport_lazily() -> None:
+    plugin = types.ModuleType("acme_transport")
+
+    @hookimpl
+    def register_weight_transports(register: Any) -> None:
+        register("acme", "genengine.transport.broadcast:GlooTransport", description="a test transport")
+
+    plugin.register_weight_transports = register_weight_transports  # type: ignore[attr-defined]
+    reg = _fresh_registry(plugin)
+    assert reg.transports["acme"].plugin == "third-party-0"
+    assert reg.transports["acme"].factory == "genengine.transport.broadcast:GlooTransport"  # not imported yet
+    assert {"gloo", "nccl", "cuda_ipc", "acme"} <= set(reg.transports)
+
+
+def test_a_transport_name_registered_twice_names_both_plugins() -> None:
+    plugin = types.ModuleType("dup_transport")
+
+    @hookimpl
+    def register_weight_transports(register: Any) -> None:
+        register("gloo", object)
+
+    plugin.register_weight_transports = register_weight_transports  # type: ignore[attr-defined]
+    with pytest.raises(DuplicateTransportError, match=r"'gloo' is registered twice.*genengine\.transport\.plugin"):
+        _fresh_registry(plugin)
+
+
+def test_importing_the_transport_package_imports_no_torch() -> None:
+    code = (
+        "import sys, genengine.transport as t\n"
+        "names = t.available_transports(); t.get_transport('gloo')\n"
+        "print(names, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['cuda_ipc', 'gloo', 'nccl'] False"
