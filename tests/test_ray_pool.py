@@ -16,12 +16,13 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from support.ray_cluster import ROOT, local_cluster, pool_actors, pool_placement_groups  # noqa: E402
+
 from genengine import GenerationEngine, SamplingParams, create_engine  # noqa: E402
 from genengine.errors import BackendNotFoundError, ConfigError, EngineSleepingError  # noqa: E402
 from genengine.ray import EnginePool, ReplicaDiedError, ReplicaTimeoutError, prefix_key  # noqa: E402
 from genengine.testing.conformance import load_checkpoint  # noqa: E402
 from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
-from support.ray_cluster import ROOT, local_cluster, pool_actors, pool_placement_groups  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Hello", "my name is"]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, logprobs=True)
@@ -267,7 +268,6 @@ def test_colocated_pool_in_a_trainer_actor(cluster: Any, model: str, local: Any,
     fractional GPUs on a GPU node); the trainer owns the pool and runs an RL step through it."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     from support.ray_trainer import ColocatedTrainer
 
     pg = placement_group([{"CPU": 0.3}, {"CPU": 0.3}], strategy="PACK")

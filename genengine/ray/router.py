@@ -10,7 +10,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from genengine.errors import EngineStateError, InvalidArgumentError
 
@@ -35,12 +35,15 @@ def prefix_key(prompt: str | None = None, prompt_token_ids: Sequence[int] | None
 @dataclass
 class RouterStats:
     """Counts since the router was made: ``hits`` went to the replica their key was stuck to, ``moved`` had a
-    key whose replica was gone or too busy, ``new`` had a key seen for the first time, ``unkeyed`` none."""
+    key whose replica was too busy (or excluded), ``new`` a key not known (first seen, or its replica was
+    removed), ``unkeyed`` none."""
 
     hits: int = 0
     moved: int = 0
     new: int = 0
     unkeyed: int = 0
+    work: dict[int, int] = field(default_factory=dict)
+    """Units of work (``cost``) sent to each replica."""
 
     @property
     def hit_rate(self) -> float:
@@ -126,6 +129,7 @@ class Router:
                     self.stats.new += 1
                 self._stick(key, chosen)
             self._load[chosen] += cost
+            self.stats.work[chosen] = self.stats.work.get(chosen, 0) + cost
             return chosen
 
     def done(self, replica: int, cost: int = 1) -> None:

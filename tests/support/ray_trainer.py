@@ -51,3 +51,93 @@ class ColocatedTrainer:
 
     def shutdown(self) -> None:
         self.pool.shutdown()
+
+
+class GpuTrainer:
+    """The GPU test's trainer actor (one fraction of the GPU); it measures an engine in-process and through a
+    colocated pool in the same bundle, one after the other, so that both see the same GPU."""
+
+    def __init__(self, placement_group: Any) -> None:
+        self.pg = placement_group
+
+    def _engine_kwargs(self, backend: str, model: str) -> dict[str, Any]:
+        return {"backend": backend, "model": model, "mem_util": 0.3, "dtype": "bfloat16"}
+
+    def throughput(self, backend: str, model: str, prompts: list[list[int]], num_gpus: float) -> dict[str, float]:
+        """Tokens/s of one greedy batch, in-process and through a one-replica colocated pool."""
+        import time
+
+        from genengine import SamplingParams, create_engine
+        from genengine.ray import EnginePool
+
+        params = SamplingParams(temperature=0, max_new_tokens=128, ignore_eos=True)
+
+        def rate(engine: Any) -> float:
+            engine.generate(prompt_token_ids=prompts[:4], sampling_params=params)  # warm up
+            start = time.perf_counter()
+            out = engine.generate(prompt_token_ids=prompts, sampling_params=params)
+            return sum(len(o.token_ids) for r in out for o in r.outputs) / (time.perf_counter() - start)
+
+        with create_engine(**self._engine_kwargs(backend, model)) as engine:
+            local = rate(engine)
+        with EnginePool(
+            **self._engine_kwargs(backend, model),
+            placement="colocated",
+            placement_group=self.pg,
+            bundle_indices=[0],
+            num_gpus=num_gpus,
+            num_cpus=1,
+        ) as pool:
+            pooled = rate(pool)
+        return {"in_process": local, "pool": pooled}
+
+    def sleep_frees(self, backend: str, model: str, num_gpus: float) -> dict[str, int]:
+        """Device-wide free bytes gained by a level-1 sleep, in-process and through the pool."""
+        from genengine import create_engine
+        from genengine.ray import EnginePool
+        from support.gpu_checks import free_gpu_memory
+
+        def freed(engine: Any) -> int:
+            before = free_gpu_memory()
+            engine.sleep(1)
+            gained = free_gpu_memory() - before
+            engine.wake()
+            return gained
+
+        with create_engine(**self._engine_kwargs(backend, model)) as engine:
+            local = freed(engine)
+        with EnginePool(
+            **self._engine_kwargs(backend, model),
+            placement="colocated",
+            placement_group=self.pg,
+            bundle_indices=[0],
+            num_gpus=num_gpus,
+            num_cpus=1,
+        ) as pool:
+            pooled = freed(pool)
+        return {"in_process": local, "pool": pooled}
+
+    def sync_seconds(self, backend: str, model: str, num_gpus: float, transport: str) -> list[float]:
+        """Seconds of five syncs of the trainer's CUDA tensors (7B-shaped) through the pool's transport."""
+        import time
+
+        import _bench_7b as bench
+
+        from genengine.ray import EnginePool
+
+        state = bench.trainer_state()
+        with EnginePool(
+            **self._engine_kwargs(backend, model),
+            placement="colocated",
+            placement_group=self.pg,
+            bundle_indices=[0],
+            num_gpus=num_gpus,
+            num_cpus=1,
+            transport=transport,
+        ) as pool:
+            times = []
+            for version in range(1, 6):
+                start = time.perf_counter()
+                pool.load_weights(state, version=version)
+                times.append(time.perf_counter() - start)
+        return times
