@@ -185,17 +185,17 @@ def test_async_stream_pause_keep_and_abort(pool: EnginePool, local: Any, other_w
         want = await local.generate_async(PROMPTS[0], GREEDY)
         assert result.outputs[0].token_ids == want.outputs[0].token_ids
         # keep: a sample in flight goes on with the new weights, labelled with both versions
-        task = asyncio.ensure_future(pool.generate_async(PROMPTS[1], long))
-        while pool.in_flight == 0:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)
+        before = pool.weight_version
+        stream = pool.stream(PROMPTS[1], SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True))
+        first = await stream.__anext__()  # tokens from the old weights exist
         await pool.pause_generation("keep")
         assert pool.paused == "keep"
         pool.load_weights(other_weights.items(), version=4)
         await pool.resume_generation()
-        kept = await task
-        versions = kept.outputs[0].weight_versions
-        assert [v for _, v in versions] == [3, 4] and len(kept.outputs[0].token_ids) == 64
+        kept = (await stream.collect()).outputs[0]
+        assert len(kept.token_ids) == 400 and kept.token_ids[: len(first.token_ids)] == first.token_ids
+        (start, old), (switch, new) = kept.weight_versions
+        assert (start, old, new) == (0, before, 4) and 0 < switch < 400
         # abort keeps the tokens produced so far
         stream = pool.stream(PROMPTS[2], long, request_id="to-abort")
         first = await stream.__anext__()
