@@ -1,0 +1,190 @@
+"""One engine replica: the Ray actor that owns an engine, built by ``create_engine`` inside the actor.
+
+The pool wraps :class:`EngineReplica` with ``ray.remote`` when it starts one (so importing this module
+imports no Ray). Every method is ``async`` so the actor's event loop stays free while an engine call runs in
+a worker thread: a health ping, an ``abort`` or a ``pause_generation`` is answered while ``generate`` runs.
+Engine calls that are synchronous in-process stay one at a time, as a trainer's thread would make them.
+
+Each incarnation of the actor (Ray restarts a dead one by running ``__init__`` again, which builds a fresh
+engine from the checkpoint on disk) has its own id. The pool passes the id it expects with every call, and a
+restarted replica refuses (``StaleReplicaError``, before any work) until the pool has given it the current
+weights: a replica never serves the disk checkpoint in place of the trainer's weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from genengine.ray.errors import StaleReplicaError
+
+__all__ = ["CONTROL_CALLS", "EngineReplica"]
+
+CONTROL_CALLS = ("generate", "sleep", "wake", "flush_cache")
+"""Synchronous engine calls ``EngineReplica.call`` runs (``load_weights`` has its own method)."""
+
+
+class EngineReplica:
+    """An engine in a Ray actor; only ``EnginePool`` talks to it."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.incarnation = uuid.uuid4().hex
+        self.engine: Any = None
+        self._lock = asyncio.Lock()
+        self._receiver: Any = None
+
+    async def start(self, expect: str, config: Any) -> None:
+        """Build the engine (in a thread: the actor answers pings meanwhile). Not in ``__init__``: a bad option
+        then reaches the pool as the backend's own ``ConfigError``, and a restart by Ray (which re-runs
+        ``__init__`` only) gives an engine-less replica that the pool must start and refill before use."""
+        from genengine.registry import create_engine
+
+        if expect != self.incarnation:
+            raise StaleReplicaError(f"replica {self.index} restarted before it was started")
+        async with self._lock:
+            if self.engine is None:
+                self.engine = await asyncio.to_thread(create_engine, config)
+
+    # ---- identity -----------------------------------------------------------------------------------------
+    def _check(self, expect: str | None) -> None:
+        if self.engine is None or expect != self.incarnation:
+            raise StaleReplicaError(
+                f"replica {self.index} restarted (incarnation {self.incarnation[:8]}, the pool expected "
+                f"{(expect or '?')[:8]}) and has not been started and given the current weights yet"
+            )
+
+    async def info(self) -> dict[str, Any]:
+        """Who this replica is and what its engine takes; answered at once, whatever the engine is doing."""
+        import ray
+
+        import genengine
+
+        engine = self.engine
+        context = ray.get_runtime_context()
+        where = {
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
+            "node_id": context.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "actor_id": context.get_actor_id(),
+            "genengine_file": genengine.__file__,
+            "started": engine is not None,
+        }
+        if engine is None:
+            return where
+        vocab = getattr(engine, "_vocab_size", None)
+        return {
+            **where,
+            "supported_tags": tuple(engine.supported_tags),
+            "supports_async": bool(getattr(engine, "supports_async", False)),
+            "supports_images": bool(getattr(engine, "supports_images", False)),
+            "vocab_size": vocab() if callable(vocab) else None,
+            "state": engine.state,
+            "weight_version": getattr(engine, "weight_version", 0),
+        }
+
+    def _status(self) -> tuple[Any, int]:
+        return self.engine.state, getattr(self.engine, "weight_version", 0)
+
+    # ---- synchronous engine calls ---------------------------------------------------------------------------
+    async def call(self, expect: str | None, method: str, *args: Any, **kwargs: Any) -> tuple[Any, Any, int]:
+        """``engine.<method>(*args, **kwargs)`` in a worker thread; returns (its value, the state, the version)."""
+        self._check(expect)
+        if method not in CONTROL_CALLS:
+            raise ValueError(f"method {method!r} is not a replica call; allowed: {', '.join(CONTROL_CALLS)}")
+        async with self._lock:
+            value = await asyncio.to_thread(getattr(self.engine, method), *args, **kwargs)
+            return (value, *self._status())
+
+    async def load_weights(
+        self,
+        expect: str | None,
+        names: Sequence[str],
+        refs: Sequence[Any],
+        version: int | None,
+        bucket_bytes: int | None,
+        check_finite: bool,
+    ) -> tuple[Any, Any, int]:
+        """Load tensors the pool put in Ray's object store, one ``ray.get`` a tensor as the buckets need them."""
+        import ray
+
+        self._check(expect)
+
+        def load() -> Any:
+            pairs = ((name, ray.get(ref)) for name, ref in zip(names, refs, strict=True))
+            return self.engine.load_weights(
+                pairs, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
+            )
+
+        async with self._lock:
+            report = await asyncio.to_thread(load)
+            return (report, *self._status())
+
+    # ---- the async capability -------------------------------------------------------------------------------
+    async def stream(
+        self,
+        expect: str | None,
+        prompt: str | None,
+        sampling_params: Any,
+        prompt_token_ids: Sequence[int] | None,
+        image_data: Any,
+        request_id: str,
+    ) -> AsyncGenerator[Any, None]:
+        """The engine's ``stream``: yields its ``StreamChunk``s, then its ``GenerationResult`` (a Ray
+        streaming generator: the pool reads each item as it is yielded)."""
+        self._check(expect)
+        stream = self.engine.stream(
+            prompt, sampling_params, prompt_token_ids=prompt_token_ids, image_data=image_data, request_id=request_id
+        )
+        try:
+            async for chunk in stream:
+                yield chunk
+            yield stream.result()
+        finally:
+            await stream.aclose()  # aborts the request if the pool stopped reading before its end
+
+    async def abort(self, expect: str | None, request_ids: Sequence[str] | None) -> list[str]:
+        self._check(expect)
+        return list(await self.engine.abort(request_ids))
+
+    async def pause_generation(self, expect: str | None, mode: str, clear_cache: bool) -> None:
+        self._check(expect)
+        await self.engine.pause_generation(mode, clear_cache=clear_cache)
+
+    async def resume_generation(self, expect: str | None) -> None:
+        self._check(expect)
+        await self.engine.resume_generation()
+
+    # ---- weight transports (genengine.transport) ------------------------------------------------------------
+    async def transport_join(self, expect: str | None, spec: Any, rank: int) -> None:
+        """Join a weight-sync group as ``rank``; blocks (in a thread) until every rank joined or its timeout."""
+        from genengine.transport import get_transport  # type: ignore[import-not-found,unused-ignore]
+
+        self._check(expect)
+        await self.transport_close()
+        self._receiver = await asyncio.to_thread(get_transport(spec.transport).receiver, spec, rank)
+
+    async def transport_receive(self, expect: str | None) -> tuple[Any, Any, int]:
+        """Receive one sync from the group's sender into the engine (it calls ``engine.load_weights``)."""
+        self._check(expect)
+        if self._receiver is None:
+            raise RuntimeError(f"replica {self.index} is in no weight-sync group")
+        async with self._lock:
+            report = await asyncio.to_thread(self._receiver.receive, self.engine)
+            return (report, *self._status())
+
+    async def transport_close(self) -> None:
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            await asyncio.to_thread(receiver.close)
+
+    # ---- end ---------------------------------------------------------------------------------------------------
+    async def shutdown(self) -> None:
+        await self.transport_close()
+        async with self._lock:
+            if self.engine is not None:
+                await asyncio.to_thread(self.engine.shutdown)

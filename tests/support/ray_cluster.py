@@ -1,0 +1,47 @@
+"""A real local Ray cluster for the Ray tests: 2 CPUs, no dashboard, and workers that import this checkout."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@contextmanager
+def local_cluster(num_cpus: int = 2) -> Iterator[Any]:
+    """``ray.init`` on this machine; the workers get this checkout (and tests/) first on ``sys.path``, since
+    the venv's editable install points at another checkout."""
+    import ray
+
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
+    env = {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    ray.init(
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": env},
+        configure_logging=False,
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def pool_actors(ray: Any) -> list[str]:
+    """Names of the live actors any EnginePool made."""
+    return sorted(
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("genengine-pool-")
+    )
+
+
+def pool_placement_groups(ray: Any) -> list[str]:
+    """Names of the placement groups any EnginePool made that are not removed."""
+    table = ray.util.placement_group_table()
+    return sorted(
+        pg["name"] for pg in table.values() if pg["name"].startswith("genengine-pool-") and pg["state"] != "REMOVED"
+    )

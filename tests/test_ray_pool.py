@@ -1,0 +1,294 @@
+"""EnginePool on a real local Ray cluster (2 CPUs), embedded replicas on the tiny random model.
+
+One cluster and one pool of two separate replicas for the module (starting replicas costs seconds each); the
+colocated pool runs inside a trainer actor, as a real colocated trainer would own it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from support.ray_cluster import ROOT, local_cluster, pool_actors, pool_placement_groups  # noqa: E402
+
+from genengine import GenerationEngine, SamplingParams, create_engine  # noqa: E402
+from genengine.errors import BackendNotFoundError, ConfigError, EngineSleepingError  # noqa: E402
+from genengine.ray import EnginePool, ReplicaDiedError, ReplicaTimeoutError, prefix_key  # noqa: E402
+from genengine.testing.conformance import load_checkpoint  # noqa: E402
+from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
+
+PROMPTS = ["The quick brown fox", "Once upon a time", "Hello", "my name is"]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12, logprobs=True)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=7, logprobs=True, n=2)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    with local_cluster(num_cpus=2) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def model() -> str:
+    return str(tiny_model_dir())
+
+
+@pytest.fixture(scope="module")
+def other_weights() -> dict[str, Any]:
+    """A second random model with the same shapes and tokenizer: what a trainer would sync."""
+    return load_checkpoint(tiny_model_dir(seed=1))
+
+
+@pytest.fixture(scope="module")
+def local(model: str) -> Iterator[Any]:
+    with create_engine(backend="transformers", model=model, dtype="float32") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def pool(cluster: Any, model: str) -> Iterator[EnginePool]:
+    with EnginePool(
+        backend="transformers",
+        model=model,
+        dtype="float32",
+        num_replicas=2,
+        num_gpus=0,
+        num_cpus=0.25,
+        keep_weights=True,
+        request_retries=1,
+    ) as p:
+        yield p
+    assert pool_actors(cluster) == [] and pool_placement_groups(cluster) == []
+
+
+def _info(replica: Any) -> dict[str, Any]:
+    return ray.get(ray.get_actor(replica.name).info.remote(), timeout=60)  # type: ignore[no-any-return]
+
+
+def _tokens(results: Any) -> list[list[list[int]]]:
+    return [[o.token_ids for o in r.outputs] for r in results]
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"num_replicas": 0}, ConfigError, "num_replicas=0"),
+        ({"placement": "colocatd"}, ConfigError, "did you mean 'colocated'"),
+        ({"placement": "colocated"}, ConfigError, "needs placement_group="),
+        ({"bundle_indices": [0]}, ConfigError, "placement='colocated'"),
+        ({"backend": "nope"}, BackendNotFoundError, "unknown backend 'nope'"),
+        ({"tp_size": 2}, ConfigError, "tp_size=2"),
+        ({"num_gpus": -1}, ConfigError, "num_gpus=-1"),
+        ({"num_gpus": 1.5}, ConfigError, "num_gpus=1.5"),
+        ({"timeout_s": 0}, ConfigError, "timeout_s=0"),
+        ({"request_retries": -1}, ConfigError, "request_retries=-1"),
+        ({"model": None}, ConfigError, "needs a model"),
+        ({"dtype": "fp8"}, ConfigError, "dtype='fp8'"),
+        ({"weights_source": 3}, ConfigError, "weights_source=3"),
+    ],
+)
+def test_bad_input_is_refused_before_any_actor(
+    cluster: Any, model: str, kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    before = (pool_actors(cluster), pool_placement_groups(cluster))
+    args = {"backend": "transformers", "model": model, "num_gpus": 0, "num_cpus": 0.25, **kwargs}
+    with pytest.raises(error, match=message.replace("(", r"\(").replace("[", r"\[")):
+        EnginePool(**args)
+    assert (pool_actors(cluster), pool_placement_groups(cluster)) == before
+
+
+def test_a_bad_backend_option_names_the_replica_and_leaves_nothing(cluster: Any, model: str) -> None:
+    """Backend options are the backend's to check, inside the replica: its own error, named, then cleaned up."""
+    before = (pool_actors(cluster), pool_placement_groups(cluster))
+    with pytest.raises(ConfigError, match=r"replica 0 \(actor [0-9a-f]+, node .*: start: .*did you mean 'device'"):
+        EnginePool(backend="transformers", model=model, devcie="cpu", num_gpus=0, num_cpus=0.1)
+    assert (pool_actors(cluster), pool_placement_groups(cluster)) == before
+
+
+# ---- the protocol through the pool ----------------------------------------------------------------------------
+def test_pool_is_an_engine_and_replicas_run_this_checkout(pool: EnginePool) -> None:
+    assert isinstance(pool, GenerationEngine)
+    assert pool.supports_async and pool.supported_tags == ("weights", "kv_cache")
+    infos = [_info(r) for r in pool.replicas]
+    assert [i["genengine_file"] for i in infos] == [str(ROOT / "genengine" / "__init__.py")] * 2
+    assert len({i["pid"] for i in infos}) == 2
+
+
+def test_generate_matches_one_in_process_engine(pool: EnginePool, local: Any) -> None:
+    for params in (GREEDY, SEEDED):
+        got, want = pool.generate(PROMPTS, params), local.generate(PROMPTS, params)
+        assert _tokens(got) == _tokens(want)
+        for g, w in zip(got, want, strict=True):
+            assert g.prompt_token_ids == w.prompt_token_ids
+            for go, wo in zip(g.outputs, w.outputs, strict=True):
+                assert go.logprobs == pytest.approx(wo.logprobs, abs=1e-5)
+                assert (go.text, go.finish_reason) == (wo.text, wo.finish_reason)
+    ids = [r.prompt_token_ids for r in local.generate(PROMPTS, GREEDY)]
+    assert _tokens(pool.generate(prompt_token_ids=ids, sampling_params=GREEDY)) == _tokens(
+        local.generate(prompt_token_ids=ids, sampling_params=GREEDY)
+    )
+
+
+def test_routing_is_sticky_and_balanced(pool: EnginePool) -> None:
+    hits = pool.router.stats.hits
+    # four distinct prompts spread over both replicas; each prompt again goes where it went first
+    keys = [prefix_key(p) for p in PROMPTS]
+    seen = []
+    for _ in range(3):
+        pool.generate(PROMPTS, GREEDY)
+        seen.append([pool.router._keys[k] for k in keys])
+    assert seen[0] == seen[1] == seen[2]
+    assert sorted(seen[0]) == [0, 0, 1, 1]
+    assert pool.router.stats.hits - hits >= 8
+    # one session goes to one replica, whatever the prompts
+    pool.generate(PROMPTS, GREEDY, session_id="conversation-1")
+    assert list(pool.router._keys).count("conversation-1") == 1
+    assert [r.load for r in pool.replicas] == [0, 0]
+
+
+def test_control_calls_reach_every_replica(pool: EnginePool, local: Any, other_weights: dict[str, Any]) -> None:
+    pool.sleep(1)
+    assert all(_info(r)["state"].released_tags == {"weights", "kv_cache"} for r in pool.replicas)
+    with pytest.raises(EngineSleepingError, match="the pool is asleep"):
+        pool.generate(PROMPTS, GREEDY)
+    pool.wake(["weights"])
+    report = pool.load_weights(other_weights.items(), version=3)
+    assert report.num_tensors == len(other_weights)
+    pool.wake(["kv_cache"])
+    infos = [_info(r) for r in pool.replicas]
+    assert [i["weight_version"] for i in infos] == [3, 3] and pool.weight_version == 3
+    assert all(not i["state"].released_tags for i in infos)
+    local.load_weights(other_weights.items(), version=3)
+    got = pool.generate(PROMPTS, GREEDY)
+    assert _tokens(got) == _tokens(local.generate(PROMPTS, GREEDY))
+    assert {o.weight_versions for r in got for o in r.outputs} == {((0, 3),)}
+    pool.flush_cache()
+
+
+def test_async_stream_pause_keep_and_abort(pool: EnginePool, local: Any, other_weights: dict[str, Any]) -> None:
+    long = SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True, logprobs=True)
+
+    async def run() -> None:
+        stream = pool.stream(PROMPTS[0], GREEDY)
+        chunks = [c async for c in stream]
+        result = stream.result()
+        assert [t for c in chunks for t in c.token_ids] == result.outputs[0].token_ids
+        assert chunks[-1].finish_reason == result.outputs[0].finish_reason
+        want = await local.generate_async(PROMPTS[0], GREEDY)
+        assert result.outputs[0].token_ids == want.outputs[0].token_ids
+        # keep: a sample in flight goes on with the new weights, labelled with both versions
+        before = pool.weight_version
+        stream = pool.stream(PROMPTS[1], SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True))
+        first = await stream.__anext__()  # tokens from the old weights exist
+        await pool.pause_generation("keep")
+        assert pool.paused == "keep"
+        pool.load_weights(other_weights.items(), version=4)
+        await pool.resume_generation()
+        kept = (await stream.collect()).outputs[0]
+        assert len(kept.token_ids) == 400 and kept.token_ids[: len(first.token_ids)] == first.token_ids
+        (start, old), (switch, new) = kept.weight_versions
+        assert (start, old, new) == (0, before, 4) and 0 < switch < 400
+        # abort keeps the tokens produced so far
+        stream = pool.stream(PROMPTS[2], long, request_id="to-abort")
+        first = await stream.__anext__()
+        assert await pool.abort("to-abort") == ["to-abort"]
+        await stream.aclose()
+        aborted = stream.result().outputs[0]
+        assert aborted.finish_reason == "abort" and aborted.token_ids[: len(first.token_ids)] == first.token_ids
+
+    asyncio.run(run())
+    local.load_weights(other_weights.items(), version=4)
+
+
+# ---- health ----------------------------------------------------------------------------------------------------
+def _kill_when_busy(pool: EnginePool, index: int) -> None:
+    deadline = time.monotonic() + 60
+    while pool.replicas[index].load == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.3)
+    ray.kill(ray.get_actor(pool.replicas[index].name), no_restart=False)
+
+
+def test_a_killed_replica_comes_back_with_the_current_weights(pool: EnginePool, local: Any) -> None:
+    """The in-flight sync caller gets the retry it asked for (request_retries=1); a stream that already had
+    tokens gets ReplicaDiedError; the replica is restarted, refilled (keep_weights) and routed to again."""
+    long = SamplingParams(temperature=0, max_new_tokens=600, ignore_eos=True)
+    old_pid = _info(pool.replicas[0])["pid"]
+    killer = threading.Thread(target=_kill_when_busy, args=(pool, 0))
+    killer.start()
+    got = pool.generate(PROMPTS, long)  # retried on the other replica
+    killer.join()
+    assert _tokens(got) == _tokens(local.generate(PROMPTS, long))
+    pool.check_health()
+    info = _info(pool.replicas[0])
+    assert info["pid"] != old_pid and info["weight_version"] == 4 and pool.replicas[0].status == "healthy"
+    assert _tokens(pool.generate(PROMPTS, GREEDY)) == _tokens(local.generate(PROMPTS, GREEDY))
+
+    async def stream_through_a_kill() -> None:
+        stream = pool.stream(PROMPTS[0], long, session_id="s")
+        index = stream._replica.index  # type: ignore[union-attr]
+        await stream.__anext__()
+        ray.kill(ray.get_actor(pool.replicas[index].name), no_restart=False)
+        with pytest.raises(ReplicaDiedError, match=rf"replica {index} \(actor [0-9a-f]+, node .* died during stream"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(stream_through_a_kill())
+    assert pool.check_health()[0].status == "healthy" and pool.replicas[1].status == "healthy"
+    assert [_info(r)["weight_version"] for r in pool.replicas] == [4, 4]
+    assert _tokens(pool.generate(PROMPTS, GREEDY)) == _tokens(local.generate(PROMPTS, GREEDY))
+
+
+def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> None:
+    long = SamplingParams(temperature=0, max_new_tokens=600, ignore_eos=True)
+    busy = threading.Thread(target=pool.generate, args=(PROMPTS, long))
+    busy.start()
+    try:
+        while sum(r.load for r in pool.replicas) == 0:
+            time.sleep(0.02)
+        pool.timeout_s = 0.5
+        with pytest.raises(ReplicaTimeoutError, match=r"replica \d \(actor [0-9a-f]+, node .*\): flush_cache did not"):
+            pool.flush_cache()
+    finally:
+        pool.timeout_s = 300
+        busy.join()
+
+
+# ---- colocated ------------------------------------------------------------------------------------------------
+def test_colocated_pool_in_a_trainer_actor(cluster: Any, model: str, local: Any, other_weights: dict[str, Any]) -> None:
+    """The trainer actor and the replicas share the bundles of one placement group (fractional CPUs here,
+    fractional GPUs on a GPU node); the trainer owns the pool and runs an RL step through it."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from support.ray_trainer import ColocatedTrainer
+
+    pg = placement_group([{"CPU": 0.3}, {"CPU": 0.3}], strategy="PACK")
+    ray.get(pg.ready(), timeout=60)
+    trainer = (
+        ray.remote(ColocatedTrainer)
+        .options(num_cpus=0.1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
+        .remote(model, pg, 0.2)
+    )
+    try:
+        weights_dir = str(tiny_model_dir(seed=1))
+        out = ray.get(trainer.step.remote(PROMPTS, weights_dir, 9), timeout=300)
+    finally:
+        ray.get(trainer.shutdown.remote(), timeout=120)
+        ray.kill(trainer)
+        remove_placement_group(pg)
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    assert out["replica_bundles"] == [0, 1] and out["trainer_pg"] == pg.id
+    assert out["asleep"] == ["kv_cache", "weights"] and out["replica_versions"] == [9, 9]
+    with create_engine(backend="transformers", model=model, dtype="float32") as fresh:
+        assert out["before"] == [r.outputs[0].token_ids for r in fresh.generate(PROMPTS, params)]
+    local.load_weights(other_weights.items())
+    assert out["after"] == [r.outputs[0].token_ids for r in local.generate(PROMPTS, params)]
+    assert set(out["after_versions"]) == {((0, 9),)}
