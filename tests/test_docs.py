@@ -54,7 +54,7 @@ def _protocol_members() -> list[str]:
 
 
 def test_introspection_finds_the_api() -> None:
-    assert _hooks() == ["register_backends"]
+    assert _hooks() == ["register_backends", "register_weight_transports"]
     assert {"generate", "sleep", "wake", "load_weights", "flush_cache", "shutdown"} <= set(_protocol_members())
 
 

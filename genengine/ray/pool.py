@@ -225,7 +225,7 @@ class EnginePool:
             if not isinstance(transport, str):
                 raise ConfigError(f"transport={transport!r} must be a transport name or None (the object store)")
             try:
-                from genengine.transport import get_transport  # type: ignore[import-not-found,unused-ignore]
+                from genengine.transport import get_transport
             except ImportError as exc:
                 raise ConfigError(
                     f"transport={transport!r} needs genengine.transport, which this genengine does not have; "
@@ -910,24 +910,26 @@ class EnginePool:
 
     def _ensure_group(self, replicas: list[_Replica]) -> None:
         ray = _ray()
-        from genengine.transport import TransportSpec, get_transport  # type: ignore[import-not-found,unused-ignore]
+        from genengine.transport import TransportSpec, get_transport
 
+        name = self._transport_name
+        assert name is not None, "a weight-sync group needs the pool's transport"
         members = tuple((r.index, r.incarnation) for r in replicas)
         if self._sender is not None and members == self._group:
             return
         self._close_group()
         self._group_count += 1
         spec = TransportSpec(
-            transport=self._transport_name,
+            transport=name,
             address=f"{ray.util.get_node_ip_address()}:{_free_port()}",
             world_size=1 + len(replicas),
             group_name=f"genengine-pool-{self._id}-{self._group_count}",
             timeout_s=self._timeout_s,
-            device="cpu" if self._transport_name == "gloo" else "cuda",
+            device="cpu" if name == "gloo" else "cuda",
         )
         calls = [(r, r.actor.transport_join.remote(r.incarnation, spec, rank)) for rank, r in enumerate(replicas, 1)]
         try:
-            self._sender = get_transport(self._transport_name).sender(spec)
+            self._sender = get_transport(name).sender(spec)
         finally:
             self._gather("transport_join", calls)
         self._group = members

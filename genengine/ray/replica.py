@@ -162,7 +162,7 @@ class EngineReplica:
     # ---- weight transports (genengine.transport) ------------------------------------------------------------
     async def transport_join(self, expect: str | None, spec: Any, rank: int) -> None:
         """Join a weight-sync group as ``rank``; blocks (in a thread) until every rank joined or its timeout."""
-        from genengine.transport import get_transport  # type: ignore[import-not-found,unused-ignore]
+        from genengine.transport import get_transport
 
         self._check(expect)
         await self.transport_close()
