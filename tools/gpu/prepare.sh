@@ -10,7 +10,8 @@
 # Env: CHUNK_MB (default: 63 MiB minus what the repo itself sends), XZ_LEVEL (default 6),
 #      WHEEL_CACHE (default ~/.cache/gpu-kit-wheels), KEEP_FA2=1 (vLLM: keep the FA2 library),
 #      JIT_CACHE=a.tar.xz[:b.tar.xz...] (compiled kernels of earlier runs, unpacked into $HOME),
-#      TEST_PINS (what genengine and its GPU tests import that the image lacks; "" to carry none).
+#      TEST_PINS (what genengine and its GPU tests import that the image lacks; "" to carry none),
+#      WITH_RAY=1 (also carry Ray 2.60.0 and its missing requirements, for genengine.ray's GPU test).
 #
 # Copy of shared/gpu/prepare.sh, adapted for this repo: carries genengine's test pins, several JIT
 # caches, and only the kit files present in this folder (install.sh, smoke.py).
@@ -41,6 +42,11 @@ case "$ENGINE" in
 esac
 # genengine imports pluggy; its GPU tests run under pytest (tools/gpu/run_tests.sh). Pure-Python wheels.
 PINS="$PINS ${TEST_PINS-pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pygments==2.21.0}"
+# WITH_RAY=1: also Ray 2.60.0 for genengine.ray (tests/gpu/test_ray_gpu.py) and what the image lacks of its
+# requirements (it has click, filelock, msgpack, protobuf, PyYAML, requests: checked on the H200 image).
+if [ "${WITH_RAY:-0}" = 1 ]; then
+  PINS="$PINS ray==2.60.0 jsonschema==4.26.0 referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 attrs==26.1.0"
+fi
 
 # --- files dropped (see README.md "What is dropped and why") ---
 DROP='^xgrammar/lib/libxgrammar\.a$'                                  # static lib, only for C++ linking
