@@ -153,6 +153,11 @@ class LoopDriver:
         this thread when nothing else runs the loop and this thread runs no loop of its own, else on ours."""
         me = threading.current_thread()
         if me is self._thread or me is self._borrower:
+            if _loop_running_here():
+                raise SGLangEngineError(
+                    f"{what} was called from a task or callback on SGLang's own event loop: it would have to run "
+                    "the loop it is running on (make the call from another thread)"
+                )
             return fn()  # inside a job, or inside the caller's own call, already
         delegate = _loop_running_here()
         deadline = None if self.call_timeout_s is None else time.monotonic() + self.call_timeout_s
@@ -254,7 +259,8 @@ class LoopDriver:
 
     def close(self, timeout_s: float = THREAD_STOP_TIMEOUT_S) -> None:
         """Stop the thread (tasks still live are cancelled); later spawns raise ``EngineClosedError``. Raises
-        ``SGLangEngineError`` when the thread has not stopped within ``timeout_s``."""
+        ``SGLangEngineError`` when the thread has not stopped within ``timeout_s``, or stopped leaving tasks
+        that did not end within half of it after their cancellation."""
         with self._mutex:
             self._closing = True
             if self._live and self._thread is None and self._borrower is None:
@@ -262,12 +268,17 @@ class LoopDriver:
             thread = self._thread
         if thread is None:
             return
-        self.loop.call_soon_threadsafe(self._cancel_all)
+        self.loop.call_soon_threadsafe(self._cancel_all, timeout_s / 2)
         thread.join(timeout_s)
         if thread.is_alive():
             raise SGLangEngineError(
                 f"SGLang's event loop thread did not stop within {timeout_s:g} s of shutdown ({self.describe()}); "
                 f"it is at:\n{_stack_of(thread)}"
+            )
+        if self._live:
+            raise SGLangEngineError(
+                f"{self._live} task(s) on SGLang's event loop did not end within {timeout_s / 2:g} s of their "
+                "cancellation at shutdown: left behind"
             )
 
     # ---- the callers' side of a job --------------------------------------------------------------------------
@@ -371,14 +382,14 @@ class LoopDriver:
         if idle:
             self._maybe_stop()
 
-    def _cancel_all(self) -> None:
+    def _cancel_all(self, give_up_s: float) -> None:
         # The last task to end stops the loop (_task_done); a task that does not end in time is left behind.
         for task in list(self._tasks):
             task.cancel()
         if not self._tasks:
             self._maybe_stop()
         else:
-            self.loop.call_later(THREAD_STOP_TIMEOUT_S / 2, self._give_up)
+            self.loop.call_later(give_up_s, self._give_up)
 
     def _give_up(self) -> None:
         with self._mutex:
