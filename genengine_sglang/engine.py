@@ -255,7 +255,8 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
         from genengine_sglang._async import LoopDriver
         from genengine_sglang._logits import serialized_processor
 
-        self._driver = LoopDriver(self._engine.loop)
+        # A delegated SGLang call gets the engine's own bound (the collective timeout), as every rank waits that long.
+        self._driver = LoopDriver(self._engine.loop, call_timeout_s=_timeout(self._settings))
         self._processor = serialized_processor()
 
     def _device(self) -> torch.device | None:
@@ -268,11 +269,12 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
             self._gpu = torch.device("cuda", self._group.topology.gpu_id)
         return self._gpu
 
-    def _sgl(self, fn: Callable[[], T]) -> T:
+    def _sgl(self, fn: Callable[[], T], what: str = "an SGLang call") -> T:
         """Run a sync SGLang call (one that runs SGLang's event loop) with the loop to itself: in this thread,
-        or, while async requests keep the loop running in ours, on that thread (``_async.LoopDriver``)."""
+        or, while async requests keep the loop running in ours (or this thread is inside a coroutine, where
+        SGLang's loop cannot run), on that thread (``_async.LoopDriver``). ``what`` names it in errors."""
         driver = self._driver
-        return fn() if driver is None else driver.call(fn)
+        return fn() if driver is None else driver.call(fn, what)
 
     def _cache_key(self) -> str | None:
         """The radix-cache namespace of new requests (``GenerateReqInput.extra_key``); None: SGLang's default."""
@@ -342,7 +344,7 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
         engine = self._engine
         try:
             generator = engine.tokenizer_manager.generate_request(obj, None)
-            return self._sgl(lambda: engine.loop.run_until_complete(generator.__anext__()))
+            return self._sgl(lambda: engine.loop.run_until_complete(generator.__anext__()), "SGLang's generate")
         except GenEngineError:
             raise
         except ValueError as exc:
@@ -356,7 +358,7 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
         def run() -> None:
             if self._aio is not None:
                 self._aio.quiesce("sleep")  # SGLang asserts it is idle (weight_updater.py:205)
-            self._sgl(lambda: self._engine.release_memory_occupation(tags=tags))
+            self._sgl(lambda: self._engine.release_memory_occupation(tags=tags), "SGLang's release_memory_occupation")
 
         self._on_leader("sleep", run)
         self._sgl_released.update(tags)
@@ -365,7 +367,12 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
     def _resume(self, tags: tuple[str, ...]) -> None:
         todo = [t for t in tags if t in self._sgl_released]
         if todo:
-            self._on_leader("wake", lambda: self._sgl(lambda: self._engine.resume_memory_occupation(tags=todo)))
+            self._on_leader(
+                "wake",
+                lambda: self._sgl(
+                    lambda: self._engine.resume_memory_occupation(tags=todo), "SGLang's resume_memory_occupation"
+                ),
+            )
             self._sgl_released.difference_update(todo)
 
     def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
@@ -390,7 +397,8 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
             self._sgl(
                 lambda: _weightsync.apply_payloads(
                     self._engine, call.mode, payloads, synced=synced, load_format=call.load_format
-                )
+                ),
+                "SGLang's update_weights_from_tensor",
             )
 
         try:
@@ -427,7 +435,7 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
             def run() -> None:
                 do_flush = flush and not self._cannot_flush()
                 if do_flush or barrier:
-                    self._sgl(lambda: _weightsync.barrier(self._engine, tp, flush=do_flush))
+                    self._sgl(lambda: _weightsync.barrier(self._engine, tp, flush=do_flush), "the load_weights barrier")
                 if do_flush:
                     self._cache_epoch = 0
 
@@ -453,7 +461,7 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
         def run() -> None:
             if self._cannot_flush():
                 return
-            ret = self._sgl(self._engine.flush_cache)
+            ret = self._sgl(self._engine.flush_cache, "SGLang's flush_cache")
             if getattr(ret, "success", True) is False:
                 raise SGLangEngineError(f"SGLang did not flush its cache (requests still running?): {ret}")
             self._cache_epoch = 0
@@ -559,7 +567,9 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
                 try:
                     self._on_leader(
                         "load_weights barrier",
-                        lambda: self._sgl(lambda: _weightsync.barrier(self._engine, tp, flush=False)),
+                        lambda: self._sgl(
+                            lambda: _weightsync.barrier(self._engine, tp, flush=False), "the load_weights barrier"
+                        ),
                     )
                 except Exception:
                     if not failed:
@@ -662,7 +672,7 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
             if self._aio is not None:
                 self._aio.close()
             elif self._driver is not None:
-                self._driver.close(_timeout(self._settings))
+                self._driver.close()
         except Exception as exc:  # SGLang's processes are stopped all the same
             warnings.warn(f"stopping the async requests failed: {exc!r}", RuntimeWarning, stacklevel=2)
         finally:

@@ -6,6 +6,7 @@ The parts that need a GPU and SGLang are in tests/gpu/test_sglang_gpu.py and tes
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import inspect
 import json
@@ -16,6 +17,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -638,6 +641,333 @@ def test_loop_driver_tasks_spawned_while_a_caller_runs_the_loop() -> None:
     finally:
         driver.close(10)
         loop.close()
+
+
+# ---- LoopDriver against the tokenizer manager's pattern (a fake: it tests our driver, not SGLang) ----------------
+class _FakeTokenizerManager:
+    """Imitates how SGLang 0.5.17's ``TokenizerManager`` uses its loop, to test *our* driver (it stands in for
+    no SGLang behaviour a test claims): a receive task started lazily on the loop of the first request
+    (``auto_create_handle_loop``) reads outputs from a socket, fed by another thread (the scheduler and
+    detokenizer processes), and hands them to per-request events; ``abort_request`` is a sync call;
+    ``generate_sync`` runs the loop itself, as every sync ``sgl.Engine`` method does."""
+
+    def __init__(self, loop: Any) -> None:
+        import queue
+
+        self.loop = loop
+        self._recv, self._send = socket.socketpair()
+        self._recv.setblocking(False)
+        self.event_loop: Any = None
+        self.handle_loops = 0
+        self.states: dict[str, tuple[Any, list[str]]] = {}
+        self._submitted: queue.Queue[tuple[str, int] | None] = queue.Queue()
+        self._aborted: set[str] = set()
+        self._scheduler = threading.Thread(target=self._schedule, daemon=True)
+        self._scheduler.start()
+
+    def auto_create_handle_loop(self) -> None:
+        if self.event_loop is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self.event_loop = loop
+        self.handle_task = loop.create_task(self._handle_loop())
+        self.handle_loops += 1
+
+    async def _handle_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        buffer = b""
+        while True:
+            buffer += await loop.sock_recv(self._recv, 65536)
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                rid, _, item = line.decode().partition(" ")
+                state = self.states.get(rid)
+                if state is not None:  # a late output of a request that is gone is dropped
+                    state[1].append(item)
+                    state[0].set()
+
+    def emit(self, rid: str, item: str) -> None:
+        self._send.sendall(f"{rid} {item}\n".encode())
+
+    def _schedule(self) -> None:
+        """One output per live request per step, as a batch."""
+        import queue
+
+        active: dict[str, list[int]] = {}
+        while True:
+            try:
+                while True:
+                    job = self._submitted.get(block=not active)
+                    if job is None:
+                        return
+                    active[job[0]] = [0, job[1]]
+            except queue.Empty:
+                pass
+            for rid, pos in list(active.items()):
+                if rid in self._aborted:
+                    self.emit(rid, "abort")
+                    del active[rid]
+                    continue
+                self.emit(rid, str(pos[0]))
+                pos[0] += 1
+                if pos[0] == pos[1]:
+                    self.emit(rid, "end")
+                    del active[rid]
+            time.sleep(0.001)
+
+    async def generate_request(self, rid: str, n: int) -> Any:
+        self.auto_create_handle_loop()
+        event, out = asyncio.Event(), []
+        self.states[rid] = (event, out)
+        self._submitted.put((rid, n))
+        try:
+            while True:
+                await event.wait()
+                event.clear()
+                items, out[:] = list(out), []
+                for item in items:
+                    yield item
+                    if item in ("end", "abort"):
+                        return
+        finally:
+            self.states.pop(rid, None)
+
+    def abort_request(self, rid: str) -> None:
+        self._aborted.add(rid)
+
+    async def collect(self, rid: str, n: int) -> list[str]:
+        return [item async for item in self.generate_request(rid, n)]
+
+    def generate_sync(self, rid: str, n: int) -> list[str]:
+        return list(self.loop.run_until_complete(self.collect(rid, n)))
+
+    def close(self) -> None:
+        self._submitted.put(None)
+        self._scheduler.join(5)
+        self._recv.close()
+        self._send.close()
+
+
+def _new_loop(kind: str) -> Any:
+    if kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")  # SGLang's loop on the GPU machine (it sets uvloop's policy)
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+def _run_caller(kind: str, coro: Any) -> Any:
+    """Run ``coro`` as a trainer's coroutine: on a loop of its own (of the same kind) in this thread."""
+    loop = _new_loop(kind)
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+def _no_loop_thread(timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(t.name == "genengine-sglang-loop" and t.is_alive() for t in threading.enumerate()):
+            return True
+        time.sleep(0.005)
+    return False
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def sgl_loop(request: pytest.FixtureRequest) -> Any:
+    loop = _new_loop(request.param)
+    yield request.param, loop
+    loop.close()
+
+
+def test_loop_driver_sync_calls_from_inside_a_coroutine(sgl_loop: tuple[str, Any]) -> None:
+    """A sync SGLang call made from inside a trainer's coroutine with no stream live (``load_weights`` between
+    pause and resume) runs on the driver's thread: on the caller's, SGLang's loop cannot run (``Cannot run the
+    event loop while another loop is running``, and uvloop left the call behind as a task on SGLang's loop: the
+    GPU hang of issue 17). Nothing is left on the loop, the thread ends after the call, and a later call from
+    a plain thread runs there again."""
+    from genengine_sglang._async import LoopDriver
+
+    kind, loop = sgl_loop
+    driver = LoopDriver(loop)
+    tm = _FakeTokenizerManager(loop)
+    try:
+        assert driver.call(lambda: tm.generate_sync("first", 3)) == ["0", "1", "2", "end"]  # the receive task starts
+        here = threading.current_thread()
+
+        async def where() -> threading.Thread:
+            return threading.current_thread()
+
+        async def trainer() -> tuple[threading.Thread, list[str]]:
+            thread = driver.run(where())
+            return thread, driver.call(lambda: tm.generate_sync("inside", 4), "the test's generate")
+
+        thread, got = _run_caller(kind, trainer())
+        assert thread is not here and thread.name == "genengine-sglang-loop"
+        assert got == ["0", "1", "2", "3", "end"]
+        assert _no_loop_thread()
+        assert [t for t in asyncio.all_tasks(loop) if t is not tm.handle_task] == []  # nothing left behind
+        assert driver.run(where()) is here and tm.handle_loops == 1
+    finally:
+        driver.close(5)
+        tm.close()
+
+
+def test_loop_driver_streams_with_a_lazily_started_receive_task(sgl_loop: tuple[str, Any]) -> None:
+    """The receive task starts on SGLang's loop while our thread runs it (a stream is the first request), and
+    serves every later runner of the loop: sync calls from a coroutine and from a plain thread while streams
+    run, aborts told through ``soon`` from another thread, a spawn and a ``soon`` from the loop's own thread,
+    and, once the thread has gone, a sync call in the caller's thread (outputs that arrived while nobody ran
+    the loop waited in the socket)."""
+    from genengine_sglang._async import LoopDriver
+
+    kind, loop = sgl_loop
+    driver = LoopDriver(loop)
+    tm = _FakeTokenizerManager(loop)
+    sinks: dict[str, list[str]] = {f"s{i}": [] for i in range(40)}
+    follow_up: list[str] = []
+    told: list[threading.Thread] = []
+
+    async def pump(rid: str, n: int, sink: list[str]) -> None:
+        async for item in tm.generate_request(rid, n):
+            sink.append(item)
+        if rid == "s1":  # from the loop's own thread
+            driver.spawn(pump("follow-up", 2, follow_up))
+            driver.soon(lambda: told.append(threading.current_thread()))
+
+    try:
+        for rid, sink in sinks.items():
+            driver.spawn(pump(rid, 30, sink))
+
+        async def trainer() -> list[str]:
+            while not sinks["s0"]:
+                await asyncio.sleep(0.001)
+            return driver.call(lambda: tm.generate_sync("from-coroutine", 5))
+
+        assert _run_caller(kind, trainer()) == ["0", "1", "2", "3", "4", "end"]
+        got: list[Any] = []
+        plain = threading.Thread(target=lambda: got.append(driver.call(lambda: tm.generate_sync("from-thread", 2))))
+        plain.start()
+        plain.join(10)
+        assert got == [["0", "1", "end"]]
+        aborted = {f"s{i}" for i in range(0, 40, 4)}
+        for rid in aborted:
+            driver.soon(lambda rid=rid: tm.abort_request(rid))
+        assert driver.wait_idle(10), driver.describe()
+        for rid, sink in sinks.items():
+            if rid in aborted and sink[-1] == "abort":
+                assert sink[:-1] == [str(k) for k in range(len(sink) - 1)], rid
+            else:
+                assert sink == [*map(str, range(30)), "end"], rid
+        assert sum(sinks[rid][-1] == "abort" for rid in aborted) >= 1
+        assert follow_up == ["0", "1", "end"] and [t.name for t in told] == ["genengine-sglang-loop"]
+        assert _no_loop_thread()
+        tm.emit("gone", "7")  # a late output while nobody runs the loop
+        assert driver.call(lambda: tm.generate_sync("after", 3)) == ["0", "1", "2", "end"]
+        assert tm.handle_loops == 1  # one receive task throughout, whoever ran the loop
+    finally:
+        driver.close(5)
+        tm.close()
+
+
+def test_loop_driver_waits_are_bounded(sgl_loop: tuple[str, Any]) -> None:
+    """``wait_idle`` returns False at its bound; a call the thread does not take (a callback blocks the loop)
+    fails after ``pickup_timeout_s`` naming the call and where the loop is stuck, and never runs later; a call
+    that does not return fails after ``call_timeout_s``; a sync call from a task on the loop itself fails
+    at once."""
+    from genengine_sglang._async import LoopDriver
+
+    _kind, loop = sgl_loop
+    driver = LoopDriver(loop, pickup_timeout_s=0.3, call_timeout_s=0.5)
+    release, gate, slow = threading.Event(), threading.Event(), threading.Event()
+    ran: list[str] = []
+    errors: list[BaseException] = []
+
+    async def held() -> None:
+        while not release.is_set():
+            await asyncio.sleep(0.005)
+
+    def blocking_callback() -> None:
+        gate.wait(10)
+
+    async def calls_sync_from_the_loop() -> None:
+        try:
+            driver.call(lambda: None, "a call from a task")
+        except SGLangEngineError as exc:
+            errors.append(exc)
+
+    try:
+        driver.spawn(held())
+        start = time.monotonic()
+        assert driver.wait_idle(0.2) is False and time.monotonic() - start < 2
+        driver.spawn(calls_sync_from_the_loop())
+        driver.soon(blocking_callback)
+        with pytest.raises(
+            SGLangEngineError,
+            match=r"(?s)the test's call: .* did not take the call within 0\.3 s.*"
+            r"blocking_callback",
+        ):
+            driver.call(lambda: ran.append("late"), "the test's call")
+        gate.set()
+        assert driver.call(lambda: 7) == 7 and ran == []  # recovered; the refused call never ran
+        with pytest.raises(SGLangEngineError, match=r"the test's slow call did not return within 0\.5 s"):
+            driver.call(lambda: slow.wait(10), "the test's slow call")
+        slow.set()
+        assert len(errors) == 1 and "SGLang's own event loop" in str(errors[0])
+        release.set()
+        assert driver.wait_idle(10), driver.describe()
+    finally:
+        gate.set()
+        slow.set()
+        release.set()
+        driver.close(5)
+
+
+def test_loop_driver_close_with_tasks_pending(sgl_loop: tuple[str, Any]) -> None:
+    """``close`` cancels live tasks and stops the thread; one that ignores its cancellation is reported (left
+    behind) within the bound; spawns after it are refused."""
+    from genengine_sglang._async import LoopDriver
+
+    _kind, loop = sgl_loop
+    seen: list[str] = []
+    stubborn = threading.Event()
+
+    started = threading.Semaphore(0)
+
+    async def cancellable() -> None:
+        started.release()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+            raise
+
+    async def ignores_cancel() -> None:
+        started.release()
+        while not stubborn.is_set():
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                seen.append("ignored")
+
+    driver = LoopDriver(loop)
+    driver.spawn(cancellable())
+    driver.spawn(cancellable())
+    assert started.acquire(timeout=5) and started.acquire(timeout=5)
+    driver.close(5)
+    assert seen == ["cancelled", "cancelled"] and driver.live == 0 and _no_loop_thread()
+    with pytest.raises(GenEngineError, match="shut down"):
+        driver.spawn(cancellable())
+
+    other = LoopDriver(loop)
+    other.spawn(ignores_cancel())
+    assert started.acquire(timeout=5)
+    start = time.monotonic()
+    with pytest.raises(SGLangEngineError, match=r"1 task\(s\) on SGLang's event loop did not end within 0\.3 s"):
+        other.close(0.6)
+    assert time.monotonic() - start < 3 and "ignored" in seen
+    stubborn.set()
+    loop.run_until_complete(asyncio.sleep(0.05))  # the stubborn task ends once the loop runs again
 
 
 # ---- the logit filter makes SGLang's logprobs the processed ones ------------------------------------------------

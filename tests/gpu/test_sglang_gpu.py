@@ -75,14 +75,46 @@ _MEMORY: dict[str, int] = {}
 _LONG = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True, logprobs=True)
 
 
+# Bounds of the async tests (no pytest-timeout on the GPU machine; faulthandler_timeout only dumps stacks): a
+# hang becomes a failure that says what did not answer.
+CHUNK_TIMEOUT_S = 30.0
+"""A stream gives its next chunk within this (the tiny model makes hundreds of tokens a second)."""
+ASYNC_TEST_TIMEOUT_S = 90.0
+"""A test's whole coroutine ends within this."""
+
+
 async def _read(stream: Any, count: int) -> list[int]:
-    """Read ``stream`` until it gave ``count`` tokens (or ended); it stays open."""
+    """Read ``stream`` until it gave ``count`` tokens (or ended); it stays open. Each chunk within
+    ``CHUNK_TIMEOUT_S``."""
     tokens: list[int] = []
-    async for chunk in stream:
-        tokens.extend(chunk.token_ids)
-        if len(tokens) >= count:
+    while len(tokens) < count:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), CHUNK_TIMEOUT_S)
+        except StopAsyncIteration:
             break
+        except TimeoutError:
+            raise AssertionError(
+                f"stream {stream.request_id!r} gave no chunk within {CHUNK_TIMEOUT_S:g} s after {len(tokens)} "
+                "token(s) (queued behind a pause, or SGLang's loop not running?)"
+            ) from None
+        tokens.extend(chunk.token_ids)
     return tokens
+
+
+def _run(engine: Any, coro: Any, timeout_s: float = ASYNC_TEST_TIMEOUT_S) -> Any:
+    """``asyncio.run(coro)`` bounded by ``timeout_s``; the failure names the engine's async state. (A coroutine
+    blocked in a sync call cannot be interrupted: faulthandler_timeout dumps the stacks then.)"""
+
+    async def bounded() -> Any:
+        try:
+            return await asyncio.wait_for(coro, timeout_s)
+        except TimeoutError:
+            raise AssertionError(
+                f"the test's coroutine did not end within {timeout_s:g} s: engine paused={engine.paused!r}, "
+                f"in_flight={engine.in_flight}"
+            ) from None
+
+    return asyncio.run(bounded())
 
 
 class TestSGLangConformance(EngineConformance):
@@ -268,6 +300,19 @@ class TestSGLangConformance(EngineConformance):
         self.assert_baseline(engine, baseline)
 
     # ---- async: what the conformance suite's async tests do not cover ---------------------------------------
+    @pytest.fixture
+    def async_ready(self, engine: Any) -> Any:
+        """The class engine unpaused with nothing in flight (else a stream would be queued behind a pause an
+        earlier test left, and wait forever); left so afterwards."""
+        assert engine.paused is None and engine.in_flight == 0, (
+            f"an earlier test left the engine paused={engine.paused!r} with {engine.in_flight} request(s) in flight"
+        )
+        yield engine
+        if not engine.state.closed:
+            _run(engine, engine.resume_generation(), 30)
+            _run(engine, engine.abort(), 30)
+
+    @pytest.mark.usefixtures("async_ready")
     def test_sync_generate_while_async_requests_run(self, engine: Any, baseline: list[GenerationResult]) -> None:
         """Served by the same SGLang engine, batched with the streams (SGLang's loop is on our thread then)."""
 
@@ -280,13 +325,14 @@ class TestSGLangConformance(EngineConformance):
             await engine.abort()
             return results, [await stream.collect() for stream in streams], live
 
-        results, streamed, live = asyncio.run(main())
+        results, streamed, live = _run(engine, main())
         assert token_ids(results) == token_ids(baseline) and live == 2
         for result in streamed:
             out = result.outputs[0]
             assert out.finish_reason == "abort" and 2 <= len(out.token_ids) < _LONG.max_new_tokens
         self.assert_baseline(engine, baseline)  # and without async requests (the loop is the callers' again)
 
+    @pytest.mark.usefixtures("async_ready")
     def test_sync_generate_during_an_in_place_pause_is_refused(
         self, engine: Any, baseline: list[GenerationResult]
     ) -> None:
@@ -305,8 +351,9 @@ class TestSGLangConformance(EngineConformance):
             await engine.abort()
             assert (await stream.collect()).outputs[0].finish_reason == "abort"
 
-        asyncio.run(main())
+        _run(engine, main())
 
+    @pytest.mark.usefixtures("async_ready")
     @pytest.mark.parametrize("clear_cache", [True, False])
     def test_no_prefix_from_the_old_weights_after_pause_keep(
         self,
@@ -335,12 +382,13 @@ class TestSGLangConformance(EngineConformance):
             return results, await stream.collect()
 
         with self.restoring(engine, original_weights):
-            results, streamed = asyncio.run(main())
+            results, streamed = _run(engine, main())
         assert token_ids(results) == token_ids(other_record["results"])
         out = streamed.outputs[0]
         assert out.finish_reason == "abort" and len(out.logprobs or []) == len(out.token_ids) >= 4
         self.assert_baseline(engine, baseline)
 
+    @pytest.mark.usefixtures("async_ready")
     def test_abort_during_a_clear_cache_pause_keeps_the_tokens(self, engine: Any) -> None:
         async def main() -> tuple[list[int], list[str], GenerationResult]:
             stream = engine.stream(PROMPTS[2], _LONG, request_id="held")
@@ -352,12 +400,13 @@ class TestSGLangConformance(EngineConformance):
             await engine.resume_generation()
             return head, aborted, await stream.collect()
 
-        head, aborted, result = asyncio.run(main())
+        head, aborted, result = _run(engine, main())
         out = result.outputs[0]
         assert aborted == ["held"] and engine.in_flight == 0
         assert out.finish_reason == "abort" and out.token_ids[: len(head)] == head
         assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) < _LONG.max_new_tokens
 
+    @pytest.mark.usefixtures("async_ready")
     def test_stop_ids_under_ignore_eos_stream_as_generate_returns(
         self, engine: Any, baseline: list[GenerationResult]
     ) -> None:
@@ -372,7 +421,7 @@ class TestSGLangConformance(EngineConformance):
             logprobs=True,
         )
         (sync,) = engine.generate(PROMPTS[:1], params)
-        streamed = asyncio.run(engine.generate_async(PROMPTS[0], params)).outputs[0]
+        streamed = _run(engine, engine.generate_async(PROMPTS[0], params)).outputs[0]
         want = tokens[: tokens.index(stop) + 1]
         assert streamed.token_ids == sync.outputs[0].token_ids == want
         assert (
@@ -385,11 +434,12 @@ class TestSGLangConformance(EngineConformance):
         )
         assert streamed.text == sync.outputs[0].text and len(streamed.logprobs or []) == len(want)
 
+    @pytest.mark.usefixtures("async_ready")
     @pytest.mark.skipif(not DETERMINISTIC, reason="SGLang honours seeds only in deterministic mode")
     def test_seeded_samples_stream_as_generate_returns(self, engine: Any) -> None:
         params = SamplingParams(temperature=1.0, max_new_tokens=12, n=3, seed=5, logprobs=True)
         (sync,) = engine.generate(PROMPTS[:1], params)
-        streamed = asyncio.run(engine.generate_async(PROMPTS[0], params))
+        streamed = _run(engine, engine.generate_async(PROMPTS[0], params))
         assert [o.token_ids for o in streamed.outputs] == [o.token_ids for o in sync.outputs]
         assert streamed.prompt_token_ids == sync.prompt_token_ids
 
@@ -421,8 +471,7 @@ def test_shutdown_with_streams_open_ends_them_with_abort() -> None:
         engine.shutdown()
         engine.shutdown()
         for tokens, stream in zip(seen, streams, strict=True):
-            async for chunk in stream:
-                tokens.extend(chunk.token_ids)
+            tokens.extend(await _read(stream, _LONG.max_new_tokens + 1))  # to its end: shutdown ended it
         with pytest.raises(EngineClosedError):
             engine.stream(PROMPTS[0], GREEDY)
         with pytest.raises(EngineClosedError):
@@ -432,7 +481,7 @@ def test_shutdown_with_streams_open_ends_them_with_abort() -> None:
         return [(tokens, stream.result()) for tokens, stream in zip(seen, streams, strict=True)]
 
     try:
-        results = asyncio.run(main())
+        results = _run(engine, main())
     finally:
         engine.shutdown()
     for tokens, result in results:
