@@ -7,6 +7,7 @@ colocated pool runs inside a trainer actor, as a real colocated trainer would ow
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +20,13 @@ ray = pytest.importorskip("ray")
 from support.ray_cluster import ROOT, local_cluster, pool_actors, pool_placement_groups  # noqa: E402
 
 from genengine import GenerationEngine, SamplingParams, create_engine  # noqa: E402
-from genengine.errors import BackendNotFoundError, ConfigError, EngineSleepingError  # noqa: E402
+from genengine.errors import (  # noqa: E402
+    BackendNotFoundError,
+    ConfigError,
+    EngineSleepingError,
+    InvalidArgumentError,
+    WeightsNotLoadedError,
+)
 from genengine.ray import EnginePool, ReplicaDiedError, ReplicaTimeoutError, prefix_key  # noqa: E402
 from genengine.testing.conformance import load_checkpoint  # noqa: E402
 from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
@@ -93,6 +100,11 @@ def _tokens(results: Any) -> list[list[list[int]]]:
         ({"model": None}, ConfigError, "needs a model"),
         ({"dtype": "fp8"}, ConfigError, "dtype='fp8'"),
         ({"weights_source": 3}, ConfigError, "weights_source=3"),
+        ({"transport": "glo"}, Exception, "glo"),
+        ({"transport": "gloo", "keep_weights": True}, ConfigError, "keep_weights=True"),
+        ({"transport_options": {"checksum": True}}, ConfigError, "needs transport="),
+        ({"transport": "gloo", "transport_options": {"bucket_byte": 1}}, ConfigError, "did you mean 'bucket_bytes'"),
+        ({"transport": "gloo", "transport_options": {"bucket_bytes": 0}}, ConfigError, "bucket_bytes=0"),
     ],
 )
 def test_bad_input_is_refused_before_any_actor(
@@ -254,6 +266,7 @@ def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> No
     try:
         while sum(r.load for r in pool.replicas) == 0:
             time.sleep(0.02)
+        time.sleep(0.5)  # routed is not running yet: let the replicas start generating (it takes seconds)
         pool.timeout_s = 0.5
         with pytest.raises(ReplicaTimeoutError, match=r"replica \d \(actor [0-9a-f]+, node .*\): flush_cache did not"):
             pool.flush_cache()
@@ -265,7 +278,8 @@ def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> No
 # ---- colocated ------------------------------------------------------------------------------------------------
 def test_colocated_pool_in_a_trainer_actor(cluster: Any, model: str, local: Any, other_weights: dict[str, Any]) -> None:
     """The trainer actor and the replicas share the bundles of one placement group (fractional CPUs here,
-    fractional GPUs on a GPU node); the trainer owns the pool and runs an RL step through it."""
+    fractional GPUs on a GPU node); the trainer owns the pool and runs an RL step through it, its weights
+    broadcast from the trainer actor's process over a gloo group (the NCCL path's code, on CPU)."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     from support.ray_trainer import ColocatedTrainer
@@ -275,7 +289,7 @@ def test_colocated_pool_in_a_trainer_actor(cluster: Any, model: str, local: Any,
     trainer = (
         ray.remote(ColocatedTrainer)
         .options(num_cpus=0.1, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
-        .remote(model, pg, 0.2)
+        .remote(model, pg, 0.2, "gloo")
     )
     try:
         weights_dir = str(tiny_model_dir(seed=1))
@@ -287,8 +301,116 @@ def test_colocated_pool_in_a_trainer_actor(cluster: Any, model: str, local: Any,
     params = SamplingParams(temperature=0, max_new_tokens=8)
     assert out["replica_bundles"] == [0, 1] and out["trainer_pg"] == pg.id
     assert out["asleep"] == ["kv_cache", "weights"] and out["replica_versions"] == [9, 9]
+    assert str(out["transport_group"]).startswith("genengine-pool-") and out["sync"][0] == len(other_weights)
+    assert out["trainer_pid"] not in out["replica_pids"]
     with create_engine(backend="transformers", model=model, dtype="float32") as fresh:
         assert out["before"] == [r.outputs[0].token_ids for r in fresh.generate(PROMPTS, params)]
     local.load_weights(other_weights.items())
     assert out["after"] == [r.outputs[0].token_ids for r in local.generate(PROMPTS, params)]
     assert set(out["after_versions"]) == {((0, 9),)}
+
+
+# ---- weight sync over a gloo group (the NCCL path's code, on CPU) ----------------------------------------------
+def _reference(local: Any, weights: dict[str, Any], version: int) -> list[list[list[int]]]:
+    local.load_weights(weights.items(), version=version)
+    return _tokens(local.generate(PROMPTS, GREEDY))
+
+
+@pytest.fixture(scope="class")
+def gloo(cluster: Any, model: str) -> Iterator[EnginePool]:
+    """Two replicas syncing over ``transport="gloo"`` from the test process (rank 0), with buckets small enough
+    that every sync is several (double-buffered) broadcasts: the one extra pool of the gloo tests."""
+    with EnginePool(
+        backend="transformers",
+        model=model,
+        dtype="float32",
+        num_replicas=2,
+        num_gpus=0,
+        num_cpus=0.25,
+        transport="gloo",
+        transport_options={"bucket_bytes": 1 << 20, "timeout_s": 60},
+        timeout_s=120,
+    ) as p:
+        yield p
+    mine = f"genengine-pool-{p._id}-"
+    assert [n for n in pool_actors(cluster) + pool_placement_groups(cluster) if n.startswith(mine)] == []
+
+
+class TestGlooSync:
+    """load_weights through the pool's gloo group: every replica, a restart, a corrupted bucket (in this order)."""
+
+    def test_a_sync_reaches_every_replica(self, gloo: EnginePool, local: Any, other_weights: dict[str, Any]) -> None:
+        disk = _tokens(gloo.generate(PROMPTS, GREEDY))
+        assert gloo.transport_group is None  # formed at the first sync
+        gloo.sleep(1)
+        gloo.wake(["weights"])
+        report = gloo.load_weights(other_weights.items(), version=11)
+        gloo.wake(["kv_cache"])
+        assert report.num_tensors == len(other_weights) and report.num_buckets >= 3
+        first = gloo.transport_group
+        assert first is not None and first.startswith("genengine-pool-")
+        assert [_info(r)["weight_version"] for r in gloo.replicas] == [11, 11] and gloo.weight_version == 11
+        got = gloo.generate(PROMPTS, GREEDY)
+        want = _reference(local, other_weights, 11)
+        assert _tokens(got) == want != disk
+        assert {o.weight_versions for r in got for o in r.outputs} == {((0, 11),)}
+        assert sorted(gloo.router._keys[prefix_key(p)] for p in PROMPTS) == [0, 0, 1, 1]  # both replicas served
+        # the group is kept between syncs; bad calls are refused before anything is sent
+        gloo.load_weights(other_weights, version=12)
+        assert gloo.transport_group == first and [_info(r)["weight_version"] for r in gloo.replicas] == [12, 12]
+        with pytest.raises(InvalidArgumentError, match=r"bucket_bytes=1024: with transport='gloo'"):
+            gloo.load_weights(other_weights.items(), bucket_bytes=1024, version=13)
+        assert gloo.weight_version == 12
+
+    def test_a_killed_replica_rejoins_a_new_group_with_the_right_weights(
+        self, gloo: EnginePool, local: Any, other_weights: dict[str, Any], model: str
+    ) -> None:
+        """Replica 1 is killed after a sync and restarted by Ray; the next sync notices it (without a
+        check_health first), the restored replica gets the weights from the registered source (object store),
+        and the group is formed again under a new name, so that the sync after reaches both replicas."""
+        weights = load_checkpoint(model)  # the checkpoint's weights, synced last to change every output back
+        gloo.set_weights_source(lambda: other_weights.items())  # what the restored replica must be refitted with
+        before = gloo.transport_group
+        old_pid = _info(gloo.replicas[1])["pid"]
+        ray.kill(ray.get_actor(gloo.replicas[1].name), no_restart=False)
+        gloo.load_weights(other_weights.items(), version=14)
+        gloo.check_health()
+        infos = [_info(r) for r in gloo.replicas]
+        assert infos[1]["pid"] != old_pid and [i["weight_version"] for i in infos] == [14, 14]
+        assert [r.status for r in gloo.replicas] == ["healthy", "healthy"]
+        assert _tokens(gloo.generate(PROMPTS, GREEDY)) == _reference(local, other_weights, 14)
+        gloo.set_weights_source(None)
+        gloo.load_weights(weights.items(), version=15)  # back to the disk weights, through the new group
+        assert gloo.transport_group not in (None, before)
+        assert [_info(r)["weight_version"] for r in gloo.replicas] == [15, 15]
+        assert _tokens(gloo.generate(PROMPTS, GREEDY)) == _reference(local, weights, 15)
+
+    def test_a_corrupted_bucket_names_the_replicas_and_changes_nothing(
+        self, gloo: EnginePool, local: Any, other_weights: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from genengine.transport import ChecksumError
+        from genengine.transport._layout import CORRUPT_ENV
+
+        version, group = gloo.weight_version, gloo.transport_group
+        want = _tokens(gloo.generate(PROMPTS, GREEDY))
+        monkeypatch.setenv(CORRUPT_ENV, "0")  # in the sender's (this) process: bucket 0 arrives corrupted
+        with pytest.raises(ChecksumError) as info:
+            gloo.load_weights(other_weights.items(), version=16)
+        message = str(info.value)
+        for index, rank in ((0, 1), (1, 2)):
+            assert re.search(rf"replica {index} \(actor [0-9a-f]+, node [^)]*\) \(rank {rank}\)", message), message
+        assert "rank 1: checksum mismatch at bucket 0" in message and f"weight version stays {version}" in message
+        assert [_info(r)["weight_version"] for r in gloo.replicas] == [version] * 2 and gloo.weight_version == version
+        assert _tokens(gloo.generate(PROMPTS, GREEDY)) == want  # nothing of the sync was loaded anywhere
+        # a later bucket: the earlier ones landed, so both replicas are a mix and are kept out of traffic
+        monkeypatch.setenv(CORRUPT_ENV, "1")
+        with pytest.raises(ChecksumError, match=r"loaded part of the sync and take no traffic"):
+            gloo.load_weights(other_weights.items(), version=17)
+        assert [r.needs_weights for r in gloo.replicas] == [True, True] and gloo.weight_version == version
+        with pytest.raises(WeightsNotLoadedError, match=r"no replica takes traffic: replica 0 \(actor"):
+            gloo.generate(PROMPTS, GREEDY)
+        monkeypatch.delenv(CORRUPT_ENV)
+        gloo.load_weights(other_weights.items(), version=18)  # the group survived both: same name
+        assert gloo.transport_group == group and [r.needs_weights for r in gloo.replicas] == [False, False]
+        assert [_info(r)["weight_version"] for r in gloo.replicas] == [18, 18]
+        assert _tokens(gloo.generate(PROMPTS, GREEDY)) == _reference(local, other_weights, 18)

@@ -152,6 +152,50 @@ def _resource(name: str, value: Any) -> float:
     return float(value)
 
 
+_TRANSPORT_OPTIONS = ("bucket_bytes", "checksum", "timeout_s")
+
+
+def _transport_options(transport: str | None, options: Mapping[str, Any] | None, timeout_s: float) -> dict[str, Any]:
+    """The ``TransportSpec`` fields the pool's groups get (checksums on, the pool's timeout), checked now by
+    building a spec with them."""
+    if options is None:
+        options = {}
+    elif transport is None:
+        raise ConfigError(f"transport_options={dict(options)!r} needs transport= (a transport name)")
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"transport_options={options!r} must be a mapping of TransportSpec fields or None")
+    for key in options:
+        if key not in _TRANSPORT_OPTIONS:
+            hint = closest(str(key), _TRANSPORT_OPTIONS)
+            raise ConfigError(
+                f"transport_options key {key!r}"
+                + (f" (did you mean {hint!r}?)" if hint else "")
+                + "; allowed: "
+                + ", ".join(_TRANSPORT_OPTIONS)
+                + " (the pool sets the address, world size, group name and device itself)"
+            )
+    merged = {"checksum": True, "timeout_s": timeout_s, **options}
+    if transport is not None:
+        from genengine.transport import TransportSpec
+
+        try:
+            TransportSpec(transport, "127.0.0.1:1", 2, "check", **merged)
+        except InvalidArgumentError as exc:
+            raise ConfigError(f"transport_options: {str(exc).removeprefix('TransportSpec ')}") from exc
+    return merged
+
+
+def _renamed(exc: BaseException, message: str) -> BaseException:
+    """``exc``'s type (a genengine error) with ``message``, else a ReplicaError; chained to ``exc``."""
+    kind = type(exc) if isinstance(exc, GenEngineError) else ReplicaError
+    try:
+        error = kind(message)
+    except Exception:
+        error = ReplicaError(message)
+    error.__cause__ = exc
+    return error
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
@@ -180,6 +224,8 @@ class EnginePool:
 
     ``transport`` (``"gloo"``, ``"nccl"``, ``"cuda_ipc"``): weight syncs go through ``genengine.transport``;
     None puts each synced tensor in Ray's object store once and every replica reads it from there.
+    ``transport_options`` sets the group's ``TransportSpec`` fields ``bucket_bytes``, ``checksum`` (on by
+    default here) and ``timeout_s`` (default: the pool's ``timeout_s``).
     """
 
     supports_async: ClassVar[bool] = True
@@ -196,6 +242,7 @@ class EnginePool:
         num_gpus: float = 1.0,
         num_cpus: float = 1.0,
         transport: str | None = None,
+        transport_options: Mapping[str, Any] | None = None,
         keep_weights: bool = False,
         weights_source: Callable[[], Iterable[tuple[str, torch.Tensor]]] | None = None,
         request_retries: int = 0,
@@ -246,6 +293,7 @@ class EnginePool:
         self._weights_source = weights_source
         self._retries = option_int("request_retries", request_retries, lo=0)
         self._timeout_s = option_number("timeout_s", timeout_s)
+        self._transport_options = _transport_options(transport, transport_options, self._timeout_s)
         self._start_timeout_s = option_number("start_timeout_s", start_timeout_s)
         self._request_timeout_s = option_number("request_timeout_s", request_timeout_s)
         self._max_restarts = option_int("max_restarts", max_restarts, lo=-1)
@@ -267,6 +315,7 @@ class EnginePool:
         self._streams: dict[str, PoolStream] = {}
         self._sender: Any = None
         self._group: tuple[tuple[int, str], ...] = ()
+        self._group_name = ""
         self._group_count = 0
         self._common: dict[str, Any] = {}
         ray = _ray()
@@ -803,6 +852,12 @@ class EnginePool:
         self._recover()
         if not self.router.replicas:
             self._recover(wait=True)
+        waiting = [r for r in self._active() if r.needs_weights]
+        if not self.router.replicas and waiting:
+            raise WeightsNotLoadedError(
+                f"no replica takes traffic: {', '.join(r.where for r in waiting)} wait(s) for the next "
+                "load_weights (restored without a source of the current weights, or a failed sync left a mix)"
+            )
         groups: dict[int, list[int]] = {}
         for (key, cost), i in zip(work, ids, strict=True):
             groups.setdefault(self.router.pick(key, cost=cost), []).append(i)
@@ -841,12 +896,33 @@ class EnginePool:
         start = time.perf_counter()
         self._recover()
         with self._lock:
+            if self._transport_name is not None:
+                self._confirm_members()
             self._check_dead()
             replicas = self._active()
             if not replicas:
                 raise EngineStateError(f"load_weights: no replica is up ({self._describe()})")
             if self._transport_name is not None:
-                report = self._load_transport(replicas, named_tensors, version)
+                if bucket_bytes is not None:
+                    raise InvalidArgumentError(
+                        f"bucket_bytes={bucket_bytes!r}: with transport={self._transport_name!r} the buckets are the "
+                        "weight-sync group's: pass EnginePool(transport_options={'bucket_bytes': N}) instead"
+                    )
+                if not isinstance(check_finite, bool):
+                    raise InvalidArgumentError(f"check_finite={check_finite!r} must be True or False")
+                try:
+                    report = self._load_transport(replicas, named_tensors, version, check_finite)
+                except GenEngineError as exc:
+                    # A stream read once (a generator) cannot be sent again: the trainer syncs again itself.
+                    if not getattr(exc, "lost_replica", False) or iter(named_tensors) is named_tensors:
+                        raise
+                    _log.warning("%s; syncing the replicas that are up again", exc)
+                    self._confirm_members()
+                    self._check_dead()
+                    replicas = self._active()
+                    if not replicas:
+                        raise
+                    report = self._load_transport(replicas, named_tensors, version, check_finite)
             else:
                 report = self._load(replicas, named_tensors, version, bucket_bytes, check_finite)
             if version is not None:
@@ -894,23 +970,99 @@ class EnginePool:
         )
         return results[0][1]
 
-    def _load_transport(self, replicas: list[_Replica], named_tensors: Any, version: int | None) -> Any:
+    def _confirm_members(self) -> None:
+        """Before a transport sync: ping every healthy replica (``timeout_s``; answered at once) so that one
+        that restarted unnoticed is restored, or left out, before the group is formed or used. A member that
+        is not what the group was formed with would make the sync wait for it until the group's timeout."""
+        alive = self._active()
+        for r, outcome in self._collect("load_weights", [(r, r.actor.info.remote()) for r in alive], self._timeout_s):
+            if isinstance(outcome, BaseException) or outcome["incarnation"] != r.incarnation:
+                self._mark_stale(r)
+        self._recover()
+
+    def _load_transport(
+        self, replicas: list[_Replica], named_tensors: Any, version: int | None, check_finite: bool
+    ) -> Any:
         """One sync through the weight-sync group (formed again when its members changed): every receiver is
-        started, then the trainer's process sends, then every receiver is waited for (``timeout_s``)."""
+        started, then the trainer's process sends, then every receiver is waited for. Any failure raises one
+        error naming each replica that did not load the sync (and its rank in the group)."""
+        from genengine.transport import TransportError, TransportTimeoutError
+
         self._ensure_group(replicas)
-        calls = [(r, r.actor.transport_receive.remote(r.incarnation)) for r in replicas]
+        group = self._group_name
+        ranks = {r.index: rank for rank, r in enumerate(replicas, 1)}
+        calls = [(r, r.actor.transport_receive.remote(r.incarnation, check_finite)) for r in replicas]
         pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        label = self._version if version is None else version
+        sent: BaseException | None = None
         try:
-            self._sender.send(pairs, version=self._version if version is None else version)
-        finally:
-            results = self._gather("load_weights", calls, skip_stale=True)
-        for replica, value in results:
-            replica.state, replica.version = value[1], value[2]
-        return results[0][1][0]
+            self._sender.send(pairs, version=label)
+        except Exception as exc:
+            sent = exc
+            if isinstance(exc, TransportTimeoutError) or not isinstance(exc, GenEngineError):
+                # The group is out of step: close rank 0's end now, so that the receivers still waiting for it
+                # fail at once (their connections drop) instead of at the group's timeout.
+                with contextlib.suppress(Exception):
+                    self._sender.close()
+        # A receiver raises within the group's timeout of the sender's last word; the margin covers Ray.
+        outcomes = self._collect("load_weights", calls, self._transport_options["timeout_s"] + self._timeout_s)
+        failed = [(r, o) for r, o in outcomes if isinstance(o, BaseException)]
+        if sent is None and not failed:
+            for replica, value in outcomes:
+                replica.state, replica.version = value[1], value[2]
+            return outcomes[0][1][0]
+        # A timeout, a dead or silent replica, or a failure outside the protocol leave the group out of step.
+        broken = isinstance(sent, TransportTimeoutError) or (sent is not None and not isinstance(sent, GenEngineError))
+        for r, o in failed:
+            cause = o.__cause__ if o.__cause__ is not None else o
+            lost = (ReplicaDiedError, ReplicaTimeoutError, StaleReplicaError, TransportTimeoutError)
+            broken = broken or isinstance(o, lost) or not isinstance(cause, GenEngineError)
+            if int(getattr(cause, "buckets_loaded", 0) or 0) > 0:
+                # Some buckets landed: its weights are a mix under the old label. No traffic until a full sync.
+                r.needs_weights = True
+                with contextlib.suppress(InvalidArgumentError):
+                    self.router.remove(r.index)
+        for replica, value in outcomes:
+            if not isinstance(value, BaseException):
+                replica.state, replica.version = value[1], value[2]
+        if broken:
+            with contextlib.suppress(Exception):
+                self._close_group()
+        what = f"load_weights of version {label} over transport {self._transport_name!r} (group {group!r})"
+        if failed:
+            named = ", ".join(f"{r.where} (rank {ranks[r.index]})" for r, _ in failed)
+            lines = [f"{what} failed on {len(failed)} of {len(replicas)} replica(s): {named}"]
+            lines += [f"rank {ranks[r.index]}: {type(o).__name__}: {o}" for r, o in failed]
+        else:
+            lines = [f"{what} failed in the trainer's process; every replica answered"]
+        if sent is not None:
+            lines.append(f"the sender: {type(sent).__name__}: {sent}")
+        mixed = [r for r, _ in failed if r.needs_weights]
+        lines.append(
+            f"the pool's weight version stays {self._version}"
+            + (
+                f"; replica(s) {', '.join(str(r.index) for r in mixed)} loaded part of the sync and take no traffic "
+                "until the next load_weights reaches them"
+                if mixed
+                else ""
+            )
+            + ("; the group is closed and formed again at the next sync" if broken else "")
+        )
+        message = "; ".join(lines)
+        kinds = {type(o) for _, o in failed}
+        if not failed and sent is not None:
+            error = _renamed(sent, message)
+        elif len(kinds) == 1:
+            error = _renamed(failed[0][1], message)
+        else:
+            error = TransportError(message)
+        # A replica died or restarted under the sync: load_weights syncs the others again once (docs/deployment.md).
+        error.lost_replica = any(isinstance(o, (ReplicaDiedError, StaleReplicaError)) for _, o in failed)  # type: ignore[attr-defined]
+        raise error from (sent if sent is not None else failed[0][1])
 
     def _ensure_group(self, replicas: list[_Replica]) -> None:
         ray = _ray()
-        from genengine.transport import TransportSpec, get_transport
+        from genengine.transport import TransportSpec
 
         name = self._transport_name
         assert name is not None, "a weight-sync group needs the pool's transport"
@@ -924,15 +1076,54 @@ class EnginePool:
             address=f"{ray.util.get_node_ip_address()}:{_free_port()}",
             world_size=1 + len(replicas),
             group_name=f"genengine-pool-{self._id}-{self._group_count}",
-            timeout_s=self._timeout_s,
             device="cpu" if name == "gloo" else "cuda",
+            **self._transport_options,
         )
         calls = [(r, r.actor.transport_join.remote(r.incarnation, spec, rank)) for rank, r in enumerate(replicas, 1)]
+        sender = self._open_sender(spec, calls)
+        self._sender, self._group, self._group_name = sender, members, spec.group_name
+        _log.info("weight-sync group %r formed: %s", spec.group_name, ", ".join(r.where for r in replicas))
+
+    def _open_sender(self, spec: Any, calls: list[tuple[_Replica, Any]]) -> Any:
+        """Rank 0's end, opened in a thread while the replicas join: a replica whose join fails (it raises at
+        once, e.g. a transport its node lacks) is named at once instead of after the group's timeout."""
+        ray = _ray()
+        from genengine.transport import get_transport
+
+        box: dict[str, Any] = {}
+
+        def open_it() -> None:
+            try:
+                box["sender"] = get_transport(spec.transport).sender(spec)
+            except BaseException as exc:
+                box["error"] = exc
+
+        thread = threading.Thread(target=open_it, name=f"{spec.group_name}-sender", daemon=True)
+        thread.start()
+        waiting = {r.index: (r, ref) for r, ref in calls}  # _Replica is not hashable
+        while thread.is_alive() and waiting:
+            thread.join(0.05)
+            done, _ = ray.wait([ref for _, ref in waiting.values()], num_returns=len(waiting), timeout=0)
+            early = [(r, ref) for r, ref in waiting.values() if ref in done]
+            for r, outcome in self._collect("transport_join", early, 0):
+                del waiting[r.index]
+                if isinstance(outcome, BaseException) and thread.is_alive():
+                    # The sender gives up at its timeout; the replicas that joined are told so and raise
+                    # then. Nothing to close now: the next sync forms a new group.
+                    raise outcome
+        thread.join()
+        if "error" in box:
+            exc = box["error"]
+            joined = self._collect("transport_join", calls, spec.timeout_s + self._timeout_s)
+            notes = [f"rank {rank}: {o}" for rank, (_, o) in enumerate(joined, 1) if isinstance(o, BaseException)]
+            raise _renamed(exc, "; ".join([str(exc), *notes])) from exc
+        sender = box["sender"]
         try:
-            self._sender = get_transport(name).sender(spec)
-        finally:
-            self._gather("transport_join", calls)
-        self._group = members
+            self._gather("transport_join", calls, spec.timeout_s + self._timeout_s)
+        except BaseException:
+            sender.close()
+            raise
+        return sender
 
     def _close_group(self) -> None:
         sender, self._sender, self._group = self._sender, None, ()
@@ -940,6 +1131,12 @@ class EnginePool:
             sender.close()
             live = self._active()
             self._collect("transport_close", [(r, r.actor.transport_close.remote()) for r in live], self._timeout_s)
+
+    @property
+    def transport_group(self) -> str | None:
+        """The name of the current weight-sync group (None before the first transport sync, or when the pool
+        has no transport); it changes whenever the group is formed again."""
+        return self._group_name if self._sender is not None else None
 
     def set_weights_source(self, source: Callable[[], Iterable[tuple[str, Any]]] | None) -> None:
         """Where a restarted replica's weights come from: ``source()`` gives the (name, tensor) pairs of the

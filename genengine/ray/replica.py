@@ -161,20 +161,24 @@ class EngineReplica:
 
     # ---- weight transports (genengine.transport) ------------------------------------------------------------
     async def transport_join(self, expect: str | None, spec: Any, rank: int) -> None:
-        """Join a weight-sync group as ``rank``; blocks (in a thread) until every rank joined or its timeout."""
-        from genengine.transport import get_transport
+        """Join a weight-sync group as ``rank`` (the engine's native endpoint where it offers one, else the
+        transport's generic receiver); blocks (in a thread) until every rank joined or the group's timeout."""
+        from genengine.transport import open_receiver
 
         self._check(expect)
         await self.transport_close()
-        self._receiver = await asyncio.to_thread(get_transport(spec.transport).receiver, spec, rank)
+        self._receiver = await asyncio.to_thread(open_receiver, spec, rank, self.engine)
 
-    async def transport_receive(self, expect: str | None) -> tuple[Any, Any, int]:
-        """Receive one sync from the group's sender into the engine (it calls ``engine.load_weights``)."""
+    async def transport_receive(self, expect: str | None, check_finite: bool = False) -> tuple[Any, Any, int]:
+        """Receive one sync from the group's sender into the engine (it calls ``engine.load_weights`` bucket by
+        bucket, each with ``check_finite``)."""
         self._check(expect)
-        if self._receiver is None:
-            raise RuntimeError(f"replica {self.index} is in no weight-sync group")
+        receiver = self._receiver
+        if receiver is None:
+            raise RuntimeError(f"replica {self.index} is in no weight-sync group (the pool forms one before a sync)")
         async with self._lock:
-            report = await asyncio.to_thread(self._receiver.receive, self.engine)
+            engine = _FiniteLoads(self.engine) if check_finite else self.engine
+            report = await asyncio.to_thread(receiver.receive, engine)
             return (report, *self._status())
 
     async def transport_close(self) -> None:
@@ -188,3 +192,17 @@ class EngineReplica:
         async with self._lock:
             if self.engine is not None:
                 await asyncio.to_thread(self.engine.shutdown)
+
+
+class _FiniteLoads:
+    """The engine as a receiver sees it, with ``check_finite=True`` on every ``load_weights`` (a bucket)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def load_weights(self, named_tensors: Any, *, version: int | None = None) -> Any:
+        extra = {} if version is None else {"version": version}
+        return self._engine.load_weights(named_tensors, check_finite=True, **extra)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)

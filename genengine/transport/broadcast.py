@@ -277,6 +277,8 @@ class BroadcastReceiver:
         code, at = (failure[0], failure[1]) if failure else (OK, -1)
         g.send_status([code, at, int(meta["seq"])], "reporting the sync's outcome to the sender")
         if failure is not None:
+            with contextlib.suppress(Exception):  # how many buckets landed: a pool keeps a mix out of traffic
+                failure[2].buckets_loaded = loaded  # type: ignore[attr-defined]
             raise failure[2]
         return SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
 

@@ -12,6 +12,7 @@ meanwhile. The same bucket layout, checksum and abort flag as the broadcast tran
 from __future__ import annotations
 
 import base64
+import contextlib
 import pickle
 import time
 from collections import deque
@@ -217,6 +218,8 @@ class CudaIpcReceiver:
         finally:
             del shared  # drop our references to the sender's memory
         if failure is not None:
+            with contextlib.suppress(Exception):  # how many buckets landed: a pool keeps a mix out of traffic
+                failure[2].buckets_loaded = loaded  # type: ignore[attr-defined]
             raise failure[2]
         return SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
 class ColocatedTrainer:
     """Creates an ``EnginePool`` colocated in its own placement group and drives generate/sleep/wake/load."""
 
-    def __init__(self, model: str, placement_group: Any, num_cpus: float) -> None:
+    def __init__(self, model: str, placement_group: Any, num_cpus: float, transport: str | None = None) -> None:
         from genengine.ray import EnginePool
 
         self.pool = EnginePool(
@@ -21,6 +22,7 @@ class ColocatedTrainer:
             bundle_indices=[0, 1],
             num_gpus=0,
             num_cpus=num_cpus,
+            transport=transport,
         )
 
     def step(self, prompts: list[str], weights_dir: str, version: int) -> dict[str, Any]:
@@ -35,7 +37,7 @@ class ColocatedTrainer:
         self.pool.sleep(1)
         asleep = sorted(self.pool.state.released_tags)
         self.pool.wake(["weights"])
-        self.pool.load_weights(load_checkpoint(weights_dir).items(), version=version)
+        report = self.pool.load_weights(load_checkpoint(weights_dir).items(), version=version)
         self.pool.wake(["kv_cache"])
         after = self.pool.generate(prompts, params)
         infos = [ray.get(ray.get_actor(r.name).info.remote()) for r in self.pool.replicas]
@@ -47,6 +49,10 @@ class ColocatedTrainer:
             "replica_versions": [i["weight_version"] for i in infos],
             "replica_bundles": [r.bundle_index for r in self.pool._replicas.values()],
             "trainer_pg": ray.get_runtime_context().current_placement_group_id,
+            "trainer_pid": os.getpid(),
+            "replica_pids": [i["pid"] for i in infos],
+            "sync": (report.num_tensors, report.num_buckets),
+            "transport_group": self.pool.transport_group,
         }
 
     def shutdown(self) -> None:
