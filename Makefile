@@ -7,6 +7,9 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
+# Two workers (pytest-xdist), one test file each at a time: the CI machine has two cores, and most of the suite
+# waits on subprocesses and process groups.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup demo test lint docs clean
 
@@ -30,7 +33,7 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d $(VENV)/site
 
 test: lint docs
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .mypy_cache .ruff_cache out

@@ -4,5 +4,17 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_key, _value)
+
+# The files that take a minute or more. Under pytest-xdist (`make test` runs two workers, one file per worker at a
+# time) they are handed out first, so that no worker is left running one of them alone at the end.
+_LONG_FILES = ("test_template_plugin.py", "test_ray_pool.py", "test_soak.py", "test_transport.py", "test_fuzz.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {name: i for i, name in enumerate(_LONG_FILES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: same order on every worker

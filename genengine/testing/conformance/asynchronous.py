@@ -23,8 +23,13 @@ __all__ = ["AsyncTests"]
 _LONG = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True, logprobs=True)
 
 
+# Bounds, so that an engine that stops answering fails its test with a message instead of hanging the suite.
+CHUNK_TIMEOUT_S = 30.0
+TEST_TIMEOUT_S = 120.0
+
+
 def _run(coro: Any) -> Any:
-    return asyncio.run(coro)
+    return asyncio.run(asyncio.wait_for(coro, TEST_TIMEOUT_S))
 
 
 async def _read(stream: Any, count: int) -> list[int]:
@@ -32,7 +37,7 @@ async def _read(stream: Any, count: int) -> list[int]:
     tokens: list[int] = []
     while len(tokens) < count:
         try:
-            chunk = await stream.__anext__()
+            chunk = await asyncio.wait_for(stream.__anext__(), CHUNK_TIMEOUT_S)
         except StopAsyncIteration:
             break
         tokens.extend(chunk.token_ids)
@@ -81,6 +86,7 @@ class AsyncTests(ConformanceBase):
         the suite); skips when the engine has no async capability, and leaves it unpaused and idle."""
         if not getattr(engine, "supports_async", False):
             pytest.skip("the engine does not declare supports_async")
+        assert engine.paused is None, f"an earlier test left the engine paused ({engine.paused!r})"
         yield engine
         if not engine.state.closed:
             _run(engine.resume_generation())
