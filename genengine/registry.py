@@ -38,6 +38,7 @@ __all__ = [
     "get_backend",
     "get_plugin_manager",
     "get_transport_info",
+    "resolve_config",
     "resolve_ref",
 ]
 
@@ -354,6 +355,18 @@ def _is_engine_instance(obj: Any) -> bool:
     return not isinstance(obj, type) and all(callable(getattr(obj, m, None)) for m in _PROTOCOL_METHODS)
 
 
+def resolve_config(config: Any, kwargs: Mapping[str, Any]) -> EngineConfig:
+    """``config`` (any form ``EngineConfig.from_any`` takes, or None) with ``kwargs`` applied: ``EngineConfig``
+    fields override it, any other keyword goes into ``options``. What ``create_engine`` builds from."""
+    base = EngineConfig() if config is None else EngineConfig.from_any(config)
+    names = set(EngineConfig.field_names())
+    overrides = {k: v for k, v in kwargs.items() if k in names}
+    extra = {k: v for k, v in kwargs.items() if k not in names}
+    if extra:
+        overrides["options"] = {**dict(overrides.get("options", base.options)), **extra}
+    return base.replace(**overrides) if overrides else base
+
+
 def create_engine(config: Any = None, /, **kwargs: Any) -> GenerationEngine:
     """Build an engine from a config (dict, dataclass, YAML path, OmegaConf, ``EngineConfig``) and/or kwargs.
 
@@ -361,14 +374,7 @@ def create_engine(config: Any = None, /, **kwargs: Any) -> GenerationEngine:
     ``options`` for the backend. ``backend`` may be a registered name, an engine class (built with
     ``cls.from_config(config)`` if it has one, else ``cls(config)``) or a ready engine instance.
     """
-    base = EngineConfig() if config is None else EngineConfig.from_any(config)
-    names = set(EngineConfig.field_names())
-    overrides = {k: v for k, v in kwargs.items() if k in names}
-    extra = {k: v for k, v in kwargs.items() if k not in names}
-    if extra:
-        overrides["options"] = {**dict(overrides.get("options", base.options)), **extra}
-    cfg = base.replace(**overrides) if overrides else base
-
+    cfg = resolve_config(config, kwargs)
     backend = cfg.backend
     if _is_engine_instance(backend):
         return backend

@@ -46,7 +46,7 @@ from genengine.errors import (
 from genengine.protocol import TAG_WEIGHTS, EngineState, GenerationResult, LoadReport
 from genengine.ray.errors import ReplicaDiedError, ReplicaError, ReplicaTimeoutError, StaleReplicaError
 from genengine.ray.router import Router, prefix_key
-from genengine.registry import available_backends, get_backend
+from genengine.registry import available_backends, get_backend, resolve_config
 from genengine.requests import Request, normalize_requests
 
 if TYPE_CHECKING:
@@ -116,13 +116,7 @@ class _Replica:
 # ---- validation (all of it before any actor or placement group is made) ---------------------------------------
 def _engine_config(config: Any, kwargs: Mapping[str, Any]) -> EngineConfig:
     """The replicas' ``EngineConfig``: ``config`` with ``kwargs`` applied as ``create_engine`` applies them."""
-    base = EngineConfig() if config is None else EngineConfig.from_any(config)
-    names = set(EngineConfig.field_names())
-    overrides = {k: v for k, v in kwargs.items() if k in names}
-    extra = {k: v for k, v in kwargs.items() if k not in names}
-    if extra:
-        overrides["options"] = {**dict(overrides.get("options", base.options)), **extra}
-    cfg = base.replace(**overrides) if overrides else base
+    cfg = resolve_config(config, kwargs)
     backend = cfg.backend
     if isinstance(backend, str):
         known = {b.name: b for b in available_backends()}.get(backend)
