@@ -36,6 +36,7 @@ from support.gpu_checks import (  # noqa: E402
     sleep_and_wake,
     token_ids,
     weight_sync_mode,
+    who_holds_gpu_memory,
 )
 
 from genengine import create_engine  # noqa: E402
@@ -397,7 +398,7 @@ def test_shutdown_keeps_the_trainer_world_and_frees_memory(trainer_world: Any) -
     dist.all_reduce(total)
     assert total.item() == 1.0
     left = _RECORD["free_before"] - free_gpu_memory()
-    assert left < GIB // 2, f"{left / GIB:.2f} GiB still held after shutdown"
+    assert left < GIB // 2, f"{left / GIB:.2f} GiB still held after shutdown; {who_holds_gpu_memory()}"
     assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == "expandable_segments:True"  # restored for the trainer
 
 

@@ -69,6 +69,24 @@ def free_gpu_memory() -> int:
     return int(torch.cuda.mem_get_info()[0])
 
 
+def who_holds_gpu_memory() -> str:
+    """For a failed "memory is back" check: how much of this process's GPU memory torch's caching allocator
+    still has allocated (live tensors: someone keeps a reference), its largest live blocks, and the rest
+    (outside torch: CUDA context, cuBLAS/NCCL workspaces, a foreign allocator such as vLLM's cumem pool)."""
+    import torch
+
+    allocated = torch.cuda.memory_allocated()
+    blocks = sorted(
+        (b["size"] for seg in torch.cuda.memory_snapshot() for b in seg["blocks"] if b["state"] == "active_allocated"),
+        reverse=True,
+    )
+    return (
+        f"torch allocator: {allocated / 2**20:.1f} MiB allocated in {len(blocks)} live blocks "
+        f"(largest, MiB: {[round(b / 2**20, 1) for b in blocks[:8]]}), "
+        f"{torch.cuda.memory_reserved() / 2**20:.1f} MiB reserved"
+    )
+
+
 def current_gpu_uuid() -> str:
     """NVML's name of the current CUDA device (``GPU-<uuid>``), the same under any ``CUDA_VISIBLE_DEVICES``."""
     import torch
