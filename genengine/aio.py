@@ -25,7 +25,15 @@ from genengine.requests import Request, normalize_requests
 if TYPE_CHECKING:
     from genengine.base import EngineBase
 
-__all__ = ["PAUSE_MODES", "AsyncEngineMixin", "AsyncRequest", "PauseMode", "RequestStream", "StreamChunk"]
+__all__ = [
+    "PAUSE_MODES",
+    "AsyncEngineMixin",
+    "AsyncRequest",
+    "PauseMode",
+    "RequestStream",
+    "StreamChunk",
+    "normalize_async_request",
+]
 
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
@@ -196,6 +204,10 @@ class AsyncEngineMixin:
     supports_async: ClassVar[bool] = True
 
     # ---- what a backend implements -------------------------------------------------------------------------
+    def _check_async_available(self) -> None:
+        """Raise if this engine object cannot serve the async calls at all (e.g. a TP rank that holds no
+        engine); every async call asks, right after the closed check. Most backends can always serve them."""
+
     def _async_start(self, request: AsyncRequest) -> None:
         """Admit a validated request; the scheduler reports into it. The engine is awake with valid weights."""
         raise NotImplementedError
@@ -267,6 +279,7 @@ class AsyncEngineMixin:
         "abort"``; requests queued during a pause finish at once with no tokens.
         """
         self._engine_base()._check_open()
+        self._check_async_available()
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         elif request_ids is not None and not isinstance(request_ids, Sequence):
@@ -298,6 +311,7 @@ class AsyncEngineMixin:
         """
         engine = self._engine_base()
         engine._check_open()
+        self._check_async_available()
         if mode not in PAUSE_MODES:
             raise InvalidArgumentError(f"pause mode={mode!r}: allowed are 'abort', 'wait' and 'keep'")
         if not isinstance(clear_cache, bool):
@@ -331,6 +345,7 @@ class AsyncEngineMixin:
         """Go on after ``pause_generation``: held requests continue, queued ones start."""
         engine = self._engine_base()
         engine._check_open()
+        self._check_async_available()
         state = self._async_state()
         with state.lock:
             if state.paused is None:
@@ -399,24 +414,16 @@ class AsyncEngineMixin:
     ) -> AsyncRequest:
         engine = self._engine_base()
         engine._check_open()
-        if prompt is not None and not isinstance(prompt, str):
-            raise InvalidArgumentError(
-                f"prompt={prompt!r}: the async calls take one prompt (a string); submit a batch as several calls"
-            )
-        if isinstance(sampling_params, Sequence):
-            raise InvalidArgumentError("the async calls take one SamplingParams (or mapping), not a list")
-        (request,) = normalize_requests(
+        self._check_async_available()
+        request, request_id = normalize_async_request(
             prompt,
             sampling_params,
-            prompt_token_ids=None if prompt_token_ids is None else [prompt_token_ids],
-            image_data=None if image_data is None else [image_data],
+            prompt_token_ids,
+            image_data,
+            request_id,
             vocab_size=engine._vocab_size(),
             supports_images=engine.supports_images,
         )
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidArgumentError(f"request_id={request_id!r} must be a non-empty string or None")
         engine._check_can_generate()
         handle = AsyncRequest(request_id, request, engine.weight_version, asyncio.get_running_loop())
         state = self._async_state()
@@ -444,6 +451,39 @@ class AsyncEngineMixin:
                     del state.live[handle.request_id]
             handle.fail(exc)
             raise
+
+
+def normalize_async_request(
+    prompt: str | None,
+    sampling_params: Any,
+    prompt_token_ids: Sequence[int] | None,
+    image_data: Any,
+    request_id: str | None,
+    *,
+    vocab_size: int | None,
+    supports_images: bool,
+) -> tuple[Request, str]:
+    """One async call's arguments checked and normalised, before anything is submitted: the request, and its
+    id (a fresh one when None). An async call takes one prompt, not a batch."""
+    if prompt is not None and not isinstance(prompt, str):
+        raise InvalidArgumentError(
+            f"prompt={prompt!r}: the async calls take one prompt (a string); submit a batch as several calls"
+        )
+    if isinstance(sampling_params, Sequence):
+        raise InvalidArgumentError("the async calls take one SamplingParams (or mapping), not a list")
+    (request,) = normalize_requests(
+        prompt,
+        sampling_params,
+        prompt_token_ids=None if prompt_token_ids is None else [prompt_token_ids],
+        image_data=None if image_data is None else [image_data],
+        vocab_size=vocab_size,
+        supports_images=supports_images,
+    )
+    if request_id is None:
+        request_id = uuid.uuid4().hex
+    elif not isinstance(request_id, str) or not request_id:
+        raise InvalidArgumentError(f"request_id={request_id!r} must be a non-empty string or None")
+    return request, request_id
 
 
 class RequestStream:

@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from genengine.aio import AsyncEngineMixin, PauseMode, RequestStream
+from genengine.aio import AsyncEngineMixin
 from genengine.base import EngineBase
 from genengine.checkpoint import read_model_config, vocab_size, weight_spec
 from genengine.config import EngineConfig
@@ -579,35 +579,8 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
         return not self.closed and (self._engine is not None or not self._group.is_leader)
 
     # ---- async (genengine.aio's hooks; genengine_sglang._async does the work) ---------------------------------
-    def stream(
-        self,
-        prompt: str | None = None,
-        sampling_params: Any = None,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        image_data: Any = None,
-        request_id: str | None = None,
-    ) -> RequestStream:
-        self._check_async_here()
-        return super().stream(
-            prompt, sampling_params, prompt_token_ids=prompt_token_ids, image_data=image_data, request_id=request_id
-        )
-
-    async def abort(self, request_ids: str | Sequence[str] | None = None) -> list[str]:
-        self._check_async_here()
-        return await super().abort(request_ids)
-
-    async def pause_generation(self, mode: PauseMode = "keep", *, clear_cache: bool = True) -> None:
-        self._check_async_here()
-        await super().pause_generation(mode, clear_cache=clear_cache)
-
-    async def resume_generation(self) -> None:
-        self._check_async_here()
-        await super().resume_generation()
-
-    def _check_async_here(self) -> None:
+    def _check_async_available(self) -> None:
         """Async requests are served by the TP leader, where the engine is; the other ranks have none."""
-        self._check_open()
         g = self._group
         if not g.is_leader:
             raise EngineStateError(

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from genengine.aio import PauseMode, StreamChunk
+from genengine.aio import PauseMode, StreamChunk, normalize_async_request
 from genengine.config import EngineConfig, option_int, option_number
 from genengine.errors import (
     BackendImportError,
@@ -1152,22 +1152,15 @@ class EnginePool:
     ) -> PoolStream:
         """``AsyncEngineMixin.stream`` through the pool: one prompt, on the replica the router picks."""
         self._check_open()
-        if prompt is not None and not isinstance(prompt, str):
-            raise InvalidArgumentError(
-                f"prompt={prompt!r}: the async calls take one prompt (a string); submit a batch as several calls"
-            )
-        if isinstance(sampling_params, Sequence):
-            raise InvalidArgumentError("the async calls take one SamplingParams (or mapping), not a list")
-        (request,) = self._requests(
+        request, request_id = normalize_async_request(
             prompt,
             sampling_params,
-            None if prompt_token_ids is None else [prompt_token_ids],
-            None if image_data is None else [image_data],
+            prompt_token_ids,
+            image_data,
+            request_id,
+            vocab_size=self._common.get("vocab_size"),
+            supports_images=bool(self._common.get("supports_images")),
         )
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        elif not isinstance(request_id, str) or not request_id:
-            raise InvalidArgumentError(f"request_id={request_id!r} must be a non-empty string or None")
         if session_id is not None and not isinstance(session_id, str):
             raise InvalidArgumentError(f"session_id={session_id!r} must be a string or None")
         known = self._streams.get(request_id)
