@@ -160,7 +160,7 @@ def run_async_bench(
             )
         if weights is None:
             raise InvalidArgumentError("weights= is needed with an engine the caller built")
-        vocab = _vocab(engine, settings)
+        vocab = _vocab(engine)
         # Warm-up (kernels, allocator, the scheduler thread): one short batch of each kind, untimed.
         warm = list(itertools.islice(_jobs(settings, vocab), 4))
         engine.generate(prompt_token_ids=[j.prompt for j in warm], sampling_params=[j.params for j in warm])
@@ -192,7 +192,8 @@ def run_async_bench(
     return report
 
 
-def _vocab(engine: Any, settings: AsyncBenchSettings) -> int:
+def _vocab(engine: Any) -> int:
+    """The id range the random prompts draw from (an engine that does not say: the first 1000 ids)."""
     vocab = engine._vocab_size() if hasattr(engine, "_vocab_size") else None
     return int(vocab) if vocab else 1000
 
