@@ -7,6 +7,7 @@ import json
 import sys
 
 from genengine.cli.args import add_engine_arguments, add_parallel_arguments
+from genengine.errors import InvalidArgumentError
 
 
 def _levels(text: str) -> tuple[int, ...]:
@@ -94,9 +95,10 @@ def run(args: argparse.Namespace) -> int:
 def _run_async(args: argparse.Namespace) -> int:
     from genengine.bench.asynchronous import AsyncBenchSettings, format_async_report, run_async_bench
 
-    if args.tp_size != 1:
-        print("genengine bench --async: --tp-size must be 1 (it measures one engine in this process)", file=sys.stderr)
-        return 2
+    if args.tp_size != 1:  # refused as every other bad setting is (report_error, exit status 2)
+        raise InvalidArgumentError(
+            f"--tp-size {args.tp_size}: bench --async measures one engine in this process; allowed: 1"
+        )
     settings = AsyncBenchSettings(
         backend=args.backend,
         model=args.model,
