@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -29,6 +30,7 @@ __all__ = [
     "PAUSE_MODES",
     "AsyncEngineMixin",
     "AsyncRequest",
+    "DriverLock",
     "PauseMode",
     "RequestStream",
     "StreamChunk",
@@ -196,6 +198,41 @@ class AsyncRequest:
                     for s in self.samples
                 ],
             )
+
+
+class DriverLock:
+    """The lock around every call into an engine that a driver thread steps (the scheduler of an async
+    backend). Callers outside the driver count themselves in ``waiting``: the driver takes the lock straight
+    back after each step (Python locks are not fair), so it waits while anyone else does, and an abort, a
+    pause or a weight load never starves behind a long generation."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._count = threading.Lock()
+        self.waiting = 0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        """For a caller outside the driver."""
+        with self._count:
+            self.waiting += 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            with self._count:
+                self.waiting -= 1
+
+    def let_callers_in(self) -> None:
+        """For the driver, before it takes the lock again: until no caller waits for it."""
+        while self.waiting:
+            time.sleep(0.0002)
+
+    @contextlib.contextmanager
+    def for_driver(self) -> Iterator[None]:
+        self.let_callers_in()
+        with self.lock:
+            yield
 
 
 class AsyncEngineMixin:

@@ -7,8 +7,8 @@ is the engine core's own ``pause_scheduler(mode="keep")`` / ``resume_scheduler``
 are vLLM 0.26.0's.
 
 vLLM's engine is not thread-safe: every call into it, from the driver or from a caller's thread (a submit,
-an abort, a pause, a weight load, a sleep, a synchronous ``generate``), runs under one :class:`EngineLock`.
-The driver takes it for one step at a time and lets waiting callers in first.
+an abort, a pause, a weight load, a sleep, a synchronous ``generate``), runs under one
+:class:`~genengine.aio.DriverLock`. The driver takes it for one step at a time and lets waiting callers in first.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from genengine.aio import DriverLock
 from genengine.errors import EngineClosedError, EngineStateError, InvalidArgumentError
 from genengine_vllm.mapping import completion_delta
 
 if TYPE_CHECKING:
     from genengine.aio import AsyncRequest
 
-__all__ = ["Driver", "EngineLock", "SyncBatch"]
+__all__ = ["Driver", "SyncBatch"]
 
 _DRAIN_STEPS = 16
 """Steps a pause may take to collect the batch still in flight (async scheduling keeps at most 2)."""
@@ -35,35 +36,6 @@ _IDLE_STEPS = 4
 """Steps the driver takes with nothing of its own left, so that a batch of aborted requests comes back."""
 _COALESCE_S = 0.002
 """The driver's pause before stepping again after idling: a burst of submissions lands in one batch."""
-
-
-class EngineLock:
-    """The lock around every call into vLLM. Callers outside the driver count themselves in ``waiting``:
-    the driver takes the lock straight back after each step (Python locks are not fair), so it waits
-    while anyone else does."""
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._count = threading.Lock()
-        self.waiting = 0
-
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        with self._count:
-            self.waiting += 1
-        try:
-            with self._lock:
-                yield
-        finally:
-            with self._count:
-                self.waiting -= 1
-
-    @contextlib.contextmanager
-    def for_driver(self) -> Iterator[None]:
-        while self.waiting:
-            time.sleep(0.0002)
-        with self._lock:
-            yield
 
 
 @dataclass
@@ -94,10 +66,10 @@ class SyncBatch:
 class Driver:
     """Steps vLLM's ``LLMEngine`` on its own thread while streamed (or driver-served sync) requests live.
 
-    Every method but :meth:`wake` and :meth:`stop` is called with the :class:`EngineLock` held.
+    Every method but :meth:`wake` and :meth:`stop` is called with the :class:`~genengine.aio.DriverLock` held.
     """
 
-    def __init__(self, llm: Any, lock: EngineLock, *, detokenize: bool, cuda: tuple[int, Any] | None) -> None:
+    def __init__(self, llm: Any, lock: DriverLock, *, detokenize: bool, cuda: tuple[int, Any] | None) -> None:
         self.llm = llm
         self.engine = llm.llm_engine  # v1 LLMEngine (vllm/v1/engine/llm_engine.py:48)
         self.core = llm.llm_engine.engine_core.engine_core  # InprocClient's EngineCore (core_client.py:287)

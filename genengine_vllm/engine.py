@@ -43,14 +43,14 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from genengine.aio import AsyncEngineMixin
+from genengine.aio import AsyncEngineMixin, DriverLock
 from genengine.base import EngineBase
 from genengine.checkpoint import vocab_size, weight_spec
 from genengine.config import EngineConfig
 from genengine.environ import scoped_environ
 from genengine.errors import EngineStateError, InvalidArgumentError
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, EngineState, GenerationResult, LoadReport
-from genengine_vllm._async import Driver, EngineLock
+from genengine_vllm._async import Driver
 from genengine_vllm._process import (
     _STATE,
     check_sleep_slot,
@@ -142,7 +142,7 @@ class VLLMEngine(AsyncEngineMixin, EngineBase):
         self._life = contextlib.ExitStack()
         self._max_model_len = 0
         self._multimodal = False
-        self._lock = EngineLock()  # every call into vLLM: the async driver steps it from its own thread
+        self._lock = DriverLock()  # every call into vLLM: the async driver steps it from its own thread
         self._driver: Driver | None = None
         self._cuda: tuple[int, Any] | None = None
         group_index = topology.dp_rank if topology is not None else 0

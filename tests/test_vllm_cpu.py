@@ -440,9 +440,9 @@ def test_engine_lock_lets_callers_in_between_driver_steps() -> None:
     import threading
     import time
 
-    from genengine_vllm._async import EngineLock
+    from genengine.aio import DriverLock
 
-    lock = EngineLock()
+    lock = DriverLock()
     stop = threading.Event()
     steps = 0
 

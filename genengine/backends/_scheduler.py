@@ -116,7 +116,7 @@ class Scheduler:
 
     def __init__(self, engine: TransformersEngine) -> None:
         self.engine = engine
-        self.wakeup = threading.Condition(engine._lock)
+        self.wakeup = threading.Condition(engine._lock.lock)
         self.pending: list[Row] = []
         self.batches: list[DecodeBatch] = []
         self.held = False
@@ -130,13 +130,10 @@ class Scheduler:
         return self.pending + [row for b in self.batches for row in b.live_rows()]
 
     def _run(self) -> None:
-        import time
-
         import torch
 
         while True:
-            while self.engine._waiting:  # a caller wants the lock: let it have it (and finish) first
-                time.sleep(0.0002)
+            self.engine._lock.let_callers_in()
             with self.wakeup:
                 while not self.stopping and (self.held or not (self.pending or self.batches)):
                     self.wakeup.wait()

@@ -12,14 +12,13 @@ import contextlib
 import gc
 import inspect
 import os
-import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from genengine.aio import AsyncEngineMixin, AsyncRequest
+from genengine.aio import AsyncEngineMixin, AsyncRequest, DriverLock
 from genengine.backend import (
     DEFAULT_BUCKET_BYTES,
     TAG_KV_CACHE,
@@ -186,9 +185,7 @@ class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
         self._prefixes: OrderedDict[tuple[int, ...], _Prefix] = OrderedDict()
         self._prefix_nbytes = 0
         self._prefix_hits = 0
-        self._lock = threading.RLock()
-        self._waiting = 0  # callers waiting for or holding the lock: the scheduler lets them in first
-        self._waiting_lock = threading.Lock()
+        self._lock = DriverLock()  # the scheduler steps under it and lets waiting callers in first
         self._scheduler: Scheduler | None = None
 
     # ---- introspection -------------------------------------------------------------------------------------
@@ -356,18 +353,9 @@ class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
         steps = zip(rows, tokens.tolist(), chosen.tolist(), strict=True)
         return tokens, [j for j, (row, tok, lp) in enumerate(steps) if row.out.add(tok, lp)]
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """The engine's lock for a call from outside the scheduler. The scheduler steps under the same lock
-        and takes it straight back after each round (locks are not fair), so it waits while a caller does."""
-        with self._waiting_lock:
-            self._waiting += 1
-        try:
-            with self._lock:
-                yield
-        finally:
-            with self._waiting_lock:
-                self._waiting -= 1
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
+        """The engine's lock for a call from outside the scheduler (which steps under the same lock)."""
+        return self._lock()
 
     # ---- async (genengine.aio's hooks) --------------------------------------------------------------------
     def _ensure_scheduler(self) -> Scheduler:
