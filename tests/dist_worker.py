@@ -19,16 +19,17 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
-import random
-import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from support.ports import free_port as free_port
+from support.ports import free_port_block as free_port_block
 
 ENV_KEYS = (
     "RANK",
@@ -42,26 +43,6 @@ ENV_KEYS = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_block(n: int) -> int:
-    """A base port with ``base .. base + n - 1`` all free, below Linux's ephemeral range."""
-    for _ in range(200):
-        base = random.randrange(20000, 32000 - n)
-        try:
-            for port in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free block of ports")
-
-
 @dataclass
 class Result:
     rank: int
@@ -71,6 +52,7 @@ class Result:
     message: str = ""
     mro: list[str] = field(default_factory=list)
     elapsed: float = 0.0
+    in_setup: bool = False  # it failed in init_process_group, before the scenario ran
 
     def raised(self, name: str) -> bool:
         return self.status == "err" and name in self.mro
@@ -303,13 +285,14 @@ def _serve(inbox: Any, outbox: Any) -> None:
         os.environ.update(env)
         _CALL.clear()
         start = time.monotonic()
+        in_setup = True
         try:
             if "nccl" in backend:
                 import torch
 
                 torch.cuda.set_device(int(env["LOCAL_RANK"]))
             dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=60))
-            start = time.monotonic()
+            start, in_setup = time.monotonic(), False
             value = SCENARIOS[scenario](**kwargs)
             res = Result(rank, "ok", value, elapsed=time.monotonic() - _CALL.get("start", start))
         except BaseException as exc:
@@ -321,6 +304,7 @@ def _serve(inbox: Any, outbox: Any) -> None:
                 mro=[c.__name__ for c in type(exc).__mro__],
                 elapsed=time.monotonic() - _CALL.get("start", start),
                 value=traceback.format_exc(),
+                in_setup=in_setup,
             )
         if exit_after:
             # After a NCCL timeout, destroy_process_group hangs (NCCL cannot abort a pending kernel
@@ -407,7 +391,22 @@ class WorkerPool:
                 continue
             if job_id == self._job:
                 results[rank] = res
+        if any(r.in_setup for r in results.values()):
+            # A failed rendezvous leaves ranks' gloo state unknown: the next job gets fresh workers.
+            self._restart(range(world_size))
         return [results[r] for r in range(world_size)]
+
+    def _restart(self, indices: Iterable[int]) -> None:
+        restart = list(indices)
+        for i in restart:
+            with contextlib.suppress(Exception):
+                self._inboxes[i].put(None)
+            self._procs[i].join(timeout=5)
+            if self._procs[i].is_alive():
+                self._procs[i].kill()
+                self._procs[i].join(timeout=5)
+            self._start(i)
+        self._await_ready(len(restart))
 
     def close(self) -> None:
         for proc, inbox in zip(self._procs, self._inboxes, strict=True):

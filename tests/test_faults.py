@@ -20,7 +20,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.ports import free_port
 
 from genengine.backends.transformers import TransformersEngine
 from genengine.protocol import GenerationEngine
@@ -117,12 +117,6 @@ class RankResult:
 
     def raised(self, name: str) -> bool:
         return self.status == "err" and name in self.mro
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank_main(rank: int, world: int, port: int, scenario: str, kwargs: dict[str, Any], out: Any, release: Any) -> None:
@@ -263,7 +257,7 @@ def _run_world(
     """
     ctx = mp.get_context("spawn")
     release, release_all = ctx.Pipe(duplex=False)
-    port = _free_port()
+    port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
     procs = [
         ctx.Process(target=_rank_main, args=(r, world, port, scenario, kwargs, w, release), daemon=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.ports import free_port
 
 from genengine.config import EngineConfig
 from genengine.errors import (
@@ -69,12 +70,6 @@ def model_dir() -> Path:
 @pytest.fixture(autouse=True)
 def _no_env_options(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(OPTIONS_ENV, raising=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- the package stays light ---------------------------------------------------------------------------------
@@ -252,12 +247,12 @@ def test_tp_above_one_needs_distributed(model_dir: Path) -> None:
 
 @needs_no_sglang
 def test_missing_sglang_is_a_backend_import_error(model_dir: Path) -> None:
-    config = EngineConfig(backend="sglang", model=str(model_dir), options={"base_port": _free_port()})
+    config = EngineConfig(backend="sglang", model=str(model_dir), options={"base_port": free_port()})
     with pytest.raises(BackendImportError, match="genengine\\[sglang\\]"):
         RLGenerationEngine.from_config(config)
     assert not mp.active_children()
     with pytest.raises(BackendImportError):
-        RLGenerationEngine(model_path=str(model_dir), base_port=_free_port())
+        RLGenerationEngine(model_path=str(model_dir), base_port=free_port())
 
 
 @needs_no_sglang
@@ -1059,7 +1054,7 @@ def test_distributed_errors_reach_every_rank(model_dir: Path) -> None:
     """Two real ranks over gloo: the reference's AssertionErrors, and the leader's failure on both ranks."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_scenario, args=(r, 2, port, str(model_dir), queue)) for r in range(2)]
     for p in procs:
         p.start()

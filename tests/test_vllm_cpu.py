@@ -12,7 +12,6 @@ import math
 import multiprocessing as mp
 import os
 import random
-import socket
 import subprocess
 import sys
 import traceback
@@ -21,6 +20,7 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
+from support.ports import free_port
 
 from genengine.config import EngineConfig
 from genengine.errors import (
@@ -633,12 +633,6 @@ def test_engine_scopes_its_environment(
 
 
 # ---- real process groups (2 ranks over gloo) ------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _scenarios(model: str) -> dict[str, Any]:
     """Run on each rank of a 2-rank world; returns what this rank saw."""
     import torch
@@ -715,7 +709,7 @@ def _rank_main(rank: int, world: int, port: int, model: str, results: Any) -> No
 def two_ranks(model_dir: Path) -> dict[int, dict[str, Any]]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(model_dir), results)) for r in range(2)]
     for p in procs:
         p.start()

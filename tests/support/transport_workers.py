@@ -16,7 +16,6 @@ import hashlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -25,13 +24,9 @@ from typing import Any
 
 from genengine.transport._layout import CORRUPT_ENV
 
+from .ports import free_port
+
 __all__ = ["CORRUPT_ENV", "Pool", "Result", "configure", "engine", "free_port", "observe", "send_one", "trainer_stream"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
