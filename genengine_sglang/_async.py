@@ -69,6 +69,11 @@ ABORT_ANSWER_TIMEOUT_S = 30.0
 """How long SGLang may take to end the requests we aborted (its scheduler answers at its next step)."""
 THREAD_STOP_TIMEOUT_S = 10.0
 """How long the loop's thread may take to stop at shutdown, once its tasks are cancelled."""
+WATCH_INTERVAL_S = 1.0
+"""How often, while async requests live, SGLang's processes are checked. SGLang's own watchdog reports a dead
+scheduler with SIGQUIT to a handler on its loop (tokenizer_manager.py:2161, utils/watchdog.py:221), and uvloop
+delivers signals only while the main thread runs the loop (loop.pyx:282): with our thread running it, a
+crash would leave every stream waiting forever."""
 
 
 def _loop_running_here() -> bool:
@@ -143,6 +148,7 @@ class LoopDriver:
         self._tasks: set[asyncio.Task[None]] = set()
         self._live = 0
         self._forever = False  # the thread is in run_forever (not in a job)
+        self._stop_asked = False  # this run_forever was asked to stop (see _maybe_stop)
         self._closing = False
         self._given_up = False  # at shutdown: the tasks did not end in time after their cancellation
         self._died: BaseException | None = None  # why the last thread ended abnormally
@@ -184,9 +190,12 @@ class LoopDriver:
             finally:
                 with self._changed:
                     self._borrower = None
-                    if self._live and self._thread is None and not self._closing:
+                    late = self._closing and self._live and self._thread is None
+                    if self._live and self._thread is None:
                         self._start()  # tasks were spawned meanwhile: someone must run the loop now
                     self._changed.notify_all()
+                if late:  # close() waits for (or gave up on) this call: cancel here too (twice is harmless)
+                    self.loop.call_soon_threadsafe(self._cancel_all, THREAD_STOP_TIMEOUT_S / 2)
         self._wake()
         self._await(job, deadline)
         if job.error is not None:
@@ -218,6 +227,11 @@ class LoopDriver:
             if self._thread is None and self._borrower is None:
                 self._start()
         self.loop.call_soon_threadsafe(self._create_task, coro)
+
+    def cancel_tasks(self) -> None:
+        """On the loop's thread: cancel every live task (their samples were ended by the caller)."""
+        for task in list(self._tasks):
+            task.cancel()
 
     def soon(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` on the loop's thread soon, or drop it when no task is live (nothing of ours runs in
@@ -261,8 +275,12 @@ class LoopDriver:
         """Stop the thread (tasks still live are cancelled); later spawns raise ``EngineClosedError``. Raises
         ``SGLangEngineError`` when the thread has not stopped within ``timeout_s``, or stopped leaving tasks
         that did not end within half of it after their cancellation."""
-        with self._mutex:
+        with self._changed:
             self._closing = True
+            # A caller running the loop in its own sync call: its call ends first (bounded), then the tasks
+            # still live are cancelled on our thread.
+            if self._borrower is not threading.current_thread():
+                self._changed.wait_for(lambda: self._borrower is None, timeout_s / 2)
             if self._live and self._thread is None and self._borrower is None:
                 self._start()  # the cancellation needs someone to run the loop
             thread = self._thread
@@ -292,12 +310,18 @@ class LoopDriver:
             with self._changed:
                 if job.started.is_set():
                     break
-                thread = self._thread
-                if self._running is not None and thread is not None and thread.is_alive():
+                thread, running = self._thread, self._running
+                behind = running is not None and thread is not None and thread.is_alive()
+                if behind and (deadline is None or time.monotonic() < deadline):
                     continue  # another call has the loop; ours comes next
                 if job in self._jobs:
                     self._jobs.remove(job)
                 state = self.describe()
+            if behind:
+                raise SGLangEngineError(
+                    f"{job.what}: not started within {self.call_timeout_s:g} s: SGLang's event loop thread is still "
+                    f"in the call before it ({state}), at:\n{_stack_of(thread)}"
+                )
             raise SGLangEngineError(
                 f"{job.what}: SGLang's event loop thread did not take the call within {self.pickup_timeout_s:g} s "
                 f"({state}); a callback on the loop blocks it, at:\n{_stack_of(thread)}"
@@ -330,7 +354,7 @@ class LoopDriver:
                         return
                     else:
                         job = None
-                        self._forever = True
+                        self._forever, self._stop_asked = True, False
                 if job is not None:
                     try:
                         job.run()
@@ -357,7 +381,10 @@ class LoopDriver:
     def _maybe_stop(self) -> None:
         # Only the thread's run_forever may be stopped: a stop inside a job's (or a caller's)
         # run_until_complete would end that call with "Event loop stopped before Future completed".
-        if self._forever:
+        # And only once: uvloop's stop() queues a handle (loop.pyx:1349), so a second stop asked in the pass
+        # that ends run_forever would stay queued and end the next run_until_complete after one pass.
+        if self._forever and not self._stop_asked:
+            self._stop_asked = True
             self.loop.stop()
 
     def _create_task(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -430,8 +457,13 @@ class AsyncSGLang:
         extra_key: Callable[[], str | None],
         timeout_s: float,
         answer_timeout_s: float = ABORT_ANSWER_TIMEOUT_S,
+        dead: Callable[[], str | None] | None = None,
+        watch_interval_s: float = WATCH_INTERVAL_S,
     ) -> None:
         self._driver = driver
+        self._dead = dead
+        self._watch_interval_s = watch_interval_s
+        self._watching = False  # a check of SGLang's processes is scheduled on the loop
         self._tm = tokenizer_manager
         self._deterministic = deterministic
         self._processor = processor
@@ -451,6 +483,8 @@ class AsyncSGLang:
             self._samples[id(handle)] = samples
         for sample in samples:
             self._driver.spawn(self._segment(sample))
+        if self._dead is not None:
+            self._driver.soon(self._arm)
 
     def abort(self, handles: list[AsyncRequest]) -> None:
         """Each unfinished sample ends now with the tokens it was sent; SGLang is told to stop it."""
@@ -520,6 +554,30 @@ class AsyncSGLang:
         self._driver.close()
 
     # ---- internals -----------------------------------------------------------------------------------------------
+    def _arm(self) -> None:
+        """On the loop's thread: check SGLang's processes in ``watch_interval_s`` (a timer, not a task: it does
+        not keep the loop's thread alive)."""
+        if not self._watching:
+            self._watching = True
+            self._driver.loop.call_later(self._watch_interval_s, self._watch)
+
+    def _watch(self) -> None:
+        self._watching = False
+        if not self._unfinished() or self._dead is None:
+            return
+        problem = self._dead()
+        if problem is None:
+            self._arm()
+            return
+        error = SGLangEngineError(f"{problem}: the async requests in flight fail; shut the engine down")
+        with self._lock:
+            for group in self._samples.values():
+                if any(not s.finished for s in group):
+                    for sample in group:
+                        sample.finished, sample.want = True, "drop"
+                    group[0].handle.fail(error)
+        self._driver.cancel_tasks()  # their generate_request would never end
+
     def _wait_idle(self, what: str) -> None:
         """Until SGLang has ended every request of ours (they were aborted: its scheduler answers at its next
         step), bounded by ``answer_timeout_s``; the error names the requests it did not end."""
@@ -568,7 +626,12 @@ class AsyncSGLang:
         if self._resumed is None:
             self._resumed = asyncio.Event()
         self._resumed.clear()
-        await self._tm.pause_generation(PauseGenerationReqInput(mode="in_place"))
+        try:
+            await self._tm.pause_generation(PauseGenerationReqInput(mode="in_place"))
+        except BaseException:
+            self._in_place = False  # not paused: the caller's pause fails, nothing is held
+            self._resumed.set()
+            raise
 
     async def _continue(self) -> None:
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput
@@ -641,7 +704,9 @@ class AsyncSGLang:
         if sample.want == "park":
             sample.parked = True
             return
-        if isinstance(exc, ValueError):
+        if type(exc).__name__ == "RequestAbortedError":  # a ValueError: SGLang aborted it before scheduling
+            exc = SGLangEngineError(f"SGLang aborted the request before it was scheduled: {exc}")
+        elif isinstance(exc, ValueError):
             exc = InvalidArgumentError(f"SGLang rejected the request: {exc}")
         sample.handle.fail(exc)
         for other in self._samples.get(id(sample.handle), ()):
