@@ -149,6 +149,22 @@ def return_sigterm(loop: Any, handler: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
 
 
+def dead_processes(engine: Any) -> str | None:
+    """Which of ``engine``'s processes (those SGLang's own watchdog watches) died, or None while all live.
+
+    The same test as SGLang's ``SubprocessWatchdog._check_processes`` (utils/watchdog.py): not alive and a
+    non-zero exit code."""
+    watchdog = getattr(getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
+    procs = getattr(watchdog, "_processes", None) or ()
+    names = getattr(watchdog, "_names", None) or [f"process {i}" for i in range(len(procs))]
+    dead = [
+        f"{name} (pid {proc.pid}, exit code {proc.exitcode})"
+        for proc, name in zip(procs, names, strict=False)
+        if not proc.is_alive() and proc.exitcode != 0
+    ]
+    return f"SGLang's {', '.join(dead)} died" if dead else None
+
+
 # ---- stop ------------------------------------------------------------------------------------------------------
 def stop_sglang(engine: Any) -> None:
     """Stop one ``sglang.Engine`` and wait until its processes are gone.

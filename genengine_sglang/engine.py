@@ -23,6 +23,7 @@ served by the same SGLang engine, batched with them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pickle
 import warnings
@@ -601,6 +602,7 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
                 processor=self._processor,
                 extra_key=self._cache_key,
                 timeout_s=_timeout(self._settings),
+                dead=functools.partial(_process.dead_processes, self._engine),
             )
         return self._aio
 
