@@ -11,6 +11,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +28,7 @@ from genengine.errors import (  # noqa: E402
     InvalidArgumentError,
     WeightsNotLoadedError,
 )
-from genengine.ray import EnginePool, ReplicaDiedError, ReplicaTimeoutError, prefix_key  # noqa: E402
+from genengine.ray import EnginePool, ReplicaDiedError, ReplicaError, ReplicaTimeoutError, prefix_key  # noqa: E402
 from genengine.testing.conformance import load_checkpoint  # noqa: E402
 from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
 
@@ -37,8 +38,14 @@ SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=7, l
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Any]:
-    with local_cluster(num_cpus=2) as handle:
+def faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the replicas' fault switch (support/ray_faults.py)."""
+    return tmp_path_factory.mktemp("ray-faults")
+
+
+@pytest.fixture(scope="module")
+def cluster(faults: Path) -> Iterator[Any]:
+    with local_cluster(num_cpus=2, faults_dir=str(faults)) as handle:
         yield handle
 
 
@@ -183,6 +190,39 @@ def test_control_calls_reach_every_replica(pool: EnginePool, local: Any, other_w
     assert _tokens(got) == _tokens(local.generate(PROMPTS, GREEDY))
     assert {o.weight_versions for r in got for o in r.outputs} == {((0, 3),)}
     pool.flush_cache()
+
+
+def test_a_load_that_fails_mid_write_takes_that_replica_out_of_traffic(
+    pool: EnginePool, local: Any, model: str, other_weights: dict[str, Any], faults: Path
+) -> None:
+    """Through the object store: one replica's engine fails after writing some buckets (the fault switch),
+    the other loads. The error names the one that failed; the pool's version stays; that replica holds a mix,
+    so it takes no traffic while the other serves the new weights; a whole load brings it back."""
+    first, before = load_checkpoint(model), pool.weight_version
+    (faults / "fail-weight").write_text(list(first)[-1])
+    with pytest.raises(
+        ReplicaError,
+        match=r"load_weights failed on 1 of 2 replica\(s\); ReplicaError: replica (\d) \(actor .*injected fault.*"
+        rf"weight version stays {before}; replica\(s\) \1 wrote part of the weights and take no traffic",
+    ) as caught:
+        pool.load_weights(first.items(), bucket_bytes=1 << 14, version=9)
+    bad = int(re.search(r"replica (\d) \(actor", str(caught.value)).group(1))  # type: ignore[union-attr]
+    good = 1 - bad
+    try:
+        assert not (faults / "fail-weight").exists()
+        assert pool.weight_version == before and pool.router.replicas == (good,)
+        infos = [_info(r) for r in pool.replicas]
+        assert not infos[bad]["state"].weights_loaded and infos[good]["weight_version"] == 9
+        local.load_weights(first.items(), version=9)
+        got = pool.generate(PROMPTS, GREEDY)
+        assert _tokens(got) == _tokens(local.generate(PROMPTS, GREEDY))
+        assert {o.weight_versions for r in got for o in r.outputs} == {((0, 9),)}
+    finally:  # the module's pool goes on with the weights the later tests expect
+        pool.load_weights(other_weights.items(), version=before)
+        local.load_weights(other_weights.items(), version=before)
+    assert sorted(pool.router.replicas) == [0, 1]
+    assert [_info(r)["weight_version"] for r in pool.replicas] == [before, before]
+    assert _tokens(pool.generate(PROMPTS, GREEDY)) == _tokens(local.generate(PROMPTS, GREEDY))
 
 
 def test_async_stream_pause_keep_and_abort(pool: EnginePool, local: Any, other_weights: dict[str, Any]) -> None:

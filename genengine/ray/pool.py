@@ -699,9 +699,11 @@ class EnginePool:
 
     @property
     def state(self) -> EngineState:
-        """The replicas' states combined: a tag released on any replica is released, weights are loaded only
-        where every replica has them."""
-        states = [r.state for r in self._active()] or [EngineState()]
+        """The states of the replicas that take traffic, combined (of every replica up when none does): a tag
+        released on any is released, weights are loaded only where each has them. A replica kept out of traffic
+        until the next load (it holds a mix after a failed one) does not stop the others serving."""
+        active = self._active()
+        states = [r.state for r in active if not r.needs_weights] or [r.state for r in active] or [EngineState()]
         levels = [s.sleep_level for s in states if s.sleep_level is not None]
         return EngineState(
             released_tags=frozenset().union(*(s.released_tags for s in states)),
@@ -957,12 +959,49 @@ class EnginePool:
         bucket_bytes: int | None,
         check_finite: bool,
     ) -> Any:
-        results = self._fanout(
-            "load_weights",
-            lambda r: r.actor.load_weights.remote(r.incarnation, names, refs, version, bucket_bytes, check_finite),
-            replicas,
+        """Every replica loads from the object store. A replica whose load failed after its engine wrote some
+        weights refuses to generate from the mix (``state.weights_loaded`` is False): it takes no traffic until a
+        whole load reaches it. One error names every replica that failed."""
+        self._check_open()
+        calls = [
+            (r, r.actor.load_weights.remote(r.incarnation, names, refs, version, bucket_bytes, check_finite))
+            for r in replicas
+        ]
+        outcomes = self._collect("load_weights", calls, self._timeout_s)
+        done = [(r, o) for r, o in outcomes if not isinstance(o, BaseException)]
+        for replica, value in done:
+            replica.state, replica.version = value[1], value[2]
+        # One that had restarted before the call did nothing: restored later with these weights (as _fanout).
+        failed = [(r, o) for r, o in outcomes if isinstance(o, BaseException) and not isinstance(o, StaleReplicaError)]
+        if not failed:
+            if not done:
+                raise EngineStateError(f"load_weights: no replica is up ({self._describe()})")
+            return done[0][1][0]
+        probes = [(r, r.actor.info.remote()) for r, o in failed if not isinstance(o, ReplicaDiedError)]
+        mixed = []
+        for replica, info in self._collect("load_weights", probes, self._timeout_s):
+            if isinstance(info, Mapping) and info.get("state") is not None:
+                replica.state = info["state"]
+                if not replica.state.weights_loaded:
+                    replica.needs_weights = True
+                    mixed.append(replica)
+                    with contextlib.suppress(InvalidArgumentError):
+                        self.router.remove(replica.index)
+        lines = [f"load_weights failed on {len(failed)} of {len(replicas)} replica(s)"]
+        lines += [f"{type(o).__name__}: {o}" for _, o in failed]  # each names its replica
+        lines.append(
+            f"the pool's weight version stays {self._version}"
+            + (
+                f"; replica(s) {', '.join(str(r.index) for r in mixed)} wrote part of the weights and take no "
+                "traffic until a whole load_weights reaches them"
+                if mixed
+                else ""
+            )
         )
-        return results[0][1]
+        kinds = {type(o) for _, o in failed}
+        message = "; ".join(lines)
+        error = _renamed(failed[0][1], message) if len(kinds) == 1 else ReplicaError(message)
+        raise error from failed[0][1]
 
     def _confirm_members(self) -> None:
         """Before a transport sync: ping every healthy replica (``timeout_s``; answered at once) so that one

@@ -12,18 +12,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @contextmanager
-def local_cluster(num_cpus: int = 2) -> Iterator[Any]:
+def local_cluster(num_cpus: int = 2, *, faults_dir: str | None = None) -> Iterator[Any]:
     """``ray.init`` on this machine; the workers get this checkout (and tests/) first on ``sys.path``, since
-    the venv's editable install points at another checkout."""
+    the venv's editable install points at another checkout. With ``faults_dir``, every worker has the fault
+    switch of :mod:`support.ray_faults` on that folder."""
     import ray
 
     path = os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])
     env = {"PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    runtime_env: dict[str, Any] = {"env_vars": env}
+    if faults_dir is not None:
+        env["GENENGINE_TEST_FAULTS_DIR"] = faults_dir
+        runtime_env["worker_process_setup_hook"] = "support.ray_faults.install"
     ray.init(
         num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=False,
-        runtime_env={"env_vars": env},
+        runtime_env=runtime_env,
         configure_logging=False,
     )
     try:
