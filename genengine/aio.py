@@ -409,13 +409,22 @@ class AsyncEngineMixin:
             )
 
     def _check_weights_may_change(self) -> None:
-        """A weight load may not land under running requests: pause them first (``keep`` carries them over)."""
+        """A weight load may not land under running requests: pause them first (``keep`` carries them over).
+        Requests in flight are allowed only once a ``keep`` pause holds them: during an ``abort`` or ``wait``
+        pause that has not returned (or a ``keep`` one still being set up) they still run."""
         count = self.in_flight
-        if self._async_state().paused is None and count:
+        state = self._async_state()
+        if not count or state.held:
+            return
+        if state.paused is None:
             raise EngineStateError(
                 f"load_weights with {count} request(s) running: call pause_generation() first "
                 "('keep' carries them over to the new weights)"
             )
+        raise EngineStateError(
+            f"load_weights with {count} request(s) still running: pause_generation({state.paused!r}) has not "
+            "returned yet; await it before the load"
+        )
 
     def _on_new_weight_version(self, version: int) -> None:
         state = self._async_state()

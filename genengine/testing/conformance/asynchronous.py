@@ -227,6 +227,26 @@ class AsyncTests(ConformanceBase):
         out = _run(main()).outputs[0]
         assert out.finish_reason == "length" and len(out.token_ids) == 30
 
+    def test_a_load_while_pause_wait_drains_is_refused(self, async_engine: Any) -> None:
+        """``pause_generation("wait")`` sets the pause at once but returns only when the requests ended: a load
+        meanwhile would land under them, so it is refused until the pause returned."""
+
+        async def main() -> GenerationResult:
+            stream = async_engine.stream(PROMPTS[0], _LONG)
+            await _read(stream, 1)
+            pausing = asyncio.ensure_future(async_engine.pause_generation("wait"))
+            await asyncio.sleep(0.01)
+            assert not pausing.done() and async_engine.paused == "wait"
+            with pytest.raises(EngineStateError, match=r"pause_generation\('wait'\) has not returned yet"):
+                async_engine.load_weights([])
+            await async_engine.abort()
+            await asyncio.wait_for(pausing, CHUNK_TIMEOUT_S)
+            async_engine.load_weights([])  # drained: a load may go now
+            await async_engine.resume_generation()
+            return await stream.collect()
+
+        assert _run(main()).outputs[0].finish_reason == "abort"
+
     # ---- under load ------------------------------------------------------------------------------------------
     def test_200_concurrent_requests_with_random_aborts(self, async_engine: Any) -> None:
         rng = random.Random(0)
