@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from genengine.aio import DriverLock
 from genengine.errors import EngineClosedError, EngineStateError, InvalidArgumentError
 from genengine_vllm.mapping import completion_delta
+
+_log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from genengine.aio import AsyncRequest
@@ -56,8 +60,12 @@ class SyncBatch:
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
-    def wait(self) -> list[Any]:
-        self.done.wait()
+    def wait(self, alive: Callable[[], bool] | None = None) -> list[Any]:
+        """The outputs; raises the batch's error. ``alive``: whether the driver still runs (checked each
+        second, so a driver thread that died fails the wait instead of leaving it forever)."""
+        while not self.done.wait(1.0):
+            if alive is not None and not alive() and not self.done.is_set():
+                raise EngineStateError("vLLM's driver thread ended while a generate() was served by it")
         if self.error is not None:
             raise self.error
         return self.outputs
@@ -83,10 +91,24 @@ class Driver:
         self.kept_kv = False
         """Held with ``clear_cache=False``: the held requests keep KV blocks computed with the old weights."""
         self._stopping = False
+        self.broken: BaseException | None = None
+        """Why a step failed, or the thread died: vLLM's own process mode treats either as fatal
+        (core.py:1328-1334), so nothing is handed to it any more."""
         self._wake = threading.Event()
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, args=(cuda,), daemon=True, name="genengine-vllm-driver")
         self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise EngineStateError(
+                f"vLLM failed earlier ({type(self.broken).__name__}: {self.broken}); shut this engine down"
+            )
+        if not self._thread.is_alive() and not self._stopping:
+            raise EngineStateError("vLLM's driver thread is not running; shut this engine down")
 
     @property
     def busy(self) -> bool:
@@ -95,8 +117,13 @@ class Driver:
 
     # ---- requests ----------------------------------------------------------------------------------------
     def add(self, request: AsyncRequest, inputs: list[tuple[dict[str, Any], Any]]) -> None:
-        """Hand vLLM one single-sample request per completion; a refusal adds none of them."""
+        """Hand vLLM one single-sample request per completion; a refusal adds none of them. A request that
+        ended meanwhile (aborted from another thread before it got here) is not handed over."""
         from vllm.sampling_params import RequestOutputKind
+
+        self.check_usable()
+        if request.done:
+            return
 
         ids = self._add(inputs, "a", RequestOutputKind.DELTA, request)
         for index, vid in enumerate(ids):
@@ -107,6 +134,7 @@ class Driver:
         """A synchronous ``generate``'s requests; their final outputs come back in ``prompts``' order."""
         from vllm.sampling_params import RequestOutputKind
 
+        self.check_usable()
         ids = self._add(list(zip(prompts, params, strict=True)), "s", RequestOutputKind.FINAL_ONLY, None)
         batch = SyncBatch(outputs=[None] * len(ids), remaining=len(ids))
         for position, vid in enumerate(ids):
@@ -119,21 +147,27 @@ class Driver:
         self, inputs: list[tuple[dict[str, Any], Any]], kind: str, output_kind: Any, request: AsyncRequest | None
     ) -> list[str]:
         ids: list[str] = []
+        adding: list[str] = []
         try:
             for prompt, params in inputs:
                 params.output_kind = output_kind  # as LLM._add_request sets FINAL_ONLY (offline_utils.py:552-560)
                 # Rendered as LLM.generate renders (offline_utils.py:145, 299-318): the same prompt token ids.
                 engine_input = self.llm._preprocess_cmpl_one(prompt)
                 vid = f"genengine-{kind}{next(self._ids)}"
+                # add_request registers the id with the output processor before the engine core takes it
+                # (llm_engine.py:274-276): if the core refuses, that state must go too, or
+                # has_unfinished_requests() stays True and LLM.generate loops forever.
+                adding = [vid]
                 self.engine.add_request(vid, engine_input, params)  # llm_engine.py:218
                 ids.append(vid)
+                adding = []
                 if request is not None and request.prompt_token_ids is None:
                     token_ids = engine_input.get("prompt_token_ids") if isinstance(engine_input, dict) else None
                     if token_ids is not None:
                         request.prompt_token_ids = tuple(int(t) for t in token_ids)
         except BaseException as exc:
-            if ids:
-                self.engine.abort_request(ids)
+            if ids or adding:
+                self.engine.abort_request([*ids, *adding])  # an id vLLM does not know is ignored
             if isinstance(exc, ValueError) and not isinstance(exc, InvalidArgumentError):
                 raise InvalidArgumentError(f"vLLM refused the request: {exc}") from exc
             raise
@@ -155,7 +189,14 @@ class Driver:
 
     # ---- stepping ----------------------------------------------------------------------------------------
     def step(self) -> None:
-        outputs = self.engine.step()  # llm_engine.py:296: one engine-core step, outputs as RequestOutputs
+        """One engine-core step (on the driver's thread, or a caller's while nothing of ours runs). A failure
+        fails every request of ours and leaves the driver broken: vLLM's batch queue may be out of step."""
+        try:
+            outputs = self.engine.step()  # llm_engine.py:296: one engine-core step, outputs as RequestOutputs
+        except BaseException as exc:
+            self.broken = exc
+            self._fail_all(exc)
+            raise
         for out in outputs:
             sample = self.samples.get(out.request_id)  # the id we gave (output_processor.py:370-371)
             if sample is not None:
@@ -242,6 +283,10 @@ class Driver:
         try:
             self.quiesce()
             if clear_cache:
+                # The engine core's reset clears the receiver's multimodal cache only; the sender's (the
+                # renderer's) must go with it, as AsyncLLM.pause_generation does (async_llm.py:784-786), else
+                # a later request with an image seen before fails the core's "Expected a cached item".
+                self.engine.renderer.clear_mm_cache()
                 self.core.pause_scheduler(mode="keep", clear_cache=True)
         except BaseException:
             self.core.resume_scheduler()
@@ -266,6 +311,15 @@ class Driver:
         self._wake.set()
 
     def _run(self, cuda: tuple[int, Any] | None) -> None:
+        try:
+            self._loop(cuda)
+        except BaseException as exc:  # outside a step (the stream setup, the lock): nobody steps any more
+            self.broken = self.broken or exc
+            _log.error("vLLM's driver thread stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            with contextlib.suppress(BaseException):
+                self._fail_all(exc)
+
+    def _loop(self, cuda: tuple[int, Any] | None) -> None:
         if cuda is not None:
             import torch
 
@@ -284,16 +338,16 @@ class Driver:
                 stepping = not self.held and (mine or (idle < _IDLE_STEPS and self._core_busy()))
                 if stepping:
                     idle = 0 if mine else idle + 1
-                    try:
+                    with contextlib.suppress(BaseException):  # step() failed every request and is broken
                         self.step()
-                    except BaseException as exc:
-                        self._fail_all(exc)
             if not stepping:
                 self._wake.wait()
                 idle = 0
                 time.sleep(_COALESCE_S)
 
     def _fail_all(self, exc: BaseException) -> None:
+        # The callers keep the error: its traceback must not keep vLLM's frames (the model, the KV cache) alive.
+        traceback.clear_frames(exc.__traceback__)
         requests = {id(s.request): s.request for s in self.samples.values()}
         batches = {id(b): b for b, _ in self.sync.values()}
         ids = [*self.samples, *self.sync]

@@ -280,6 +280,14 @@ class VLLMEngine(AsyncEngineMixin, EngineBase):
             named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
         )
 
+    def _drop_orphans(self) -> None:
+        """Before ``LLM.generate``, with no request of ours in vLLM: forget requests its output processor still
+        tracks (an interrupted generate, or a request its engine core refused after the output processor took
+        it, llm_engine.py:274-276). ``LLM.generate`` steps while any is tracked, and would step forever."""
+        engine = self._llm.llm_engine
+        if engine.has_unfinished_requests():
+            engine.abort_request(list(engine.output_processor.request_states), internal=True)
+
     def _check_weights_may_change(self) -> None:
         super()._check_weights_may_change()
         driver = self._driver
@@ -354,10 +362,13 @@ class VLLMEngine(AsyncEngineMixin, EngineBase):
         with self._lock():
             self._check_not_held()
             driver = self._driver
+            if driver is not None:
+                driver.check_usable()
             batch = driver.submit_sync(prompts, params) if driver is not None and driver.busy else None
             if batch is None:
                 # No request of the driver in vLLM: LLM.generate as always (it steps until every request vLLM
                 # knows is done, so it cannot run beside streamed ones).
+                self._drop_orphans()
                 try:
                     outputs = self._llm.generate(prompts, params, use_tqdm=False)
                 except ValueError as exc:  # vLLM's VLLMValidationError: e.g. a text prompt longer than max_model_len
@@ -365,7 +376,7 @@ class VLLMEngine(AsyncEngineMixin, EngineBase):
         if batch is not None:
             assert driver is not None
             driver.wake()
-            outputs = batch.wait()
+            outputs = batch.wait(driver.alive)
         detokenize = not self.settings.skip_tokenizer_init
         grouped: dict[int, list[Any]] = {}
         for owner, out in zip(owners, outputs, strict=True):
