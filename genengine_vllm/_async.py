@@ -32,7 +32,7 @@ _log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from genengine.aio import AsyncRequest
 
-__all__ = ["Driver", "SyncBatch"]
+__all__ = ["Driver", "SyncBatch", "engine_stream"]
 
 _DRAIN_STEPS = 16
 """Steps a pause may take to collect the batch still in flight (async scheduling keeps at most 2)."""
@@ -40,6 +40,33 @@ _IDLE_STEPS = 4
 """Steps the driver takes with nothing of its own left, so that a batch of aborted requests comes back."""
 _COALESCE_S = 0.002
 """The driver's pause before stepping again after idling: a burst of submissions lands in one batch."""
+
+
+@contextlib.contextmanager
+def engine_stream(cuda: tuple[int, Any] | None) -> Iterator[None]:
+    """Run vLLM work from any thread on ``cuda``: the device and CUDA stream of the thread that started vLLM.
+
+    vLLM gives each thread its own stream (vllm/utils/torch_utils.py:662-689; PyTorch's pool streams do not
+    wait for each other), so a weight write or a generate from another thread (a Ray replica's worker
+    threads, say) could overlap a step on the driver's stream. On the thread that started vLLM this is that
+    thread's stream already and nothing changes; elsewhere the engine's stream first waits for the caller's
+    (the trainer's tensors are ready) and the caller's waits for it after (they may be freed)."""
+    if cuda is None:
+        yield
+        return
+    import torch
+
+    device, stream = cuda
+    caller = torch.cuda.current_stream(device)
+    if caller == stream:
+        yield
+        return
+    stream.wait_stream(caller)
+    try:
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            yield
+    finally:
+        caller.wait_stream(stream)
 
 
 @dataclass
@@ -251,16 +278,9 @@ class Driver:
                 self.step()
         raise EngineStateError(f"vLLM's engine core did not go idle within {_DRAIN_STEPS} steps")
 
-    @contextlib.contextmanager
-    def _engine_stream(self) -> Iterator[None]:
+    def _engine_stream(self) -> contextlib.AbstractContextManager[None]:
         """A step from a caller's thread runs on the engine's device and stream, as the driver's do."""
-        if self._cuda is None:
-            yield
-            return
-        import torch
-
-        with torch.cuda.device(self._cuda[0]), torch.cuda.stream(self._cuda[1]):
-            yield
+        return engine_stream(self._cuda)
 
     def settle(self) -> None:
         """Before a weight write or a sleep: collect a batch of finished or aborted requests still in flight."""

@@ -50,7 +50,7 @@ from genengine.config import EngineConfig
 from genengine.environ import scoped_environ
 from genengine.errors import EngineStateError, InvalidArgumentError
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, EngineState, GenerationResult, LoadReport
-from genengine_vllm._async import Driver
+from genengine_vllm._async import Driver, engine_stream
 from genengine_vllm._process import (
     _STATE,
     check_sleep_slot,
@@ -370,7 +370,8 @@ class VLLMEngine(AsyncEngineMixin, EngineBase):
                 # knows is done, so it cannot run beside streamed ones).
                 self._drop_orphans()
                 try:
-                    outputs = self._llm.generate(prompts, params, use_tqdm=False)
+                    with engine_stream(self._cuda):
+                        outputs = self._llm.generate(prompts, params, use_tqdm=False)
                 except ValueError as exc:  # vLLM's VLLMValidationError: e.g. a text prompt longer than max_model_len
                     raise InvalidArgumentError(f"vLLM refused the request: {exc}") from exc
         if batch is not None:
@@ -479,7 +480,7 @@ class VLLMEngine(AsyncEngineMixin, EngineBase):
             self._group.check_consistent(
                 [(name, tuple(t.shape), str(t.dtype)) for name, t in bucket], what="weight names and shapes"
             )
-        with self._lock():  # the driver never steps while the weights change
+        with self._lock(), engine_stream(self._cuda):  # the driver never steps while the weights change
             if self._driver is not None:
                 self._driver.settle()
             if self.settings.weight_sync_mode == "per_param":
