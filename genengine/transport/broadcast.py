@@ -15,7 +15,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from genengine.errors import InvalidArgumentError
 from genengine.transport import _layout as layout
@@ -165,6 +165,37 @@ def raise_for_status(group: Group, plan: layout.Plan, statuses: dict[int, list[i
         )
 
 
+def read_metadata(group: Group) -> dict[str, Any]:
+    """A receiver's first step of a sync: the sender's metadata, or the sender's refusal raised here."""
+    meta = layout.Plan.parse(group.broadcast_bytes(None, "waiting for the sync's metadata"))
+    if "error" in meta:
+        raise TransportError(f"{group.describe('receive')}: the sender refused this sync: {meta['error']}")
+    return meta
+
+
+def aborted_error(group: Group, version: int, bucket: layout.Bucket, k: int, loaded: int) -> TransportError:
+    return TransportError(
+        f"{group.describe('receive')}: the sender aborted the sync of version {version} at "
+        f"{bucket.describe(k)} (its error is raised on the trainer); {loaded} earlier bucket(s) were "
+        "loaded, so the weights are a mix: sync again"
+    )
+
+
+def checksum_error(group: Group, version: int, bucket: layout.Bucket, k: int, loaded: int) -> ChecksumError:
+    return ChecksumError(
+        f"{group.describe('receive')}: {bucket.describe(k)} of the sync of version {version} arrived "
+        f"corrupted (its checksum differs from the sender's); nothing of it was loaded, nor of any later "
+        f"bucket. {loaded} earlier bucket(s) were loaded, so the weights are a mix: sync again"
+    )
+
+
+def raise_failure(failure: tuple[int, int, BaseException], loaded: int) -> NoReturn:
+    """A receiver's failed sync: its error, telling how many buckets landed (a pool keeps a mix out of traffic)."""
+    with contextlib.suppress(Exception):
+        failure[2].buckets_loaded = loaded  # type: ignore[attr-defined]
+    raise failure[2]
+
+
 class BroadcastSender:
     """Rank 0's end of a broadcast group."""
 
@@ -228,9 +259,7 @@ class BroadcastReceiver:
         g = self.group
         g.check_usable()
         start = time.perf_counter()
-        meta = layout.Plan.parse(g.broadcast_bytes(None, "waiting for the sync's metadata"))
-        if "error" in meta:
-            raise TransportError(f"{g.describe('receive')}: the sender refused this sync: {meta['error']}")
+        meta = read_metadata(g)
         version: int = meta["version"]
         buckets: list[layout.Bucket] = meta["buckets"]
         bufs = self._buffers.get(int(meta["buffer_bytes"]))
@@ -244,12 +273,7 @@ class BroadcastReceiver:
             g.wait(works.pop(k), f"receiving {bucket.describe(k)} of {len(buckets)}", [0])
             flag, expected = layout.read_trailer(slices[k], bucket)
             if flag == layout.FLAG_ABORT:
-                why = TransportError(
-                    f"{g.describe('receive')}: the sender aborted the sync of version {version} at "
-                    f"{bucket.describe(k)} (its error is raised on the trainer); {loaded} earlier bucket(s) were "
-                    "loaded, so the weights are a mix: sync again"
-                )
-                failure = failure or (ABORTED, k, why)
+                failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, loaded))
                 break
             if k + 1 < len(buckets):
                 works[k + 1] = g.broadcast(slices[k + 1], data=True)  # in flight while bucket k loads
@@ -258,7 +282,7 @@ class BroadcastReceiver:
             if meta["checksum"]:
                 actual = int(layout.checksum_of(slices[k], bucket.nbytes).item())
                 if actual != expected:
-                    failure = (CHECKSUM, k, ChecksumError(self._checksum_message(bucket, k, version, loaded)))
+                    failure = (CHECKSUM, k, checksum_error(g, version, bucket, k, loaded))
                     continue
             try:
                 last = k == len(buckets) - 1
@@ -277,17 +301,8 @@ class BroadcastReceiver:
         code, at = (failure[0], failure[1]) if failure else (OK, -1)
         g.send_status([code, at, int(meta["seq"])], "reporting the sync's outcome to the sender")
         if failure is not None:
-            with contextlib.suppress(Exception):  # how many buckets landed: a pool keeps a mix out of traffic
-                failure[2].buckets_loaded = loaded  # type: ignore[attr-defined]
-            raise failure[2]
+            raise_failure(failure, loaded)
         return SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
-
-    def _checksum_message(self, bucket: layout.Bucket, k: int, version: int, loaded: int) -> str:
-        return (
-            f"{self.group.describe('receive')}: {bucket.describe(k)} of the sync of version {version} arrived "
-            f"corrupted (its checksum differs from the sender's); nothing of it was loaded, nor of any later "
-            f"bucket. {loaded} earlier bucket(s) were loaded, so the weights are a mix: sync again"
-        )
 
     def close(self) -> None:
         self._buffers.clear()

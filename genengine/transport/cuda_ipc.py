@@ -12,7 +12,6 @@ meanwhile. The same bucket layout, checksum and abort flag as the broadcast tran
 from __future__ import annotations
 
 import base64
-import contextlib
 import pickle
 import time
 from collections import deque
@@ -28,16 +27,20 @@ from genengine.transport.broadcast import (
     OK,
     STATUS_WIDTH,
     _Buffers,
+    aborted_error,
     check_rank,
     check_spec,
     check_version,
+    checksum_error,
     device_of,
     load_bucket,
     plan_or_refuse,
+    raise_failure,
     raise_for_status,
+    read_metadata,
     side_stream,
 )
-from genengine.transport.errors import ChecksumError, TransportError
+from genengine.transport.errors import TransportError
 from genengine.transport.spec import SyncReport, TransportSpec
 
 if TYPE_CHECKING:
@@ -157,9 +160,7 @@ class CudaIpcReceiver:
         g = self.group
         g.check_usable()
         start = time.perf_counter()
-        meta = layout.Plan.parse(g.broadcast_bytes(None, "waiting for the sync's metadata"))
-        if "error" in meta:
-            raise TransportError(f"{g.describe('receive')}: the sender refused this sync: {meta['error']}")
+        meta = read_metadata(g)
         version: int = meta["version"]
         seq = int(meta["seq"])
         buckets: list[layout.Bucket] = meta["buckets"]
@@ -173,12 +174,7 @@ class CudaIpcReceiver:
                 buf = shared[k % 2][: bucket.nbytes + layout.TRAILER]
                 flag, expected = layout.read_trailer(buf, bucket)
                 if flag == layout.FLAG_ABORT:
-                    why = TransportError(
-                        f"{g.describe('receive')}: the sender aborted the sync of version {version} at "
-                        f"{bucket.describe(k)} (its error is raised on the trainer); {loaded} earlier bucket(s) "
-                        "were loaded, so the weights are a mix: sync again"
-                    )
-                    failure = failure or (ABORTED, k, why)
+                    failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, loaded))
                     g.send_status([ABORTED, k, seq], "acknowledging the abort")
                     break
                 if (
@@ -186,16 +182,7 @@ class CudaIpcReceiver:
                     and meta["checksum"]
                     and int(layout.checksum_of(buf, bucket.nbytes).item()) != expected
                 ):
-                    failure = (
-                        CHECKSUM,
-                        k,
-                        ChecksumError(
-                            f"{g.describe('receive')}: {bucket.describe(k)} of the sync of version {version} "
-                            "arrived corrupted (its checksum differs from the sender's); nothing of it was "
-                            f"loaded, nor of any later bucket. {loaded} earlier bucket(s) were loaded, so the "
-                            "weights are a mix: sync again"
-                        ),
-                    )
+                    failure = (CHECKSUM, k, checksum_error(g, version, bucket, k, loaded))
                 if failure is None:
                     try:
                         last = k == len(buckets) - 1
@@ -218,9 +205,7 @@ class CudaIpcReceiver:
         finally:
             del shared  # drop our references to the sender's memory
         if failure is not None:
-            with contextlib.suppress(Exception):  # how many buckets landed: a pool keeps a mix out of traffic
-                failure[2].buckets_loaded = loaded  # type: ignore[attr-defined]
-            raise failure[2]
+            raise_failure(failure, loaded)
         return SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
 
     def close(self) -> None:
