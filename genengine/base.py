@@ -29,7 +29,15 @@ from genengine.protocol import (
     LoadReport,
 )
 from genengine.requests import Request, normalize_requests
-from genengine.weights import DEFAULT_BUCKET_BYTES, WeightInfo, WeightValidator, iter_buckets, tensor_nbytes
+from genengine.weights import (
+    DEFAULT_BUCKET_BYTES,
+    WeightInfo,
+    WeightValidator,
+    check_load_options,
+    check_named_tensors,
+    iter_buckets,
+    tensor_nbytes,
+)
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -263,21 +271,11 @@ class EngineBase(abc.ABC):
         """Write ``named_tensors`` into the engine; ``version`` (an int >= 0) labels the weights from here on
         (``weight_version`` and each later output's ``weight_versions``); None keeps the current label."""
         self._check_open()
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-            raise InvalidArgumentError(f"version={version!r} must be an integer >= 0 or None")
-        if bucket_bytes is not None and (
-            isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
-        ):
-            raise InvalidArgumentError(f"bucket_bytes={bucket_bytes!r} must be a positive integer or None")
-        if not isinstance(check_finite, bool):
-            raise InvalidArgumentError(f"check_finite={check_finite!r} must be True or False")
+        check_load_options(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
         if TAG_WEIGHTS in self.__released:
             raise EngineSleepingError("the weights are asleep: call wake(['weights']) before load_weights")
         self._check_weights_may_change()
-        if isinstance(named_tensors, (str, bytes)) or not isinstance(named_tensors, (Iterable, Mapping)):
-            raise InvalidArgumentError(
-                f"load_weights takes an iterable of (name, tensor) pairs, got {type(named_tensors).__name__}"
-            )
+        check_named_tensors(named_tensors)
         start = time.perf_counter()
         validator = WeightValidator(self._weight_spec(), check_finite=check_finite)
         buckets = iter_buckets(

@@ -14,12 +14,20 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from genengine.errors import WeightLoadError, closest
+from genengine.errors import InvalidArgumentError, WeightLoadError, closest
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "WeightInfo", "WeightValidator", "iter_buckets", "tensor_nbytes"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "WeightInfo",
+    "WeightValidator",
+    "check_load_options",
+    "check_named_tensors",
+    "iter_buckets",
+    "tensor_nbytes",
+]
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 """Default bucket: big enough that per-call overhead vanishes, small enough for any colocated GPU."""
@@ -39,6 +47,27 @@ class WeightInfo:
     dtype: str
     required: bool = True
     """False for aliases an engine can do without, such as a tied ``lm_head.weight``."""
+
+
+def check_load_options(*, bucket_bytes: object, check_finite: object, version: object) -> None:
+    """``load_weights``'s options, checked before anything moves (by every engine, and by the Ray pool before
+    it reaches a replica)."""
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
+        raise InvalidArgumentError(f"version={version!r} must be an integer >= 0 or None")
+    if bucket_bytes is not None and (
+        isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1
+    ):
+        raise InvalidArgumentError(f"bucket_bytes={bucket_bytes!r} must be a positive integer or None")
+    if not isinstance(check_finite, bool):
+        raise InvalidArgumentError(f"check_finite={check_finite!r} must be True or False")
+
+
+def check_named_tensors(named_tensors: object) -> None:
+    """``load_weights`` takes (name, tensor) pairs: any iterable of them or a mapping, not a string."""
+    if isinstance(named_tensors, (str, bytes)) or not isinstance(named_tensors, (Iterable, Mapping)):
+        raise InvalidArgumentError(
+            f"load_weights takes an iterable of (name, tensor) pairs, got {type(named_tensors).__name__}"
+        )
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:

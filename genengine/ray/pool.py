@@ -48,6 +48,7 @@ from genengine.ray.errors import ReplicaDiedError, ReplicaError, ReplicaTimeoutE
 from genengine.ray.router import Router, prefix_key
 from genengine.registry import available_backends, get_backend, resolve_config
 from genengine.requests import Request, normalize_requests
+from genengine.weights import check_load_options, check_named_tensors
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -883,12 +884,8 @@ class EnginePool:
         one, else each tensor is put in Ray's object store once and every replica reads it from there. The
         report is the first replica's, with ``seconds`` the whole call's."""
         self._check_open()
-        if isinstance(named_tensors, (str, bytes)) or not isinstance(named_tensors, (Iterable, Mapping)):
-            raise InvalidArgumentError(
-                f"load_weights takes an iterable of (name, tensor) pairs, got {type(named_tensors).__name__}"
-            )
-        if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 0):
-            raise InvalidArgumentError(f"version={version!r} must be an integer >= 0 or None")
+        check_named_tensors(named_tensors)
+        check_load_options(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
         start = time.perf_counter()
         self._recover()
         with self._lock:
@@ -904,8 +901,6 @@ class EnginePool:
                         f"bucket_bytes={bucket_bytes!r}: with transport={self._transport_name!r} the buckets are the "
                         "weight-sync group's: pass EnginePool(transport_options={'bucket_bytes': N}) instead"
                     )
-                if not isinstance(check_finite, bool):
-                    raise InvalidArgumentError(f"check_finite={check_finite!r} must be True or False")
                 try:
                     report = self._load_transport(replicas, named_tensors, version, check_finite)
                 except GenEngineError as exc:
