@@ -23,11 +23,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from support.outcomes import Result as Result
 from support.ports import free_port as free_port
 from support.ports import free_port_block as free_port_block
 
@@ -41,21 +41,6 @@ ENV_KEYS = (
     "CUDA_VISIBLE_DEVICES",
     "GENENGINE_COLLECTIVE_TIMEOUT_S",
 )
-
-
-@dataclass
-class Result:
-    rank: int
-    status: str  # "ok", "err" or "died"
-    value: Any = None
-    error_type: str = ""
-    message: str = ""
-    mro: list[str] = field(default_factory=list)
-    elapsed: float = 0.0
-    in_setup: bool = False  # it failed in init_process_group, before the scenario ran
-
-    def raised(self, name: str) -> bool:
-        return self.status == "err" and name in self.mro
 
 
 # --- scenarios (run inside the workers) ------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 
@@ -69,12 +70,29 @@ class GpuTrainer:
     def _engine_kwargs(self, backend: str, model: str) -> dict[str, Any]:
         return {"backend": backend, "model": model, "mem_util": 0.3, "dtype": "bfloat16"}
 
+    def _both(self, backend: str, model: str, num_gpus: float, measure: Callable[[Any], Any]) -> dict[str, Any]:
+        """``measure(engine)`` in-process, then through a one-replica pool colocated in this actor's bundle."""
+        from genengine import create_engine
+        from genengine.ray import EnginePool
+
+        with create_engine(**self._engine_kwargs(backend, model)) as engine:
+            local = measure(engine)
+        with EnginePool(
+            **self._engine_kwargs(backend, model),
+            placement="colocated",
+            placement_group=self.pg,
+            bundle_indices=[0],
+            num_gpus=num_gpus,
+            num_cpus=1,
+        ) as pool:
+            pooled = measure(pool)
+        return {"in_process": local, "pool": pooled}
+
     def throughput(self, backend: str, model: str, prompts: list[list[int]], num_gpus: float) -> dict[str, float]:
         """Tokens/s of one greedy batch, in-process and through a one-replica colocated pool."""
         import time
 
-        from genengine import SamplingParams, create_engine
-        from genengine.ray import EnginePool
+        from genengine import SamplingParams
 
         params = SamplingParams(temperature=0, max_new_tokens=128, ignore_eos=True)
 
@@ -84,23 +102,10 @@ class GpuTrainer:
             out = engine.generate(prompt_token_ids=prompts, sampling_params=params)
             return sum(len(o.token_ids) for r in out for o in r.outputs) / (time.perf_counter() - start)
 
-        with create_engine(**self._engine_kwargs(backend, model)) as engine:
-            local = rate(engine)
-        with EnginePool(
-            **self._engine_kwargs(backend, model),
-            placement="colocated",
-            placement_group=self.pg,
-            bundle_indices=[0],
-            num_gpus=num_gpus,
-            num_cpus=1,
-        ) as pool:
-            pooled = rate(pool)
-        return {"in_process": local, "pool": pooled}
+        return self._both(backend, model, num_gpus, rate)
 
     def sleep_frees(self, backend: str, model: str, num_gpus: float) -> dict[str, int]:
         """Device-wide free bytes gained by a level-1 sleep, in-process and through the pool."""
-        from genengine import create_engine
-        from genengine.ray import EnginePool
         from support.gpu_checks import free_gpu_memory
 
         def freed(engine: Any) -> int:
@@ -110,18 +115,7 @@ class GpuTrainer:
             engine.wake()
             return gained
 
-        with create_engine(**self._engine_kwargs(backend, model)) as engine:
-            local = freed(engine)
-        with EnginePool(
-            **self._engine_kwargs(backend, model),
-            placement="colocated",
-            placement_group=self.pg,
-            bundle_indices=[0],
-            num_gpus=num_gpus,
-            num_cpus=1,
-        ) as pool:
-            pooled = freed(pool)
-        return {"in_process": local, "pool": pooled}
+        return self._both(backend, model, num_gpus, freed)
 
     def sync_seconds(self, backend: str, model: str, num_gpus: float, transport: str) -> list[float]:
         """Seconds of five syncs of the trainer's CUDA tensors (7B-shaped) through the pool's transport."""

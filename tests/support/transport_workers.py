@@ -19,28 +19,14 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from genengine.transport._layout import CORRUPT_ENV
 
+from .outcomes import Result
 from .ports import free_port
 
 __all__ = ["CORRUPT_ENV", "Pool", "Result", "configure", "engine", "free_port", "observe", "send_one", "trainer_stream"]
-
-
-@dataclass
-class Result:
-    index: int
-    status: str  # "ok", "err" or "died"
-    value: Any = None
-    error_type: str = ""
-    message: str = ""
-    mro: list[str] = field(default_factory=list)
-    elapsed: float = 0.0
-
-    def raised(self, name: str) -> bool:
-        return self.status == "err" and name in self.mro
 
 
 # ---- shared by the workers and the test process ------------------------------------------------------------
@@ -332,7 +318,7 @@ class Pool:
         while len(got) < len(indices):
             try:
                 result = self._results.get(timeout=0.2)
-                got[result.index] = result
+                got[result.rank] = result
                 continue
             except queue.Empty:
                 pass
