@@ -271,16 +271,12 @@ class Driver:
     def quiesce(self) -> None:
         """Step until the engine core is idle. Only while nothing of ours can be scheduled (held, or none
         live): the steps then only bring back the batch in flight."""
-        with self._engine_stream():
+        with engine_stream(self._cuda):  # a step from a caller's thread runs where the driver's do
             for _ in range(_DRAIN_STEPS):
                 if not self._core_busy():
                     return
                 self.step()
         raise EngineStateError(f"vLLM's engine core did not go idle within {_DRAIN_STEPS} steps")
-
-    def _engine_stream(self) -> contextlib.AbstractContextManager[None]:
-        """A step from a caller's thread runs on the engine's device and stream, as the driver's do."""
-        return engine_stream(self._cuda)
 
     def settle(self) -> None:
         """Before a weight write or a sleep: collect a batch of finished or aborted requests still in flight."""

@@ -29,12 +29,12 @@ def _slice() -> tuple[int, int]:
 
 
 def _bindable(port: int) -> bool:
-    for host in ("", "127.0.0.1"):
-        try:
-            with socket.socket() as s:
-                s.bind((host, port))
-        except OSError:
-            return False
+    """Free on every interface (a wildcard bind fails while any address holds the port)."""
+    try:
+        with socket.socket() as s:
+            s.bind(("", port))
+    except OSError:
+        return False
     return True
 
 
