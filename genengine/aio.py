@@ -334,7 +334,10 @@ class AsyncEngineMixin:
             self._async_abort(running)
         for request in running:
             await request.wait()
-        return [r.request_id for r in (*queued, *running)]
+        # One that finished on its own while the abort reached the engine (its last token was already sampled)
+        # was not aborted: the ids returned are those whose result says "abort".
+        ended = [r for r in running if any(s.finish == "abort" for s in r.samples)]
+        return [r.request_id for r in (*queued, *ended)]
 
     async def pause_generation(self, mode: PauseMode = "keep", *, clear_cache: bool = True) -> None:
         """Stop generating so that the weights can change; requests submitted meanwhile wait for resume.
