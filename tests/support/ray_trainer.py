@@ -70,21 +70,27 @@ class GpuTrainer:
     def _engine_kwargs(self, backend: str, model: str) -> dict[str, Any]:
         return {"backend": backend, "model": model, "mem_util": 0.3, "dtype": "bfloat16"}
 
-    def _both(self, backend: str, model: str, num_gpus: float, measure: Callable[[Any], Any]) -> dict[str, Any]:
-        """``measure(engine)`` in-process, then through a one-replica pool colocated in this actor's bundle."""
-        from genengine import create_engine
+    def _pool(self, backend: str, model: str, num_gpus: float, **options: Any) -> Any:
+        """A one-replica pool colocated in this actor's bundle."""
         from genengine.ray import EnginePool
 
-        with create_engine(**self._engine_kwargs(backend, model)) as engine:
-            local = measure(engine)
-        with EnginePool(
+        return EnginePool(
             **self._engine_kwargs(backend, model),
             placement="colocated",
             placement_group=self.pg,
             bundle_indices=[0],
             num_gpus=num_gpus,
             num_cpus=1,
-        ) as pool:
+            **options,
+        )
+
+    def _both(self, backend: str, model: str, num_gpus: float, measure: Callable[[Any], Any]) -> dict[str, Any]:
+        """``measure(engine)`` in-process, then through a one-replica colocated pool."""
+        from genengine import create_engine
+
+        with create_engine(**self._engine_kwargs(backend, model)) as engine:
+            local = measure(engine)
+        with self._pool(backend, model, num_gpus) as pool:
             pooled = measure(pool)
         return {"in_process": local, "pool": pooled}
 
@@ -123,18 +129,8 @@ class GpuTrainer:
 
         import _bench_7b as bench
 
-        from genengine.ray import EnginePool
-
         state = bench.trainer_state()
-        with EnginePool(
-            **self._engine_kwargs(backend, model),
-            placement="colocated",
-            placement_group=self.pg,
-            bundle_indices=[0],
-            num_gpus=num_gpus,
-            num_cpus=1,
-            transport=transport,
-        ) as pool:
+        with self._pool(backend, model, num_gpus, transport=transport) as pool:
             times = []
             for version in range(1, 6):
                 start = time.perf_counter()
