@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import pickle
 import time
-from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -105,36 +104,40 @@ class CudaIpcSender:
         bufs = self._buffers.get(plan.buffer_bytes)
         g.broadcast_bytes(plan.metadata(seq=self._seq, shared=_share(bufs)), "sending the sync's metadata")
         stream = side_stream(self._device)
-        unacked: deque[int] = deque()
+        assert stream is not None
         statuses: dict[int, list[int]] = {}
         error: BaseException | None = None
 
-        def collect() -> None:
-            k = unacked.popleft()
-            got = g.gather_status(STATUS_WIDTH, f"waiting for every replica to load {plan.buckets[k].describe(k)}")
-            for rank, row in got.items():
-                if rank not in statuses or (statuses[rank][0] == OK and row[0] != OK):
-                    statuses[rank] = row  # a replica's first failure is the one to report
-
-        for k, bucket in enumerate(plan.buckets):
-            if len(unacked) == 2:
-                collect()  # bucket k-2's buffer is free once every replica has read it
-            buf = bufs[k % 2][: bucket.nbytes + layout.TRAILER]
-            assert stream is not None
+        def pack(k: int) -> None:
+            """Bucket k into its buffer on the side stream (marked aborted if packing fails)."""
+            nonlocal error
+            buf = bufs[k % 2][: plan.buckets[k].nbytes + layout.TRAILER]
             with torch.cuda.stream(stream):
                 try:
                     layout.pack(plan, k, buf)
                 except Exception as exc:
                     error = exc
-                    layout.mark_aborted(buf, bucket)
+                    layout.mark_aborted(buf, plan.buckets[k])
+
+        # Every rank issues the control group's operations in one order: announce k, then the acks of k (a
+        # receiver acknowledges k before it waits for k+1; gloo would deadlock on any other order). Bucket
+        # k+1 is packed between the two, while the receivers load k: its buffer held bucket k-1, whose acks
+        # are in, so no receiver still reads it (slime's rule).
+        if plan.buckets:
+            pack(0)
+        for k, bucket in enumerate(plan.buckets):
+            failed_here = error is not None
             stream.synchronize()  # the receivers read through IPC, with no stream ordering against ours
             notice = torch.tensor([k], dtype=torch.int64)
             g.wait(g.broadcast(notice, data=False), f"announcing {bucket.describe(k)}", range(1, g.spec.world_size))
-            unacked.append(k)
-            if error is not None:
-                break
-        while unacked:
-            collect()
+            if not failed_here and k + 1 < len(plan.buckets):
+                pack(k + 1)
+            got = g.gather_status(STATUS_WIDTH, f"waiting for every replica to load {bucket.describe(k)}")
+            for rank, row in got.items():
+                if rank not in statuses or (statuses[rank][0] == OK and row[0] != OK):
+                    statuses[rank] = row  # a replica's first failure is the one to report
+            if failed_here:
+                break  # bucket k carried the abort flag: every receiver stopped at it
         if not plan.buckets:
             statuses = g.gather_status(STATUS_WIDTH, "waiting for every replica to take the sync")
         if error is not None:

@@ -84,6 +84,9 @@ def _sync_three_times(transport: str, model: str, replica_device: str, expected:
         pool.close()
     plan = _layout.plan(tw.trainer_stream("A"), version=0, bucket_bytes=BUCKET, checksum=True)
     rows = got.value["syncs"]
+    for i in (0, 2):  # the syncs that must land: a failure names the sender's error and the replica's
+        assert "report" in sent[i], f"sync {i}: the sender failed: {sent[i]}; the replica saw: {rows[i : i + 1]}"
+        assert "report" in rows[i], f"sync {i}: the replica failed: {rows[i]}"
     assert sent[0]["report"][0] == 5 and rows[0]["report"] == sent[0]["report"]
     assert rows[0]["after"]["digests"] == expected["B"]["digests"]  # bit for bit, bf16 and fp32
     assert [o[0] for o in rows[0]["after"]["outputs"]] == [o[0] for o in expected["B"]["outputs"]]

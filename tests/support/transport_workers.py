@@ -130,7 +130,12 @@ def _bomb(tensor: Any) -> Any:
 
 
 def _error_row(exc: BaseException) -> dict[str, Any]:
-    return {"error": type(exc).__name__, "message": str(exc), "mro": [c.__name__ for c in type(exc).__mro__]}
+    return {
+        "error": type(exc).__name__,
+        "message": str(exc),
+        "mro": [c.__name__ for c in type(exc).__mro__],
+        "trace": "".join(traceback.format_exception(exc))[-4000:],
+    }
 
 
 def warm() -> float:
