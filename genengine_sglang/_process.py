@@ -124,7 +124,11 @@ def launch(kwargs: Mapping[str, Any], *, enable_sleep: bool) -> tuple[Any, ExitH
     # ours stops this engine's processes only, if the trainer exits without shutdown() (its scheduler
     # processes are not daemons: multiprocessing would wait on them forever).
     atexit.unregister(engine.shutdown)
-    exit_handle = at_exit(lambda: stop_sglang(engine), name="sglang engine", pids=list(engine.get_all_child_pids()))
+    # Bounded well inside the 10 s a user's script may take to exit after its last line: what is still there
+    # after it is SIGKILLed (a normal stop takes about 2 s on an H200).
+    exit_handle = at_exit(
+        lambda: stop_sglang(engine), name="sglang engine", pids=list(engine.get_all_child_pids()), timeout_s=5.0
+    )
     if threading.current_thread() is threading.main_thread():
         # SGLang's tokenizer manager puts SIGTERM on its asyncio loop (to drain an HTTP server's requests)
         # when it first runs; in an Engine that loop runs only inside engine calls, so a trainer that is

@@ -30,3 +30,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if reason is not None:
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """A GPU run's process must exit soon after its summary (an engine left running, a non-daemon thread or an
+    atexit join has held it for minutes before). Past ``$GENENGINE_EXIT_DUMP_S`` seconds (default 30; 0: off)
+    every thread's stack is printed and the process ends, so the run's log says what held it. Only where CUDA is:
+    a CPU run (CI) is never cut short."""
+    import faulthandler
+    import os
+    import sys
+
+    delay = float(os.environ.get("GENENGINE_EXIT_DUMP_S", "30"))
+    if delay > 0 and _no_cuda_reason() is None:
+        import time
+
+        print(f"\nGENENGINE_EXIT_WATCH at {time.time():.3f}: exiting (stacks dumped after {delay:g} s)", flush=True)
+        faulthandler.dump_traceback_later(delay, exit=True, file=sys.stderr)
