@@ -253,3 +253,28 @@ def test_async_bench_bad_arguments_fail_before_any_work(
     assert main(["bench", "--async", "--quiet", *args]) == 2
     assert message in capsys.readouterr().err
     assert work == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--repeats", "0"], "repeats=0 must be an integer >= 1"),
+        (["--min-seconds", "0"], "min_seconds=0.0 must be a number > 0"),
+        (["--pool-mem-util", "1.5"], "pool_mem_util=1.5 must be a number in (0, 1]"),
+        (["--transport", "carrier-pigeon"], "carrier-pigeon"),
+        (["--backend", "nope"], "unknown backend 'nope'"),
+        (["--model", "/nonexistent/model"], "is not a local model folder"),
+        (["--tp-size", "2"], "--tp-size 2: bench --pool measures tp_size=1 replicas"),
+        (["--async"], "--async and --pool are two different comparisons"),
+    ],
+)
+def test_pool_bench_bad_arguments_fail_before_any_work(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = _spy_on_work(monkeypatch)
+    assert main(["bench", "--pool", "--quiet", *args]) == 2
+    assert message in capsys.readouterr().err
+    assert work == []
+    import sys
+
+    assert "ray" not in sys.modules or sys.modules["ray"].is_initialized() is False  # no Ray started for it

@@ -40,7 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument(
         "--max-new-tokens", type=int, default=None, help="tokens per sample; with --async the length cap (32 / 256)"
     )
-    p.add_argument("--repeats", type=int, default=3, help="runs per measurement; the median is reported")
+    p.add_argument(
+        "--repeats", type=int, default=None, help="runs per measurement, the median reported (default 3; --pool: 5)"
+    )
     p.add_argument("--bucket-mb", type=float, default=None, help="load_weights bucket size (default: the backend's)")
     p.add_argument("--sleep-levels", type=_levels, default=(1, 2), help="comma-separated, e.g. '1,2' (default)")
     p.add_argument("--no-raw", action="store_true", help="skip the raw engine's throughput")
@@ -48,6 +50,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--json", metavar="FILE", default=None, help="write the report as JSON ('-' for stdout)")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the figures into a PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    pool = p.add_argument_group("--pool", "a one-replica colocated Ray EnginePool against the same engine in-process")
+    pool.add_argument("--pool", action="store_true", help="run the pool comparison instead (needs genengine[ray])")
+    pool.add_argument("--pool-mem-util", type=float, default=None, help="the replica's share (default: --mem-util)")
+    pool.add_argument("--min-seconds", type=float, default=3.0, help="seconds of generation per repeat")
+    pool.add_argument("--syncs", type=int, default=3, help="weight syncs (a new version each)")
+    pool.add_argument(
+        "--transport", default=None, help="the pool's weight transport (default: cuda_ipc, or gloo on CPU)"
+    )
     group = p.add_argument_group("--async", "partial rollouts against the synchronous generate")
     group.add_argument("--async", dest="async_", action="store_true", help="run the async comparison instead")
     group.add_argument("--steps", type=int, default=4, help="trainer steps (weight updates)")
@@ -58,8 +68,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.async_ and args.pool:
+        raise InvalidArgumentError("--async and --pool are two different comparisons: pass one of them")
     if args.async_:
         return _run_async(args)
+    if args.pool:
+        return _run_pool(args)
     from genengine.bench import BenchSettings, format_report, plot_report, run_bench
 
     settings = BenchSettings(
@@ -72,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         prompt_len=args.prompt_len,
         max_new_tokens=32 if args.max_new_tokens is None else args.max_new_tokens,
-        repeats=args.repeats,
+        repeats=3 if args.repeats is None else args.repeats,
         bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20)),
         sleep_levels=args.sleep_levels,
         raw=not args.no_raw,
@@ -115,6 +129,32 @@ def _run_async(args: argparse.Namespace) -> int:
     )
     report = run_async_bench(settings)
     _write(args, report, format_async_report(report))
+    return 0
+
+
+def _run_pool(args: argparse.Namespace) -> int:
+    from genengine.bench.pool import PoolBenchSettings, format_pool_report, run_pool_bench
+
+    if args.tp_size != 1:
+        raise InvalidArgumentError(f"--tp-size {args.tp_size}: bench --pool measures tp_size=1 replicas; allowed: 1")
+    settings = PoolBenchSettings(
+        backend=args.backend,
+        model=args.model,
+        options=dict(args.option),
+        dtype=args.dtype,
+        mem_util=args.mem_util,
+        pool_mem_util=args.pool_mem_util,
+        batch_size=args.batch_size,
+        prompt_len=args.prompt_len,
+        max_new_tokens=32 if args.max_new_tokens is None else args.max_new_tokens,
+        repeats=5 if args.repeats is None else args.repeats,
+        min_seconds=args.min_seconds,
+        syncs=args.syncs,
+        transport=args.transport,
+        bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20)),
+    )
+    report = run_pool_bench(settings)
+    _write(args, report, format_pool_report(report))
     return 0
 
 
