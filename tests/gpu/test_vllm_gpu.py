@@ -74,6 +74,16 @@ def trainer_world() -> Any:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl")
     world = dist.group.WORLD
+    # A trainer has run collectives and matmuls before it builds an engine: its NCCL communicator and its
+    # main thread's cuBLAS/cuBLASLt workspaces exist. Made here, so that the memory the tests measure around
+    # the engine is the engine's, not the trainer's first all_reduce or matmul.
+    warm = torch.ones(1, device="cuda")
+    dist.all_reduce(warm)
+    a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+    (a @ a).float().sum().item()
+    torch.nn.functional.linear(a, a).sum().item()
+    del a, warm
+    torch.cuda.synchronize()
     yield world
     if dist.is_initialized():
         dist.destroy_process_group()
