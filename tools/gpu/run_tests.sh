@@ -21,9 +21,13 @@ SITE_PROJ=${SITE_PROJ:-/tmp/site-proj}
 OUTDIR=${OUT:-/tmp}
 [ -d "$SITE_ENGINE/$ENGINE" ] || die "no $ENGINE in $SITE_ENGINE: make the kit's install.sh calls first (--final)"
 
-rm -rf "$SITE_PROJ"   # this tree's copy, always: the entry points must match the code that runs
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE_PROJ" . \
-  || die "offline install of the project failed (does the image have setuptools>=68?)"
+# This tree's copy, always (the entry points must match the code that runs); KEEP_SITE_PROJ=1 (verify.sh, after
+# installing it once) reuses the copy already there.
+if [ "${KEEP_SITE_PROJ:-0}" != 1 ] || [ ! -d "$SITE_PROJ/genengine" ]; then
+  rm -rf "$SITE_PROJ"
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "$SITE_PROJ" . \
+    || die "offline install of the project failed (does the image have setuptools>=68?)"
+fi
 # tests/ for the repo's test helpers (tests/support, imported as `support`): pytest finds them by itself,
 # the torchrun scripts (tests/gpu/tp2_*.py, dp2.py) and benchmarks run from their own folders do not.
 export PYTHONPATH="$SITE_PROJ:$PWD/tests:$SITE_ENGINE${PYTHONPATH:+:$PYTHONPATH}"

@@ -1,0 +1,121 @@
+#!/bin/bash
+# tools/gpu/verify.sh ENGINE        (ENGINE = sglang | vllm; on the GPU machine, after the kit's last chunk)
+#
+# One call checks an engine: its GPU suite, the Ray and transport GPU tests, the pool benchmark (P7), the exit
+# test and bench_async, each part under its own timeout and inside one overall budget (VERIFY_BUDGET_S,
+# default 540 s: a part that no longer fits is reported "skipped (budget)"). Every part runs in a session of
+# its own with its output in a file (no pipe a leftover process could hold open); whatever it leaves running
+# is killed before the next part starts. Logs, junit XML and JSON go to one tarball in $OUT
+# (verify_ENGINE.tar.gz) beside the summary table (verify_ENGINE.md), which is also printed.
+#
+# Env: VERIFY_BUDGET_S (540), VERIFY_PARTS (default "suite ray pool exit transport async": a subset, in that
+#      order of priority), EXIT_CASES (pytest -k for the exit test; default: all four cases).
+set -uo pipefail
+ENGINE=${1:?usage: tools/gpu/verify.sh sglang|vllm}
+case "$ENGINE" in sglang|vllm) ;; *) echo "verify.sh: ENGINE must be sglang or vllm, not '$ENGINE'" >&2; exit 3 ;; esac
+cd "$(dirname "$0")/../.."
+REAL_OUT=${OUT:-/tmp/verify-out}; mkdir -p "$REAL_OUT"
+WORK=$(mktemp -d /tmp/verify-$ENGINE-XXXX)
+BUDGET=${VERIFY_BUDGET_S:-540}
+PARTS=${VERIFY_PARTS:-suite ray pool exit transport async}
+T0=$(date +%s)
+SUMMARY="$REAL_OUT/verify_$ENGINE.md"
+ROWS=()
+export GENENGINE_EXIT_DUMP_S=15 PYTHONUNBUFFERED=1
+# The project installed once for every part (run_tests.sh reuses it with KEEP_SITE_PROJ=1).
+rm -rf "${SITE_PROJ:-/tmp/site-proj}"
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "${SITE_PROJ:-/tmp/site-proj}" . \
+  || { echo "verify.sh: offline install of the project failed" >&2; exit 3; }
+export KEEP_SITE_PROJ=1
+
+elapsed() { echo $(( $(date +%s) - T0 )); }
+
+reap() {  # every process that carries this part's mark (its whole tree: Ray workers, engine processes, orphans)
+  local mark=$1 pid
+  for pid in $(grep -lsa "GENENGINE_VERIFY_MARK=$mark" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do
+    [ "$pid" != $$ ] && kill -9 "$pid" 2>/dev/null
+  done
+  pkill -9 -f 'sglang::|raylet|gcs_server|dashboard_agent|runtime_env_agent' 2>/dev/null
+  for _ in $(seq 1 40); do  # killed processes give their GPU memory back a little later
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return
+    sleep 0.5
+  done
+}
+
+junit_counts() {  # "N tests, F failed, E errors, S skipped" of a junit file
+  python3 - "$1" <<'EOF' 2>/dev/null || echo "no junit"
+import sys, xml.etree.ElementTree as ET
+r = ET.parse(sys.argv[1]).getroot()
+s = r if r.tag == "testsuite" else r.find("testsuite")
+print(f"{s.get('tests')} tests, {s.get('failures')} failed, {s.get('errors')} errors, {s.get('skipped')} skipped")
+EOF
+}
+
+exit_gap() {  # seconds from the suite's GENENGINE_EXIT_WATCH line to the part's end ($2), or "-"
+  local t; t=$(grep -o 'GENENGINE_EXIT_WATCH at [0-9.]*' "$1" | tail -1 | awk '{print $3}')
+  [ -n "$t" ] && python3 -c "print(f'{$2 - $t:.1f} s')" || echo "-"
+}
+
+run_part() {  # name timeout command...
+  local name=$1 limit=$2; shift 2
+  local left=$(( BUDGET - $(elapsed) ))
+  if [ "$left" -lt 60 ]; then ROWS+=("| $name | - | - | skipped (budget: ${left} s left) |"); return; fi
+  [ "$limit" -gt $(( left - 5 )) ] && limit=$(( left - 5 ))
+  local log="$WORK/$name.log" start end rc
+  start=$(date +%s.%N)
+  echo "verify.sh: [$(elapsed) s] $name (timeout $limit s)"
+  local mark="$name-$$-$RANDOM"
+  GENENGINE_VERIFY_MARK=$mark OUT=$WORK setsid -w bash -c "timeout -k 10 $limit $* > '$log' 2>&1 < /dev/null"
+  rc=$?
+  end=$(date +%s.%N)
+  reap "$mark"
+  local secs; secs=$(python3 -c "print(f'{$end - $start:.0f}')")
+  local what
+  case "$name" in
+    suite|ray|transport|exit) what="$(junit_counts "$WORK/$name.xml")" ;;
+    pool) what=$(python3 - "$WORK/bench_pool_$ENGINE.json" <<'EOF' 2>/dev/null || echo "no report"
+import json, sys
+r = json.load(open(sys.argv[1]))
+if "error" in r: print("error: " + r["error"][:200]); raise SystemExit
+s = r["sync"]
+print(f"pool/in-process {r['ratio']:.3f} (tok/s {r['tokens_per_s']['median']['pool']:.0f} / {r['tokens_per_s']['median']['in_process']:.0f}); "
+      f"sync pool {s['pool_median_s']:.3f} s vs in-process {s['in_process_median_s']:.3f} s; outputs equal: {r['verdicts']['outputs_equal']}")
+EOF
+) ;;
+    async) what=$(python3 - "$WORK/bench_async_$ENGINE.json" <<'EOF' 2>/dev/null || echo "no report"
+import json, sys
+r = json.load(open(sys.argv[1]))
+if "error" in r: print("error: " + r["error"][:200]); raise SystemExit
+print(f"async/sync {r['ratio']:.3f}; pause-load-resume max {r['async']['pause_load_resume_max']:.3f} s")
+EOF
+) ;;
+  esac
+  [ "$rc" = 124 ] || [ "$rc" = 137 ] && what="TIMED OUT; $what"
+  if [ "$name" = suite ]; then what="$what; exit after summary: $(exit_gap "$log" "$end")"; fi
+  grep -q 'Timeout (0:00:' "$log" && what="$what; EXIT HELD (stacks in $name.log)"
+  ROWS+=("| $name | $rc | $secs | $what |")
+}
+
+PYTEST_J() { echo "--junitxml $WORK/$1.xml"; }
+for part in $PARTS; do
+  case "$part" in
+    suite) run_part suite 330 bash tools/gpu/run_tests.sh "$ENGINE" "$(PYTEST_J suite)" ;;
+    ray) run_part ray 240 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_ray_gpu.py "$(PYTEST_J ray)" ;;
+    pool) run_part pool 300 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_pool.py "$ENGINE" ;;
+    exit) run_part exit 330 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_exit_gpu.py "$(PYTEST_J exit)" \
+            ${EXIT_CASES:+-k "'$EXIT_CASES'"} ;;
+    transport) run_part transport 150 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_transport_gpu.py "$(PYTEST_J transport)" ;;
+    async) run_part async 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_async.py "$ENGINE" ;;
+    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool exit transport async) |") ;;
+  esac
+done
+
+{
+  echo "### verify.sh $ENGINE — $(date -u +%Y-%m-%dT%H:%MZ), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(elapsed) s of a $BUDGET s budget"
+  echo
+  echo "| part | rc | s | result |"
+  echo "| --- | --- | --- | --- |"
+  printf '%s\n' "${ROWS[@]}"
+} > "$SUMMARY"
+cat "$SUMMARY"
+tar -C "$WORK" -czf "$REAL_OUT/verify_$ENGINE.tar.gz" . 2>/dev/null
