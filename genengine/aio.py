@@ -382,7 +382,8 @@ class AsyncEngineMixin:
             raise
 
     async def resume_generation(self) -> None:
-        """Go on after ``pause_generation``: held requests continue, queued ones start."""
+        """Go on after ``pause_generation``: held requests continue, queued ones start (labelled with the weight
+        version in force now)."""
         engine = self._engine_base()
         engine._check_open()
         self._check_async_available()
@@ -487,6 +488,9 @@ class AsyncEngineMixin:
         return handle
 
     def _admit(self, handle: AsyncRequest) -> None:
+        # Its tokens come from the weights in force now: a request queued during a pause that started after a
+        # load (and the resume) is that load's version, not the one it was submitted under.
+        handle.new_version(self._engine_base().weight_version)
         state = self._async_state()
         with state.lock:
             for rid in [rid for rid, r in state.live.items() if r.done]:

@@ -48,7 +48,12 @@ _SWITCH = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, lo
 
 
 async def _switch_weights(
-    engine: Any, prompt: str, clear_cache: bool, step: int, original: dict[str, Any], other: dict[str, Any]
+    engine: Any,
+    prompt: str,
+    clear_cache: bool,
+    step: int,
+    original: dict[str, Any],
+    other: dict[str, Any],
 ) -> GenerationResult:
     """``_SWITCH`` on ``prompt``, switched to ``other`` (version + ``step``) after 4 tokens by pause(keep) →
     load → resume; the engine gets ``original`` and its version back afterwards."""
@@ -61,9 +66,16 @@ async def _switch_weights(
         await engine.resume_generation()
         return await stream.collect()
     finally:
-        await engine.resume_generation()
-        await engine.abort()
+        await _unpause(engine)
         engine.load_weights(original.items(), version=start)
+
+
+async def _unpause(engine: Any) -> None:
+    """Resumed (awake) with nothing in flight, whatever a test left: for its ``finally``."""
+    if engine.is_sleeping:
+        engine.wake()
+    await engine.resume_generation()
+    await engine.abort()
 
 
 class AsyncTests(ConformanceBase):
@@ -89,8 +101,7 @@ class AsyncTests(ConformanceBase):
         assert engine.paused is None, f"an earlier test left the engine paused ({engine.paused!r})"
         yield engine
         if not engine.state.closed:
-            _run(engine.resume_generation())
-            _run(engine.abort())
+            _run(_unpause(engine))
 
     def _tolerance(self) -> float:
         own = self.async_logprob_tolerance
@@ -246,6 +257,38 @@ class AsyncTests(ConformanceBase):
             return await stream.collect()
 
         assert _run(main()).outputs[0].finish_reason == "abort"
+
+    def test_a_request_queued_during_a_pause_is_labelled_with_the_version_it_runs_on(
+        self,
+        async_engine: Any,
+        other_hf_model: Any,
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+    ) -> None:
+        """Submitted while paused, started after ``load_weights(version=N)`` and the resume: every token is N's
+        (checked by teacher forcing), so its span and chunks say N; labelled with the version it was submitted
+        under, a trainer would treat on-policy tokens as off-policy."""
+        engine = async_engine
+        start = engine.weight_version
+
+        async def main() -> tuple[list[Any], GenerationResult]:
+            try:
+                await engine.pause_generation("keep")
+                stream = engine.stream(PROMPTS[3], _SWITCH)
+                engine.load_weights(other_weights.items(), version=start + 3)
+                await engine.resume_generation()
+                chunks = [chunk async for chunk in stream]
+                return chunks, stream.result()
+            finally:
+                await _unpause(engine)
+                engine.load_weights(original_weights.items(), version=start)
+
+        chunks, result = _run(main())
+        out = result.outputs[0]
+        assert len(out.token_ids) == _SWITCH.max_new_tokens and out.weight_versions == ((0, start + 3),)
+        assert {chunk.weight_version for chunk in chunks} == {start + 3}
+        want = reference_logprobs(other_hf_model, result.prompt_token_ids, out.token_ids, _SWITCH)
+        self._assert_close(out.logprobs or [], want)
 
     # ---- under load ------------------------------------------------------------------------------------------
     def test_200_concurrent_requests_with_random_aborts(self, async_engine: Any) -> None:
