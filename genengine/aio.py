@@ -383,7 +383,9 @@ class AsyncEngineMixin:
 
     async def resume_generation(self) -> None:
         """Go on after ``pause_generation``: held requests continue, queued ones start (labelled with the weight
-        version in force now)."""
+        version in force now). While the engine is asleep (any tag released) or its weights are incomplete it
+        raises (``EngineSleepingError``, ``WeightsNotLoadedError``) and stays paused, held or queued requests
+        or not: requests submitted after a resume would be admitted to an engine that cannot run them."""
         engine = self._engine_base()
         engine._check_open()
         self._check_async_available()
@@ -391,9 +393,8 @@ class AsyncEngineMixin:
         with state.lock:
             if state.paused is None:
                 return
-            held, waiting = state.held, bool(state.queued)
-        if held or waiting:
-            engine._check_can_generate()  # requests cannot go on asleep or from incomplete weights: stay paused
+            held = state.held
+        engine._check_can_generate()
         if held:
             self._async_release_hold()
         with state.lock:

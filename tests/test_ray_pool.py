@@ -258,6 +258,17 @@ def test_async_stream_pause_keep_and_abort(pool: EnginePool, local: Any, other_w
         await stream.aclose()
         aborted = stream.result().outputs[0]
         assert aborted.finish_reason == "abort" and aborted.token_ids[: len(first.token_ids)] == first.token_ids
+        # a resume while asleep raises and the pool stays paused
+        await pool.pause_generation("abort")
+        pool.sleep(1)
+        try:
+            with pytest.raises(EngineSleepingError, match="asleep"):
+                await pool.resume_generation()
+            assert pool.paused == "abort"
+        finally:
+            pool.wake()
+        await pool.resume_generation()
+        assert pool.paused is None
         return queued.result()
 
     queued = asyncio.run(run())

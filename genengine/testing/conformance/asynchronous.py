@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 
 import pytest
 
-from genengine.errors import EngineStateError, InvalidArgumentError
-from genengine.protocol import GenerationResult, SamplingParams
+from genengine.errors import EngineSleepingError, EngineStateError, InvalidArgumentError, WeightsNotLoadedError
+from genengine.protocol import TAG_WEIGHTS, GenerationResult, SamplingParams
 from genengine.testing.conformance.base import GREEDY, PROMPTS, ConformanceBase, reference_logprobs
 
 __all__ = ["AsyncTests"]
@@ -289,6 +289,38 @@ class AsyncTests(ConformanceBase):
         assert {chunk.weight_version for chunk in chunks} == {start + 3}
         want = reference_logprobs(other_hf_model, result.prompt_token_ids, out.token_ids, _SWITCH)
         self._assert_close(out.logprobs or [], want)
+
+    def test_resume_while_asleep_raises_and_stays_paused(
+        self, async_engine: Any, baseline: list[GenerationResult], original_weights: dict[str, Any]
+    ) -> None:
+        """With nothing held or queued too: asleep (also after ``wake(["weights"])`` only) or with incomplete
+        weights, resume raises and the pause stays; requests submitted after it would find no engine to run."""
+        engine = async_engine
+
+        async def main() -> None:
+            await engine.pause_generation("abort")
+            engine.sleep(1)
+            with pytest.raises(EngineSleepingError, match="asleep"):
+                await engine.resume_generation()
+            assert engine.paused == "abort"
+            engine.wake([TAG_WEIGHTS])
+            with pytest.raises(EngineSleepingError, match="asleep"):
+                await engine.resume_generation()
+            assert engine.paused == "abort"
+            engine.wake()
+            if self.supports_sleep_level_2:
+                engine.sleep(2)
+                engine.wake()
+                with pytest.raises(WeightsNotLoadedError):
+                    await engine.resume_generation()
+                assert engine.paused == "abort"
+                engine.load_weights(original_weights.items())
+            await engine.resume_generation()
+            assert engine.paused is None
+
+        with self.restoring(engine, original_weights):
+            _run(main())
+        self.assert_baseline(engine, baseline)
 
     # ---- under load ------------------------------------------------------------------------------------------
     def test_200_concurrent_requests_with_random_aborts(self, async_engine: Any) -> None:
