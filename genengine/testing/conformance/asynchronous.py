@@ -322,6 +322,27 @@ class AsyncTests(ConformanceBase):
             _run(main())
         self.assert_baseline(engine, baseline)
 
+    def test_abort_with_no_ids_ends_queued_requests_too(self, async_engine: Any) -> None:
+        """``abort()`` means all: every request submitted and not finished, as ``in_flight`` counts them, held
+        ones and those queued during the pause. None of them runs after the resume."""
+        engine = async_engine
+
+        async def main() -> tuple[list[int], list[str], GenerationResult, GenerationResult]:
+            held = engine.stream(PROMPTS[0], _LONG, request_id="held")
+            head = await _read(held, 1)
+            await engine.pause_generation("keep")
+            queued = engine.stream(PROMPTS[1], _LONG, request_id="queued")
+            assert engine.in_flight == 2
+            aborted = await engine.abort()
+            assert engine.in_flight == 0
+            await engine.resume_generation()
+            return head, sorted(aborted), await held.collect(), await queued.collect()
+
+        head, aborted, held, queued = _run(main())
+        assert aborted == ["held", "queued"]
+        assert held.outputs[0].finish_reason == "abort" and held.outputs[0].token_ids[: len(head)] == head
+        assert queued.outputs[0].finish_reason == "abort" and queued.outputs[0].token_ids == []
+
     # ---- under load ------------------------------------------------------------------------------------------
     def test_200_concurrent_requests_with_random_aborts(self, async_engine: Any) -> None:
         rng = random.Random(0)
@@ -364,7 +385,7 @@ class AsyncTests(ConformanceBase):
         async def main() -> None:
             stream = async_engine.stream(PROMPTS[0], _LONG)
             await _read(stream, 1)
-            with pytest.raises(EngineStateError, match="in flight"):
+            with pytest.raises(EngineStateError, match="running or held"):
                 async_engine.sleep(1)
             with pytest.raises(EngineStateError, match="pause_generation"):
                 async_engine.load_weights([])
