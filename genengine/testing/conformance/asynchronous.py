@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import pytest
@@ -21,6 +21,8 @@ __all__ = ["AsyncTests"]
 
 # Long enough that a stream read for a few chunks is still running when the test acts on it.
 _LONG = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True, logprobs=True)
+# Near the tiny model's context (1024): a stream read for a chunk runs for far longer than a short timeout.
+_LONGEST = SamplingParams(temperature=0.0, max_new_tokens=960, ignore_eos=True)
 
 
 # Bounds, so that an engine that stops answering fails its test with a message instead of hanging the suite.
@@ -51,18 +53,18 @@ async def _switch_weights(
     engine: Any,
     prompt: str,
     clear_cache: bool,
-    step: int,
+    loads: Sequence[tuple[int, dict[str, Any]]],
     original: dict[str, Any],
-    other: dict[str, Any],
 ) -> GenerationResult:
-    """``_SWITCH`` on ``prompt``, switched to ``other`` (version + ``step``) after 4 tokens by pause(keep) →
-    load → resume; the engine gets ``original`` and its version back afterwards."""
+    """``_SWITCH`` on ``prompt``, switched after 4 tokens by pause(keep) → each of ``loads`` (weights labelled
+    version + step) → resume; the engine gets ``original`` and its version back afterwards."""
     start = engine.weight_version
     try:
         stream = engine.stream(prompt, _SWITCH)
         await _read(stream, 4)
         await engine.pause_generation("keep", clear_cache=clear_cache)
-        engine.load_weights(other.items(), version=start + step)
+        for step, weights in loads:
+            engine.load_weights(weights.items(), version=start + step)
         await engine.resume_generation()
         return await stream.collect()
     finally:
@@ -181,7 +183,7 @@ class AsyncTests(ConformanceBase):
         """Tokens before the switch are model A's, after it model B's, each checked by teacher forcing."""
         params = _SWITCH
         start = async_engine.weight_version
-        result = _run(_switch_weights(async_engine, PROMPTS[2], True, 1, original_weights, other_weights))
+        result = _run(_switch_weights(async_engine, PROMPTS[2], True, [(1, other_weights)], original_weights))
         out = result.outputs[0]
         assert out.finish_reason == "length" and len(out.token_ids) == params.max_new_tokens
         assert len(out.weight_versions) == 2, out.weight_versions
@@ -198,7 +200,7 @@ class AsyncTests(ConformanceBase):
         """``clear_cache=False``: the old KV goes on (no parity claim after the switch), the versions are exact."""
         params = _SWITCH
         start = async_engine.weight_version
-        result = _run(_switch_weights(async_engine, PROMPTS[1], False, 7, original_weights, other_weights))
+        result = _run(_switch_weights(async_engine, PROMPTS[1], False, [(7, other_weights)], original_weights))
         out = result.outputs[0]
         assert len(out.token_ids) == params.max_new_tokens and len(out.weight_versions) == 2, out.weight_versions
         (_, v0), (switch, v1) = out.weight_versions
@@ -257,6 +259,22 @@ class AsyncTests(ConformanceBase):
             return await stream.collect()
 
         assert _run(main()).outputs[0].finish_reason == "abort"
+
+    def test_two_loads_in_one_keep_pause_give_one_span_of_the_last_version(
+        self, async_engine: Any, hf_model: Any, original_weights: dict[str, Any], other_weights: dict[str, Any]
+    ) -> None:
+        """Two loads between a pause and its resume: the first one's span got no token, so it is relabelled
+        (one new span, of the last version) rather than kept as an empty ``(k, +1)``. The last load puts the
+        original weights back, so every token is the original model's, across the switch too."""
+        start = async_engine.weight_version
+        loads = [(1, other_weights), (2, original_weights)]
+        result = _run(_switch_weights(async_engine, PROMPTS[2], True, loads, original_weights))
+        out = result.outputs[0]
+        assert len(out.token_ids) == _SWITCH.max_new_tokens and len(out.weight_versions) == 2, out.weight_versions
+        (zero, v0), (switch, v2) = out.weight_versions
+        assert (zero, v0, v2) == (0, start, start + 2) and 4 <= switch < _SWITCH.max_new_tokens
+        want = reference_logprobs(hf_model, result.prompt_token_ids, out.token_ids, _SWITCH)
+        self._assert_close(out.logprobs or [], want)
 
     def test_a_request_queued_during_a_pause_is_labelled_with_the_version_it_runs_on(
         self,
@@ -322,6 +340,46 @@ class AsyncTests(ConformanceBase):
             _run(main())
         self.assert_baseline(engine, baseline)
 
+    def test_queued_requests_start_only_when_the_engine_can_generate(
+        self, async_engine: Any, baseline: list[GenerationResult]
+    ) -> None:
+        """A request queued during a pause holds no memory, so the engine may sleep; the resume then raises and
+        stays paused (the request still queued), and after wake and resume the request runs."""
+        engine = async_engine
+
+        async def main() -> GenerationResult:
+            await engine.pause_generation("abort")
+            queued = engine.stream(PROMPTS[2], GREEDY)
+            engine.sleep(1)
+            with pytest.raises(EngineSleepingError):
+                await engine.resume_generation()
+            assert engine.paused == "abort" and engine.in_flight == 1
+            engine.wake()
+            await engine.resume_generation()
+            return await queued.collect()
+
+        result = _run(main())
+        assert [o.token_ids for o in result.outputs] == [o.token_ids for o in baseline[2].outputs]
+
+    def test_a_duplicate_request_id_among_queued_requests_is_refused(
+        self, async_engine: Any, baseline: list[GenerationResult]
+    ) -> None:
+        """The second request is refused at once and leaves nothing behind; the first runs after the resume."""
+        engine = async_engine
+
+        async def main() -> GenerationResult:
+            await engine.pause_generation("abort")
+            first = engine.stream(PROMPTS[0], GREEDY, request_id="queued-twice")
+            with pytest.raises(InvalidArgumentError, match="'queued-twice' is already in flight"):
+                engine.stream(PROMPTS[1], GREEDY, request_id="queued-twice")
+            assert engine.in_flight == 1
+            await engine.resume_generation()
+            return await first.collect()
+
+        result = _run(main())
+        assert result.prompt_token_ids == baseline[0].prompt_token_ids
+        assert [o.token_ids for o in result.outputs] == [o.token_ids for o in baseline[0].outputs]
+
     def test_abort_with_no_ids_ends_queued_requests_too(self, async_engine: Any) -> None:
         """``abort()`` means all: every request submitted and not finished, as ``in_flight`` counts them, held
         ones and those queued during the pause. None of them runs after the resume."""
@@ -342,6 +400,28 @@ class AsyncTests(ConformanceBase):
         assert aborted == ["held", "queued"]
         assert held.outputs[0].finish_reason == "abort" and held.outputs[0].token_ids[: len(head)] == head
         assert queued.outputs[0].finish_reason == "abort" and queued.outputs[0].token_ids == []
+
+    def test_a_pause_that_times_out_leaves_the_engine_unpaused(
+        self, async_engine: Any, baseline: list[GenerationResult]
+    ) -> None:
+        """``wait_for(pause_generation("wait"), ...)`` giving up (a cancellation) must not leave the pause set:
+        later requests would queue for a resume nobody makes. The running request goes on."""
+        engine = async_engine
+
+        async def main() -> tuple[int, GenerationResult, GenerationResult]:
+            long = engine.stream(PROMPTS[0], _LONGEST)
+            await _read(long, 1)  # 959 tokens to go: far longer than the timeout
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(engine.pause_generation("wait"), 0.2)
+            assert engine.paused is None
+            running = engine.in_flight
+            after = await asyncio.wait_for(engine.generate_async(PROMPTS[1], GREEDY), CHUNK_TIMEOUT_S)
+            await engine.abort()
+            return running, after, await long.collect()
+
+        running, after, long = _run(main())
+        assert running == 1 and long.outputs[0].finish_reason == "abort"
+        assert [o.token_ids for o in after.outputs] == [o.token_ids for o in baseline[1].outputs]
 
     # ---- under load ------------------------------------------------------------------------------------------
     def test_200_concurrent_requests_with_random_aborts(self, async_engine: Any) -> None:
