@@ -271,7 +271,15 @@ class AsyncEngineMixin:
 
     @property
     def in_flight(self) -> int:
-        """Requests admitted and not finished (held ones included, queued ones not)."""
+        """Requests submitted and not finished: running, held by a ``keep`` pause, or queued during a pause
+        (what ``abort()`` with no ids ends)."""
+        state = self._async_state()
+        with state.lock:
+            return len(state.queued) + sum(1 for r in state.live.values() if not r.done)
+
+    def _running(self) -> int:
+        """Requests admitted to the engine and not finished (held ones included): those that use its memory
+        and that a weight load lands under. Queued ones are not admitted until resume."""
         state = self._async_state()
         with state.lock:
             return sum(1 for r in state.live.values() if not r.done)
@@ -310,10 +318,11 @@ class AsyncEngineMixin:
         ).collect()
 
     async def abort(self, request_ids: str | Sequence[str] | None = None) -> list[str]:
-        """Abort requests (all when None; finished or unknown ids are skipped); returns the ids aborted.
+        """Abort requests (all when None: every one submitted and not finished, running, held or queued during
+        a pause; finished or unknown ids are skipped); returns the ids aborted.
 
         An aborted request's result keeps every token it produced, with its logprobs, and ``finish_reason
-        "abort"``; requests queued during a pause finish at once with no tokens.
+        "abort"``; requests queued during a pause finish at once with no tokens (they never start).
         """
         self._engine_base()._check_open()
         self._check_async_available()
@@ -323,10 +332,10 @@ class AsyncEngineMixin:
             raise InvalidArgumentError(f"request_ids={request_ids!r}: allowed are None, an id, or a list of ids")
         state = self._async_state()
         with state.lock:
-            wanted = set(state.live) if request_ids is None else {str(r) for r in request_ids}
-            queued = [r for r in state.queued if r.request_id in wanted]
-            state.queued = [r for r in state.queued if r.request_id not in wanted]
-            running = [r for rid, r in state.live.items() if rid in wanted and not r.done]
+            wanted = None if request_ids is None else {str(r) for r in request_ids}
+            queued = [r for r in state.queued if wanted is None or r.request_id in wanted]
+            state.queued = [r for r in state.queued if wanted is not None and r.request_id not in wanted]
+            running = [r for rid, r in state.live.items() if (wanted is None or rid in wanted) and not r.done]
         for request in queued:
             for index in request.unfinished():
                 request.finish(index, "abort")
@@ -382,7 +391,10 @@ class AsyncEngineMixin:
             raise
 
     async def resume_generation(self) -> None:
-        """Go on after ``pause_generation``: held requests continue, queued ones start."""
+        """Go on after ``pause_generation``: held requests continue, queued ones start (labelled with the weight
+        version in force now). While the engine is asleep (any tag released) or its weights are incomplete it
+        raises (``EngineSleepingError``, ``WeightsNotLoadedError``) and stays paused, held or queued requests
+        or not: requests submitted after a resume would be admitted to an engine that cannot run them."""
         engine = self._engine_base()
         engine._check_open()
         self._check_async_available()
@@ -390,9 +402,8 @@ class AsyncEngineMixin:
         with state.lock:
             if state.paused is None:
                 return
-            held, waiting = state.held, bool(state.queued)
-        if held or waiting:
-            engine._check_can_generate()  # requests cannot go on asleep or from incomplete weights: stay paused
+            held = state.held
+        engine._check_can_generate()
         if held:
             self._async_release_hold()
         with state.lock:
@@ -403,19 +414,21 @@ class AsyncEngineMixin:
 
     # ---- hooks EngineBase calls -------------------------------------------------------------------------------
     def _check_idle(self, what: str) -> None:
-        """Refuse ``what`` (a sleep) while requests are in flight: it would free memory they use."""
-        count = self.in_flight
+        """Refuse ``what`` (a sleep) while requests run or are held: it would free memory they use. Requests
+        queued during a pause hold none (they start at resume, which needs the engine awake)."""
+        count = self._running()
         if count:
             raise EngineStateError(
-                f"cannot {what} with {count} request(s) in flight: abort() them or pause_generation('abort' or "
-                "'wait') first"
+                f"cannot {what} with {count} request(s) running or held: abort() them or pause_generation('abort' "
+                "or 'wait') first"
             )
 
     def _check_weights_may_change(self) -> None:
         """A weight load may not land under running requests: pause them first (``keep`` carries them over).
-        Requests in flight are allowed only once a ``keep`` pause holds them: during an ``abort`` or ``wait``
-        pause that has not returned (or a ``keep`` one still being set up) they still run."""
-        count = self.in_flight
+        Admitted requests are allowed only once a ``keep`` pause holds them: during an ``abort`` or ``wait``
+        pause that has not returned (or a ``keep`` one still being set up) they still run. Queued ones do not
+        count: they start at resume, with the weights then in force."""
+        count = self._running()
         state = self._async_state()
         if not count or state.held:
             return
@@ -487,6 +500,9 @@ class AsyncEngineMixin:
         return handle
 
     def _admit(self, handle: AsyncRequest) -> None:
+        # Its tokens come from the weights in force now: a request queued during a pause that started after a
+        # load (and the resume) is that load's version, not the one it was submitted under.
+        handle.new_version(self._engine_base().weight_version)
         state = self._async_state()
         with state.lock:
             for rid in [rid for rid, r in state.live.items() if r.done]:

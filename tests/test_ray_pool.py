@@ -228,7 +228,7 @@ def test_a_load_that_fails_mid_write_takes_that_replica_out_of_traffic(
 def test_async_stream_pause_keep_and_abort(pool: EnginePool, local: Any, other_weights: dict[str, Any]) -> None:
     long = SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True, logprobs=True)
 
-    async def run() -> None:
+    async def run() -> Any:
         stream = pool.stream(PROMPTS[0], GREEDY)
         chunks = [c async for c in stream]
         result = stream.result()
@@ -242,12 +242,15 @@ def test_async_stream_pause_keep_and_abort(pool: EnginePool, local: Any, other_w
         first = await stream.__anext__()  # tokens from the old weights exist
         await pool.pause_generation("keep")
         assert pool.paused == "keep"
+        queued = pool.stream(PROMPTS[3], GREEDY)  # waits for the resume: it runs on version 4 only
         pool.load_weights(other_weights.items(), version=4)
         await pool.resume_generation()
         kept = (await stream.collect()).outputs[0]
         assert len(kept.token_ids) == 400 and kept.token_ids[: len(first.token_ids)] == first.token_ids
         (start, old), (switch, new) = kept.weight_versions
         assert (start, old, new) == (0, before, 4) and 0 < switch < 400
+        assert {c.weight_version for c in [c async for c in queued]} == {4}
+        assert queued.result().outputs[0].weight_versions == ((0, 4),)
         # abort keeps the tokens produced so far
         stream = pool.stream(PROMPTS[2], long, request_id="to-abort")
         first = await stream.__anext__()
@@ -255,9 +258,22 @@ def test_async_stream_pause_keep_and_abort(pool: EnginePool, local: Any, other_w
         await stream.aclose()
         aborted = stream.result().outputs[0]
         assert aborted.finish_reason == "abort" and aborted.token_ids[: len(first.token_ids)] == first.token_ids
+        # a resume while asleep raises and the pool stays paused
+        await pool.pause_generation("abort")
+        pool.sleep(1)
+        try:
+            with pytest.raises(EngineSleepingError, match="asleep"):
+                await pool.resume_generation()
+            assert pool.paused == "abort"
+        finally:
+            pool.wake()
+        await pool.resume_generation()
+        assert pool.paused is None
+        return queued.result()
 
-    asyncio.run(run())
+    queued = asyncio.run(run())
     local.load_weights(other_weights.items(), version=4)
+    assert _tokens([queued]) == _tokens(local.generate(PROMPTS[3:], GREEDY))
 
 
 # ---- health ----------------------------------------------------------------------------------------------------

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import pytest
 
-from genengine.errors import EngineStateError, InvalidArgumentError
-from genengine.protocol import GenerationResult, SamplingParams
+from genengine.errors import EngineSleepingError, EngineStateError, InvalidArgumentError, WeightsNotLoadedError
+from genengine.protocol import TAG_WEIGHTS, GenerationResult, SamplingParams
 from genengine.testing.conformance.base import GREEDY, PROMPTS, ConformanceBase, reference_logprobs
 
 __all__ = ["AsyncTests"]
 
 # Long enough that a stream read for a few chunks is still running when the test acts on it.
 _LONG = SamplingParams(temperature=0.0, max_new_tokens=400, ignore_eos=True, logprobs=True)
+# Near the tiny model's context (1024): a stream read for a chunk runs for far longer than a short timeout.
+_LONGEST = SamplingParams(temperature=0.0, max_new_tokens=960, ignore_eos=True)
 
 
 # Bounds, so that an engine that stops answering fails its test with a message instead of hanging the suite.
@@ -48,22 +50,34 @@ _SWITCH = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, lo
 
 
 async def _switch_weights(
-    engine: Any, prompt: str, clear_cache: bool, step: int, original: dict[str, Any], other: dict[str, Any]
+    engine: Any,
+    prompt: str,
+    clear_cache: bool,
+    loads: Sequence[tuple[int, dict[str, Any]]],
+    original: dict[str, Any],
 ) -> GenerationResult:
-    """``_SWITCH`` on ``prompt``, switched to ``other`` (version + ``step``) after 4 tokens by pause(keep) →
-    load → resume; the engine gets ``original`` and its version back afterwards."""
+    """``_SWITCH`` on ``prompt``, switched after 4 tokens by pause(keep) → each of ``loads`` (weights labelled
+    version + step) → resume; the engine gets ``original`` and its version back afterwards."""
     start = engine.weight_version
     try:
         stream = engine.stream(prompt, _SWITCH)
         await _read(stream, 4)
         await engine.pause_generation("keep", clear_cache=clear_cache)
-        engine.load_weights(other.items(), version=start + step)
+        for step, weights in loads:
+            engine.load_weights(weights.items(), version=start + step)
         await engine.resume_generation()
         return await stream.collect()
     finally:
-        await engine.resume_generation()
-        await engine.abort()
+        await _unpause(engine)
         engine.load_weights(original.items(), version=start)
+
+
+async def _unpause(engine: Any) -> None:
+    """Resumed (awake) with nothing in flight, whatever a test left: for its ``finally``."""
+    if engine.is_sleeping:
+        engine.wake()
+    await engine.resume_generation()
+    await engine.abort()
 
 
 class AsyncTests(ConformanceBase):
@@ -89,8 +103,7 @@ class AsyncTests(ConformanceBase):
         assert engine.paused is None, f"an earlier test left the engine paused ({engine.paused!r})"
         yield engine
         if not engine.state.closed:
-            _run(engine.resume_generation())
-            _run(engine.abort())
+            _run(_unpause(engine))
 
     def _tolerance(self) -> float:
         own = self.async_logprob_tolerance
@@ -170,7 +183,7 @@ class AsyncTests(ConformanceBase):
         """Tokens before the switch are model A's, after it model B's, each checked by teacher forcing."""
         params = _SWITCH
         start = async_engine.weight_version
-        result = _run(_switch_weights(async_engine, PROMPTS[2], True, 1, original_weights, other_weights))
+        result = _run(_switch_weights(async_engine, PROMPTS[2], True, [(1, other_weights)], original_weights))
         out = result.outputs[0]
         assert out.finish_reason == "length" and len(out.token_ids) == params.max_new_tokens
         assert len(out.weight_versions) == 2, out.weight_versions
@@ -187,7 +200,7 @@ class AsyncTests(ConformanceBase):
         """``clear_cache=False``: the old KV goes on (no parity claim after the switch), the versions are exact."""
         params = _SWITCH
         start = async_engine.weight_version
-        result = _run(_switch_weights(async_engine, PROMPTS[1], False, 7, original_weights, other_weights))
+        result = _run(_switch_weights(async_engine, PROMPTS[1], False, [(7, other_weights)], original_weights))
         out = result.outputs[0]
         assert len(out.token_ids) == params.max_new_tokens and len(out.weight_versions) == 2, out.weight_versions
         (_, v0), (switch, v1) = out.weight_versions
@@ -247,6 +260,169 @@ class AsyncTests(ConformanceBase):
 
         assert _run(main()).outputs[0].finish_reason == "abort"
 
+    def test_two_loads_in_one_keep_pause_give_one_span_of_the_last_version(
+        self, async_engine: Any, hf_model: Any, original_weights: dict[str, Any], other_weights: dict[str, Any]
+    ) -> None:
+        """Two loads between a pause and its resume: the first one's span got no token, so it is relabelled
+        (one new span, of the last version) rather than kept as an empty ``(k, +1)``. The last load puts the
+        original weights back, so every token is the original model's, across the switch too."""
+        start = async_engine.weight_version
+        loads = [(1, other_weights), (2, original_weights)]
+        result = _run(_switch_weights(async_engine, PROMPTS[2], True, loads, original_weights))
+        out = result.outputs[0]
+        assert len(out.token_ids) == _SWITCH.max_new_tokens and len(out.weight_versions) == 2, out.weight_versions
+        (zero, v0), (switch, v2) = out.weight_versions
+        assert (zero, v0, v2) == (0, start, start + 2) and 4 <= switch < _SWITCH.max_new_tokens
+        want = reference_logprobs(hf_model, result.prompt_token_ids, out.token_ids, _SWITCH)
+        self._assert_close(out.logprobs or [], want)
+
+    def test_a_request_queued_during_a_pause_is_labelled_with_the_version_it_runs_on(
+        self,
+        async_engine: Any,
+        other_hf_model: Any,
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+    ) -> None:
+        """Submitted while paused, started after ``load_weights(version=N)`` and the resume: every token is N's
+        (checked by teacher forcing), so its span and chunks say N; labelled with the version it was submitted
+        under, a trainer would treat on-policy tokens as off-policy."""
+        engine = async_engine
+        start = engine.weight_version
+
+        async def main() -> tuple[list[Any], GenerationResult]:
+            try:
+                await engine.pause_generation("keep")
+                stream = engine.stream(PROMPTS[3], _SWITCH)
+                engine.load_weights(other_weights.items(), version=start + 3)
+                await engine.resume_generation()
+                chunks = [chunk async for chunk in stream]
+                return chunks, stream.result()
+            finally:
+                await _unpause(engine)
+                engine.load_weights(original_weights.items(), version=start)
+
+        chunks, result = _run(main())
+        out = result.outputs[0]
+        assert len(out.token_ids) == _SWITCH.max_new_tokens and out.weight_versions == ((0, start + 3),)
+        assert {chunk.weight_version for chunk in chunks} == {start + 3}
+        want = reference_logprobs(other_hf_model, result.prompt_token_ids, out.token_ids, _SWITCH)
+        self._assert_close(out.logprobs or [], want)
+
+    def test_resume_while_asleep_raises_and_stays_paused(
+        self, async_engine: Any, baseline: list[GenerationResult], original_weights: dict[str, Any]
+    ) -> None:
+        """With nothing held or queued too: asleep (also after ``wake(["weights"])`` only) or with incomplete
+        weights, resume raises and the pause stays; requests submitted after it would find no engine to run."""
+        engine = async_engine
+
+        async def main() -> None:
+            await engine.pause_generation("abort")
+            engine.sleep(1)
+            with pytest.raises(EngineSleepingError, match="asleep"):
+                await engine.resume_generation()
+            assert engine.paused == "abort"
+            engine.wake([TAG_WEIGHTS])
+            with pytest.raises(EngineSleepingError, match="asleep"):
+                await engine.resume_generation()
+            assert engine.paused == "abort"
+            engine.wake()
+            if self.supports_sleep_level_2:
+                engine.sleep(2)
+                engine.wake()
+                with pytest.raises(WeightsNotLoadedError):
+                    await engine.resume_generation()
+                assert engine.paused == "abort"
+                engine.load_weights(original_weights.items())
+            await engine.resume_generation()
+            assert engine.paused is None
+
+        with self.restoring(engine, original_weights):
+            _run(main())
+        self.assert_baseline(engine, baseline)
+
+    def test_queued_requests_start_only_when_the_engine_can_generate(
+        self, async_engine: Any, baseline: list[GenerationResult]
+    ) -> None:
+        """A request queued during a pause holds no memory, so the engine may sleep; the resume then raises and
+        stays paused (the request still queued), and after wake and resume the request runs."""
+        engine = async_engine
+
+        async def main() -> GenerationResult:
+            await engine.pause_generation("abort")
+            queued = engine.stream(PROMPTS[2], GREEDY)
+            engine.sleep(1)
+            with pytest.raises(EngineSleepingError):
+                await engine.resume_generation()
+            assert engine.paused == "abort" and engine.in_flight == 1
+            engine.wake()
+            await engine.resume_generation()
+            return await queued.collect()
+
+        result = _run(main())
+        assert [o.token_ids for o in result.outputs] == [o.token_ids for o in baseline[2].outputs]
+
+    def test_a_duplicate_request_id_among_queued_requests_is_refused(
+        self, async_engine: Any, baseline: list[GenerationResult]
+    ) -> None:
+        """The second request is refused at once and leaves nothing behind; the first runs after the resume."""
+        engine = async_engine
+
+        async def main() -> GenerationResult:
+            await engine.pause_generation("abort")
+            first = engine.stream(PROMPTS[0], GREEDY, request_id="queued-twice")
+            with pytest.raises(InvalidArgumentError, match="'queued-twice' is already in flight"):
+                engine.stream(PROMPTS[1], GREEDY, request_id="queued-twice")
+            assert engine.in_flight == 1
+            await engine.resume_generation()
+            return await first.collect()
+
+        result = _run(main())
+        assert result.prompt_token_ids == baseline[0].prompt_token_ids
+        assert [o.token_ids for o in result.outputs] == [o.token_ids for o in baseline[0].outputs]
+
+    def test_abort_with_no_ids_ends_queued_requests_too(self, async_engine: Any) -> None:
+        """``abort()`` means all: every request submitted and not finished, as ``in_flight`` counts them, held
+        ones and those queued during the pause. None of them runs after the resume."""
+        engine = async_engine
+
+        async def main() -> tuple[list[int], list[str], GenerationResult, GenerationResult]:
+            held = engine.stream(PROMPTS[0], _LONG, request_id="held")
+            head = await _read(held, 1)
+            await engine.pause_generation("keep")
+            queued = engine.stream(PROMPTS[1], _LONG, request_id="queued")
+            assert engine.in_flight == 2
+            aborted = await engine.abort()
+            assert engine.in_flight == 0
+            await engine.resume_generation()
+            return head, sorted(aborted), await held.collect(), await queued.collect()
+
+        head, aborted, held, queued = _run(main())
+        assert aborted == ["held", "queued"]
+        assert held.outputs[0].finish_reason == "abort" and held.outputs[0].token_ids[: len(head)] == head
+        assert queued.outputs[0].finish_reason == "abort" and queued.outputs[0].token_ids == []
+
+    def test_a_pause_that_times_out_leaves_the_engine_unpaused(
+        self, async_engine: Any, baseline: list[GenerationResult]
+    ) -> None:
+        """``wait_for(pause_generation("wait"), ...)`` giving up (a cancellation) must not leave the pause set:
+        later requests would queue for a resume nobody makes. The running request goes on."""
+        engine = async_engine
+
+        async def main() -> tuple[int, GenerationResult, GenerationResult]:
+            long = engine.stream(PROMPTS[0], _LONGEST)
+            await _read(long, 1)  # 959 tokens to go: far longer than the timeout
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(engine.pause_generation("wait"), 0.2)
+            assert engine.paused is None
+            running = engine.in_flight
+            after = await asyncio.wait_for(engine.generate_async(PROMPTS[1], GREEDY), CHUNK_TIMEOUT_S)
+            await engine.abort()
+            return running, after, await long.collect()
+
+        running, after, long = _run(main())
+        assert running == 1 and long.outputs[0].finish_reason == "abort"
+        assert [o.token_ids for o in after.outputs] == [o.token_ids for o in baseline[1].outputs]
+
     # ---- under load ------------------------------------------------------------------------------------------
     def test_200_concurrent_requests_with_random_aborts(self, async_engine: Any) -> None:
         rng = random.Random(0)
@@ -289,7 +465,7 @@ class AsyncTests(ConformanceBase):
         async def main() -> None:
             stream = async_engine.stream(PROMPTS[0], _LONG)
             await _read(stream, 1)
-            with pytest.raises(EngineStateError, match="in flight"):
+            with pytest.raises(EngineStateError, match="running or held"):
                 async_engine.sleep(1)
             with pytest.raises(EngineStateError, match="pause_generation"):
                 async_engine.load_weights([])
