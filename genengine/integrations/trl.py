@@ -121,6 +121,17 @@ _BACKEND_OPTIONS: Mapping[str, Mapping[str, str]] = {
 config win)."""
 
 
+_NO_IMAGES = ("transformers",)
+"""Backends known to take no images (checked before the engine is built; others are asked once built)."""
+
+
+def _no_images(backend: Any) -> str:
+    return (
+        f"the processing class is a multimodal processor but genengine backend {backend!r} takes no images; "
+        "allowed: backend 'sglang' or 'vllm'"
+    )
+
+
 def check_trl_settings(settings: Mapping[str, Any]) -> SamplingParams:
     """The engine's ``SamplingParams`` for TRL's generation settings (keyed by config field name, plus the
     trainer's ``logprobs``), or a ``ConfigError`` naming the first setting genengine cannot honour and what is
@@ -335,10 +346,7 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
         engine = create_engine(config)
         try:
             if isinstance(self.processing_class, ProcessorMixin) and not getattr(engine, "supports_images", False):
-                raise ConfigError(
-                    f"the model is multimodal but genengine backend {config.backend!r} takes no images; "
-                    "allowed: backend 'sglang' or 'vllm'"
-                )
+                raise ConfigError(_no_images(config.backend))
             if self.enable_sleep_mode:
                 engine.sleep(level=2)  # as TRL: nothing held until the first sync
         except BaseException:
@@ -498,6 +506,9 @@ class _GenEngineTrainer:
             )
         settings = {field: getattr(config, field) for field in CONFIG_KEYS.values()}
         check_trl_settings(settings)
+        backend = EngineConfig.from_any(genengine).backend
+        if isinstance(bound.arguments.get("processing_class"), ProcessorMixin) and backend in _NO_IMAGES:
+            raise ConfigError(_no_images(backend))
         model_name = model if isinstance(model, str) else getattr(model, "name_or_path", None)
         resolve_engine_config(genengine, settings, model_name=model_name, seed=config.seed)
         use_vllm = config.use_vllm
