@@ -44,9 +44,11 @@ PROMPTS = [
 
 
 def engine_config(backend: str, mem_util: float | None) -> dict[str, Any]:
-    """The backend's example YAML as a dict, without its ``model`` (the engine serves the model TRL trains)."""
+    """The backend's example YAML as a dict, without ``model`` (the engine serves the model TRL trains) and
+    without ``mem_util`` unless given (TRL's ``vllm_gpu_memory_utilization`` then applies, as for vLLM)."""
     config: dict[str, Any] = yaml.safe_load((CONFIGS / f"{backend}.yaml").read_text())
     config.pop("model", None)
+    config.pop("mem_util", None)
     if backend == "transformers":
         config["dtype"] = "float32"  # exact logprobs on the CPU: TRL's logprob-gap metric reads ~1e-6
     if mem_util is not None:
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace, model_dir: str, target: int, *, use_genengine:
     import torch
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
     from genengine.integrations.trl import GRPOTrainer
 
@@ -114,6 +116,7 @@ def run(args: argparse.Namespace, model_dir: str, target: int, *, use_genengine:
         trainer: Any = GRPOTrainer(**common, genengine=engine_config(args.backend, args.mem_util))  # the one line
     else:
         trainer = trl.GRPOTrainer(**common)  # TRL's own generation, with the policy's generate()
+    trainer.remove_callback(PrinterCallback)  # the per-step dicts; the summary below says what matters
     start = time.perf_counter()
     try:
         trainer.train()
@@ -170,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sleep", action="store_true", help="vllm_enable_sleep_mode: a level-2 sleep between rollouts")
-    parser.add_argument("--mem-util", type=float, help="the engine's share of the GPU (default: the YAML's)")
+    parser.add_argument("--mem-util", type=float, help="the engine's share of the GPU (default: TRL's, 0.3)")
     parser.add_argument("--compare", action="store_true", help="also run TRL's own generation from the same seed")
     parser.add_argument("--plot", help="write the reward curve(s) to this PNG")
     parser.add_argument("--json", help="write the per-step numbers to this file")
