@@ -332,6 +332,35 @@ def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> No
 
 
 # ---- colocated ------------------------------------------------------------------------------------------------
+def test_pool_bench_compares_a_colocated_replica_with_the_same_engine_in_process(cluster: Any, model: str) -> None:
+    """``genengine bench --pool`` on the CPU (gloo): both engines measured side by side, and after each sync the
+    replica's greedy outputs equal the in-process engine's on the same new weights."""
+    from genengine.bench.pool import PoolBenchSettings, format_pool_report, run_pool_bench
+
+    report = run_pool_bench(
+        PoolBenchSettings(
+            model=model,
+            dtype="float32",
+            batch_size=4,
+            prompt_len=8,
+            max_new_tokens=8,
+            repeats=1,
+            min_seconds=0.05,
+            syncs=2,
+            num_cpus=0.25,
+            sleep=False,
+        )
+    )
+    assert report["transport"] == "gloo"
+    rows = report["sync"]["rows"]
+    assert [r["version"] for r in rows] == [1, 2]
+    assert all(r["outputs_equal"] and r["changed"] and r["labels_ok"] for r in rows), rows
+    medians = report["tokens_per_s"]["median"]
+    assert medians["pool"] > 0 and medians["in_process"] > 0
+    assert report["ratio"] == medians["pool"] / medians["in_process"]
+    assert "pool / in-process" in format_pool_report(report)
+
+
 def test_colocated_pool_in_a_trainer_actor(cluster: Any, model: str, local: Any, other_weights: dict[str, Any]) -> None:
     """The trainer actor and the replicas share the bundles of one placement group (fractional CPUs here,
     fractional GPUs on a GPU node); the trainer owns the pool and runs an RL step through it, its weights
