@@ -7,6 +7,7 @@ colocated pool runs inside a trainer actor, as a real colocated trainer would ow
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import threading
 import time
@@ -313,6 +314,31 @@ def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> No
     finally:
         pool.timeout_s = 300
         busy.join()
+
+
+def test_a_replica_dead_for_good_is_left_out_and_the_retry_reaches_the_others(
+    pool: EnginePool, local: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ray will not restart it (``no_restart=True``). The generate that finds it dead sends its prompts to the
+    healthy replica (request_retries=1) and returns, as does the next one; check_health reports it dead;
+    control calls raise until remove_replica takes it out. The module pool's last test: it leaves one replica."""
+    want = _tokens(local.generate(PROMPTS, GREEDY))
+    pool.generate(PROMPTS, GREEDY)
+    dead = pool.router._keys[prefix_key(PROMPTS[0])]  # the first prompt goes there again (sticky)
+    alive = 1 - dead
+    ray.kill(ray.get_actor(pool.replicas[dead].name), no_restart=True)
+    with caplog.at_level(logging.WARNING, logger="genengine.ray.pool"):
+        assert _tokens(pool.generate(PROMPTS, GREEDY)) == want
+    retried = [r.getMessage() for r in caplog.records if "to another replica" in r.getMessage()]
+    assert len(retried) == 1 and retried[0].startswith(f"replica {dead} (actor"), retried  # it was sent there
+    assert _tokens(pool.generate(PROMPTS, GREEDY)) == want
+    assert [(r.index, r.status) for r in pool.check_health()] == sorted([(dead, "dead"), (alive, "healthy")])
+    with pytest.raises(ReplicaDiedError, match=rf"replica {dead} \(actor .*is dead and .*remove_replica\({dead}\)"):
+        pool.flush_cache()
+    pool.remove_replica(dead)
+    pool.flush_cache()
+    assert [r.index for r in pool.replicas] == [alive] and pool.router.replicas == (alive,)
+    assert _tokens(pool.generate(PROMPTS, GREEDY)) == want
 
 
 # ---- colocated ------------------------------------------------------------------------------------------------
