@@ -27,6 +27,7 @@ from genengine.errors import (  # noqa: E402
     ConfigError,
     EngineSleepingError,
     InvalidArgumentError,
+    WeightLoadError,
     WeightsNotLoadedError,
 )
 from genengine.ray import EnginePool, ReplicaDiedError, ReplicaError, ReplicaTimeoutError, prefix_key  # noqa: E402
@@ -89,6 +90,15 @@ def _info(replica: Any) -> dict[str, Any]:
 
 def _tokens(results: Any) -> list[list[list[int]]]:
     return [[o.token_ids for o in r.outputs] for r in results]
+
+
+def _served_by_both(pool: EnginePool, want: list[list[list[int]]], tag: str) -> None:
+    """``PROMPTS`` under fresh session keys (least-loaded routing spreads them over every routed replica):
+    ``want`` comes back, and replicas 0 and 1 both did some of the work."""
+    work = dict(pool.router.stats.work)
+    got = pool.generate(PROMPTS, GREEDY, session_id=[f"{tag}-{i}" for i in range(len(PROMPTS))])
+    assert _tokens(got) == want
+    assert all(pool.router.stats.work.get(i, 0) > work.get(i, 0) for i in (0, 1)), (work, pool.router.stats.work)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------
@@ -224,6 +234,23 @@ def test_a_load_that_fails_mid_write_takes_that_replica_out_of_traffic(
     assert sorted(pool.router.replicas) == [0, 1]
     assert [_info(r)["weight_version"] for r in pool.replicas] == [before, before]
     assert _tokens(pool.generate(PROMPTS, GREEDY)) == _tokens(local.generate(PROMPTS, GREEDY))
+
+
+def test_a_refused_load_that_wrote_nothing_leaves_every_replica_serving(pool: EnginePool, local: Any) -> None:
+    """An unknown name is refused by every replica's engine before it writes anything: the error is the
+    engine's own type, names the weight, and says nothing of a partial write; no replica leaves traffic."""
+    import torch
+
+    before = pool.weight_version
+    want = _tokens(local.generate(PROMPTS, GREEDY))
+    with pytest.raises(WeightLoadError, match=r"replica \d \(actor .*unknown weight 'no\.such\.weight'") as caught:
+        pool.load_weights([("no.such.weight", torch.zeros(4))], version=before + 1)
+    message = str(caught.value)
+    assert "wrote part" not in message and f"weight version stays {before}" in message, message
+    assert pool.weight_version == before and pool.router.replicas == (0, 1)
+    assert [(r.status, r.needs_weights) for r in pool.replicas] == [("healthy", False)] * 2
+    assert [_info(r)["weight_version"] for r in pool.replicas] == [before] * 2
+    _served_by_both(pool, want, "after-refused-load")
 
 
 def test_async_stream_pause_keep_and_abort(pool: EnginePool, local: Any, other_weights: dict[str, Any]) -> None:
