@@ -7,6 +7,7 @@ colocated pool runs inside a trainer actor, as a real colocated trainer would ow
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import threading
@@ -409,10 +410,12 @@ def _reference(local: Any, weights: dict[str, Any], version: int) -> list[list[l
     return _tokens(local.generate(PROMPTS, GREEDY))
 
 
-@pytest.fixture(scope="class")
+@pytest.fixture(scope="module")
 def gloo(cluster: Any, model: str) -> Iterator[EnginePool]:
     """Two replicas syncing over ``transport="gloo"`` from the test process (rank 0), with buckets small enough
-    that every sync is several (double-buffered) broadcasts: the one extra pool of the gloo tests."""
+    that every sync is several (double-buffered) broadcasts: the one extra pool of the module. Its default
+    ``request_retries=0`` and its first tests, before any sync, are the health tests of a pool that never
+    loaded weights."""
     with EnginePool(
         backend="transformers",
         model=model,
@@ -427,6 +430,57 @@ def gloo(cluster: Any, model: str) -> Iterator[EnginePool]:
         yield p
     mine = f"genengine-pool-{p._id}-"
     assert [n for n in pool_actors(cluster) + pool_placement_groups(cluster) if n.startswith(mine)] == []
+
+
+def _new_process(name: str, old_pid: int) -> dict[str, Any]:
+    """The actor's ``info`` once a process other than ``old_pid`` answers for it (Ray restarted it)."""
+    actor = ray.get_actor(name)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ray.exceptions.RayActorError):  # the old process dying, the new one starting
+            info: dict[str, Any] = ray.get(actor.info.remote(), timeout=60)
+            if info["pid"] != old_pid:
+                return info
+        time.sleep(0.05)
+    raise AssertionError(f"{name}: no new process answered within 60 s")
+
+
+def test_request_retries_0_a_replica_dying_in_generate_raises_and_comes_back_without_weights(
+    gloo: EnginePool, local: Any, model: str, faults: Path
+) -> None:
+    """request_retries=0 means no retry: the replica whose process dies inside ``generate`` (the fault switch,
+    so by construction during the call) makes it raise ReplicaDiedError naming it. check_health then brings it
+    back, and since the pool never loaded weights there is nothing to wait for: it needs none and takes
+    traffic again, serving the checkpoint as the other does."""
+    want = _reference(local, load_checkpoint(model), 0)
+    old = {r.index: r.pid for r in gloo.replicas}
+    (faults / "die-in-generate").write_text("")
+    with pytest.raises(
+        ReplicaDiedError, match=r"replica (\d) \(actor [0-9a-f]+, node .*\) died during generate"
+    ) as caught:
+        gloo.generate(PROMPTS, GREEDY)
+    assert not (faults / "die-in-generate").exists()  # claimed: that replica did die in the call
+    died = int(re.search(r"replica (\d) \(actor", str(caught.value)).group(1))  # type: ignore[union-attr]
+    assert gloo.replicas[died].status == "stale" and gloo.router.replicas == (1 - died,)
+    infos = gloo.check_health()
+    assert [(r.status, r.needs_weights) for r in infos] == [("healthy", False)] * 2
+    assert infos[died].pid != old[died] and infos[1 - died].pid == old[1 - died]
+    assert gloo.router.replicas == (0, 1) and gloo.weight_version == 0
+    _served_by_both(gloo, want, "after-death-in-generate")
+
+
+def test_check_health_finds_a_restart_it_was_not_told_of(gloo: EnginePool, local: Any, model: str) -> None:
+    """A replica's process is replaced behind the same actor and answers pings: check_health must see the new
+    incarnation (not call the old replica healthy), start its engine and report the new process."""
+    replica = gloo.replicas[0]
+    ray.kill(ray.get_actor(replica.name), no_restart=False)
+    fresh = _new_process(replica.name, replica.pid)
+    assert not fresh["started"]  # a bare actor: Ray ran only __init__
+    infos = gloo.check_health()
+    assert infos[0].pid == fresh["pid"] and infos[0].status == "healthy" and not infos[0].needs_weights
+    now = _info(infos[0])
+    assert now["started"] and now["incarnation"] == fresh["incarnation"] and now["state"].weights_loaded
+    _served_by_both(gloo, _reference(local, load_checkpoint(model), 0), "after-unseen-restart")
 
 
 class TestGlooSync:
