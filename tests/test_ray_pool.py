@@ -484,7 +484,8 @@ def test_check_health_finds_a_restart_it_was_not_told_of(gloo: EnginePool, local
 
 
 class TestGlooSync:
-    """load_weights through the pool's gloo group: every replica, a restart, a corrupted bucket (in this order)."""
+    """load_weights through the pool's gloo group: every replica, an empty sync, a restart, a corrupted bucket
+    (in this order)."""
 
     def test_a_sync_reaches_every_replica(self, gloo: EnginePool, local: Any, other_weights: dict[str, Any]) -> None:
         disk = _tokens(gloo.generate(PROMPTS, GREEDY))
@@ -508,6 +509,16 @@ class TestGlooSync:
         with pytest.raises(InvalidArgumentError, match=r"bucket_bytes=1024: with transport='gloo'"):
             gloo.load_weights(other_weights.items(), bucket_bytes=1024, version=13)
         assert gloo.weight_version == 12
+
+    def test_an_empty_sync_with_a_version_relabels_every_replica(self, gloo: EnginePool) -> None:
+        """``load_weights([], version=13)``: nothing to send, but the label moves on every replica (a trainer
+        that skips an unchanged step still numbers it), and the outputs say so."""
+        want = _tokens(gloo.generate(PROMPTS, GREEDY))
+        report = gloo.load_weights([], version=13)
+        assert (report.num_tensors, report.num_bytes) == (0, 0)
+        assert [_info(r)["weight_version"] for r in gloo.replicas] == [13, 13] and gloo.weight_version == 13
+        got = gloo.generate(PROMPTS, GREEDY)
+        assert _tokens(got) == want and {o.weight_versions for r in got for o in r.outputs} == {((0, 13),)}
 
     def test_a_killed_replica_rejoins_a_new_group_with_the_right_weights(
         self, gloo: EnginePool, local: Any, other_weights: dict[str, Any], model: str
