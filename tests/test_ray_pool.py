@@ -349,7 +349,7 @@ def test_a_replica_dead_for_good_is_left_out_and_the_retry_reaches_the_others(
 ) -> None:
     """Ray will not restart it (``no_restart=True``). The generate that finds it dead sends its prompts to the
     healthy replica (request_retries=1) and returns, as does the next one; check_health reports it dead;
-    control calls raise until remove_replica takes it out. The module pool's last test: it leaves one replica."""
+    control calls raise until remove_replica takes it out. The module pool's last test: it leaves no replica up."""
     want = _tokens(local.generate(PROMPTS, GREEDY))
     pool.generate(PROMPTS, GREEDY)
     dead = pool.router._keys[prefix_key(PROMPTS[0])]  # the first prompt goes there again (sticky)
@@ -367,6 +367,10 @@ def test_a_replica_dead_for_good_is_left_out_and_the_retry_reaches_the_others(
     pool.flush_cache()
     assert [r.index for r in pool.replicas] == [alive] and pool.router.replicas == (alive,)
     assert _tokens(pool.generate(PROMPTS, GREEDY)) == want
+    # the last one dead too: nowhere to retry, and the error says which replica and what to do
+    ray.kill(ray.get_actor(pool.replicas[0].name), no_restart=True)
+    with pytest.raises(ReplicaDiedError, match=rf"replica {alive} \(actor .*is dead and .*remove_replica\({alive}\)"):
+        pool.generate(PROMPTS, GREEDY)
 
 
 # ---- colocated ------------------------------------------------------------------------------------------------
