@@ -127,7 +127,10 @@ def launch(kwargs: Mapping[str, Any], *, enable_sleep: bool) -> tuple[Any, ExitH
     # Bounded well inside the 10 s a user's script may take to exit after its last line: what is still there
     # after it is SIGKILLed (a normal stop takes about 2 s on an H200).
     exit_handle = at_exit(
-        lambda: stop_sglang(engine), name="sglang engine", pids=list(engine.get_all_child_pids()), timeout_s=5.0
+        lambda: stop_sglang(engine, close_sockets=False),
+        name="sglang engine",
+        pids=list(engine.get_all_child_pids()),
+        timeout_s=5.0,
     )
     if threading.current_thread() is threading.main_thread():
         # SGLang's tokenizer manager puts SIGTERM on its asyncio loop (to drain an HTTP server's requests)
@@ -170,8 +173,10 @@ def dead_processes(engine: Any) -> str | None:
 
 
 # ---- stop ------------------------------------------------------------------------------------------------------
-def stop_sglang(engine: Any) -> None:
-    """Stop one ``sglang.Engine`` and wait until its processes are gone.
+def stop_sglang(engine: Any, *, close_sockets: bool = True) -> None:
+    """Stop one ``sglang.Engine`` and wait until its processes are gone; then close its ZMQ sockets
+    (:func:`close_zmq`) unless ``close_sockets`` is False (at exit, where SGLang's loop may still run on
+    them in another thread, and pyzmq no longer terminates contexts).
 
     ``sglang.Engine.shutdown`` kills *every* child of this process (``kill_process_tree(os.getpid())``):
     a trainer's data-loader workers and any other engine with it. This stops only the engine's own.
@@ -182,9 +187,10 @@ def stop_sglang(engine: Any) -> None:
     watchdog = getattr(manager, "_subprocess_watchdog", None)
     if watchdog is not None:
         watchdog.stop()  # else it sees its children die and SIGQUITs this process
-    sock = getattr(engine, "send_to_rpc", None)
-    if sock is not None:
-        sock.close(linger=0)
+    sockets = zmq_sockets(engine)
+    rpc = getattr(engine, "send_to_rpc", None)
+    if rpc is not None:
+        rpc.close(linger=0)
         engine.send_to_rpc = None
     daemons = getattr(engine, "_weight_cache_daemon_procs", None)
     if daemons:
@@ -193,6 +199,35 @@ def stop_sglang(engine: Any) -> None:
     for pid in list(engine.get_all_child_pids()):
         kill_process_tree(pid, include_parent=True, wait_timeout=60)
     atexit.unregister(engine.shutdown)
+    if close_sockets:
+        close_zmq(sockets)
+
+
+def zmq_sockets(engine: Any) -> list[Any]:
+    """The ZMQ sockets the ``sglang.Engine`` and its tokenizer manager hold (``send_to_rpc``, the tokenizer
+    manager's ``recv_from_detokenizer`` and ``send_to_scheduler``, ...)."""
+    try:
+        import zmq
+    except ImportError:
+        return []
+    owners = [engine, getattr(engine, "tokenizer_manager", None)]
+    return [v for o in owners if o is not None for v in list(vars(o).values()) if isinstance(v, zmq.Socket)]
+
+
+def close_zmq(sockets: list[Any]) -> None:
+    """Close ``sockets`` without lingering and end their contexts (with any other socket made from them).
+
+    SGLang leaves them open at shutdown. Once the engine object is collected, pyzmq's ``Context.__del__``
+    terminates each context, and termination waits for every message still queued to a process that is
+    gone: forever. A trainer's later garbage collection (or pytest's, after its summary) then hung in
+    ``zmq.Context.term`` (seen on the H200). Called once SGLang's loop no longer runs on them."""
+    contexts = {id(sock.context): sock.context for sock in sockets}
+    for sock in sockets:
+        if not sock.closed:
+            sock.close(linger=0)
+    for context in contexts.values():
+        if not context.closed:
+            context.destroy(linger=0)
 
 
 def wait_processes_off_gpu(pids: list[int], gpu_id: int, timeout_s: float) -> None:

@@ -1281,3 +1281,34 @@ def test_graph_memory_saver_with_breakable_graphs_is_refused() -> None:
         ({**on, "cuda_graph_config": {"prefill": {"backend": "tc_piecewise"}}}, env),
     ]:
         check_graph_memory_saver(allowed_kwargs, allowed_env)
+
+
+def test_shutdown_closes_sglangs_sockets_so_no_later_collection_hangs(tmp_path: Path) -> None:
+    """SGLang leaves its ZMQ sockets open; collecting them later terminates their context, which waits
+    forever for a message queued to a process that is gone (the GPU suite's pytest hung so after its
+    summary). The plugin's stop closes them without lingering and ends their contexts."""
+    import threading
+    from types import SimpleNamespace
+
+    zmq = pytest.importorskip("zmq")
+    from genengine_sglang._process import close_zmq, zmq_sockets
+
+    context = zmq.Context(2)
+    push = context.socket(zmq.PUSH)
+    push.connect(f"ipc://{tmp_path}/scheduler-gone")
+    push.send(b"queued for a scheduler that was killed")
+    pull = context.socket(zmq.PULL)
+    pull.bind(f"ipc://{tmp_path}/detokenizer")
+    rpc_context = zmq.Context(1)
+    rpc = rpc_context.socket(zmq.DEALER)
+    rpc.connect(f"ipc://{tmp_path}/rpc-gone")
+    rpc.send(b"queued too")
+    engine = SimpleNamespace(
+        send_to_rpc=rpc, tokenizer_manager=SimpleNamespace(send_to_scheduler=push, recv_from_detokenizer=pull, x=1)
+    )
+    sockets = zmq_sockets(engine)
+    assert {id(s) for s in sockets} == {id(push), id(pull), id(rpc)}
+    done = threading.Event()
+    threading.Thread(target=lambda: (close_zmq(sockets), done.set()), daemon=True).start()
+    assert done.wait(10.0), "closing SGLang's sockets hung (a context waited for its queued messages)"
+    assert push.closed and pull.closed and rpc.closed and context.closed and rpc_context.closed
