@@ -1,12 +1,14 @@
-"""CUDA IPC: the trainer and its replicas on one GPU share the sender's bucket buffers, nothing is copied twice.
+"""CUDA IPC: the trainer and its replicas on one GPU share the sender's bucket buffers (no broadcast).
 
 The sender packs each bucket into one of two CUDA buffers whose IPC handles went out once with the
 sync's metadata (over the gloo control group, keyed by the GPU's UUID so that a receiver with another
 ``CUDA_VISIBLE_DEVICES`` finds the same GPU); then it tells the receivers "bucket k is ready". Each
-receiver verifies and loads bucket k straight from the shared buffer, waits for its engine's copies, and
-acknowledges; the sender reuses a buffer only once every receiver acknowledged the bucket in it (slime's
-rule: never overwrite a buffer the engine may still be reading), packing bucket k+1 in the other buffer
-meanwhile. The same bucket layout, checksum and abort flag as the broadcast transports.
+receiver copies bucket k from the shared buffer into one of its own (one device copy: an engine may pass
+the tensors on through CUDA IPC, which torch refuses for memory another process shared), verifies and
+loads it, waits for its engine's copies, and acknowledges. The sender reuses a buffer only once every
+receiver acknowledged the bucket in it (slime's rule: never overwrite a buffer the engine may still be
+reading), packing bucket k+1 in the other buffer meanwhile. The same bucket layout, checksum and abort flag
+as the broadcast transports.
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ class CudaIpcSender:
 class CudaIpcReceiver:
     def __init__(self, group: Group) -> None:
         self.group = group
+        self._buffers = _Buffers(device_of(group.spec))
 
     def receive(self, engine: GenerationEngine) -> SyncReport:
         import torch
@@ -168,13 +171,17 @@ class CudaIpcReceiver:
         seq = int(meta["seq"])
         buckets: list[layout.Bucket] = meta["buckets"]
         shared: list[Any] = _open(meta["shared"], g) if buckets else []
+        local = self._buffers.get(int(meta["buffer_bytes"])) if buckets else []
         failure: tuple[int, int, BaseException] | None = None
         tensors = nbytes = loaded = 0
         try:
             for k, bucket in enumerate(buckets):
                 notice = torch.zeros(1, dtype=torch.int64)
                 g.wait(g.broadcast(notice, data=False), f"waiting for {bucket.describe(k)}", [0])
-                buf = shared[k % 2][: bucket.nbytes + layout.TRAILER]
+                # One device copy into this process's memory: the engine may hand its tensors on through CUDA
+                # IPC (SGLang's load does), which torch refuses for memory opened from another process.
+                buf = local[k % 2][: bucket.nbytes + layout.TRAILER]
+                buf.copy_(shared[k % 2][: bucket.nbytes + layout.TRAILER])
                 flag, expected = layout.read_trailer(buf, bucket)
                 if flag == layout.FLAG_ABORT:
                     failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, loaded))
@@ -212,6 +219,7 @@ class CudaIpcReceiver:
         return SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
 
     def close(self) -> None:
+        self._buffers.clear()
         self.group.close()
 
 
