@@ -284,19 +284,21 @@ class PoolBenchTrainer:
             if version > 1:
                 weights = None  # the old version's tensors go first, as a trainer's step overwrites them
                 weights = make(model, version, device)
-            seconds = {}
+            seconds, buckets = {}, {}
             for which in ("in_process", "pool"):
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
                 begin = time.perf_counter()
-                targets[which].load_weights(weights, version=version)
+                report = targets[which].load_weights(weights, version=version)
                 seconds[which] = time.perf_counter() - begin
+                buckets[which] = getattr(report, "num_buckets", None)
             local, _ = outputs(targets["in_process"])
             pooled, labels = outputs(targets["pool"])
             rows.append(
                 {
                     "version": version,
                     "seconds": seconds,
+                    "buckets": buckets,
                     "outputs_equal": pooled == local,
                     "changed": previous is None or pooled != previous,
                     "labels_ok": all(label == ((0, version),) for label in labels),
