@@ -1,6 +1,7 @@
 """genengine: the generation-engine layer of RL post-training.
 
-One protocol (generate, sleep, wake, load_weights) over SGLang, vLLM and an embedded CPU backend.
+One protocol (generate, sleep, wake, load_weights; and the async calls: stream, abort, pause, resume) over
+SGLang, vLLM and an embedded CPU backend.
 Importing this package loads no engine and no torch.
 """
 
@@ -10,12 +11,15 @@ from importlib.metadata import version as _version
 from genengine.config import EngineConfig
 from genengine.errors import GenEngineError
 from genengine.protocol import (
+    AsyncGenerationEngine,
     EngineState,
     GenerationEngine,
     GenerationOutput,
     GenerationResult,
+    GenerationStream,
     LoadReport,
     SamplingParams,
+    is_async_engine,
 )
 from genengine.registry import available_backends, create_engine
 
@@ -25,15 +29,18 @@ except PackageNotFoundError:  # a source tree on sys.path that was never install
     __version__ = "0+unknown"
 
 __all__ = [
+    "AsyncGenerationEngine",
     "EngineConfig",
     "EngineState",
     "GenEngineError",
     "GenerationEngine",
     "GenerationOutput",
     "GenerationResult",
+    "GenerationStream",
     "LoadReport",
     "SamplingParams",
     "__version__",
     "available_backends",
     "create_engine",
+    "is_async_engine",
 ]

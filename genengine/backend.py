@@ -2,8 +2,9 @@
 
 ``from genengine.backend import EngineBase, Completion, ...`` gives the base class, the data it speaks, the
 errors, the hook marker, and the bookkeeping every engine adapter otherwise writes again: the weight list
-of a loaded model, the stop/EOS rules, per-request seeds, option checks and a ``from_config`` factory. The
-module imports no torch (helpers that need it import it when called), so a plugin module may import it.
+of a loaded model, the stop/EOS rules, per-request seeds, option checks and a ``from_config`` factory; and
+for the async calls, ``AsyncEngineMixin`` with the request objects its hooks report into. The module
+imports no torch (helpers that need it import it when called), so a plugin module may import it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,16 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
+from genengine.aio import (
+    PAUSE_MODES,
+    AsyncEngineMixin,
+    AsyncRequest,
+    DriverLock,
+    PauseMode,
+    RequestStream,
+    StreamChunk,
+    normalize_async_request,
+)
 from genengine.base import EngineBase
 from genengine.checkpoint import checkpoint_dtype, read_model_config
 from genengine.config import EngineConfig, check_options, option_bool, option_int, option_number
@@ -32,13 +43,16 @@ from genengine.hookspecs import RegisterBackend, hookimpl
 from genengine.protocol import (
     TAG_KV_CACHE,
     TAG_WEIGHTS,
+    AsyncGenerationEngine,
     EngineState,
     FinishReason,
     GenerationEngine,
     GenerationOutput,
     GenerationResult,
+    GenerationStream,
     LoadReport,
     SamplingParams,
+    is_async_engine,
 )
 from genengine.requests import Request
 from genengine.weights import DEFAULT_BUCKET_BYTES, WeightInfo
@@ -48,11 +62,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "PAUSE_MODES",
     "TAG_KV_CACHE",
     "TAG_WEIGHTS",
+    "AsyncEngineMixin",
+    "AsyncGenerationEngine",
+    "AsyncRequest",
     "CheckpointError",
     "Completion",
     "ConfigError",
+    "DriverLock",
     "EngineBase",
     "EngineClosedError",
     "EngineConfig",
@@ -65,13 +84,17 @@ __all__ = [
     "GenerationEngine",
     "GenerationOutput",
     "GenerationResult",
+    "GenerationStream",
     "InvalidArgumentError",
     "LoadReport",
+    "PauseMode",
     "RegisterBackend",
     "Request",
+    "RequestStream",
     "SamplingParams",
     "Seeds",
     "StopStrings",
+    "StreamChunk",
     "WeightInfo",
     "WeightLoadError",
     "WeightsNotLoadedError",
@@ -79,7 +102,9 @@ __all__ = [
     "check_options",
     "complete",
     "hookimpl",
+    "is_async_engine",
     "module_weight_spec",
+    "normalize_async_request",
     "option_bool",
     "option_int",
     "option_number",

@@ -33,7 +33,7 @@ from genengine.demo import (
     running_mean,
     train_step,
 )
-from genengine.protocol import GenerationResult, SamplingParams
+from genengine.protocol import GenerationResult, SamplingParams, is_async_engine
 
 __all__ = ["AsyncDemoResult", "run_async_demo"]
 
@@ -85,7 +85,7 @@ async def _run(cfg: DemoConfig, say: Callable[[str], None]) -> tuple[DemoResult,
     tokenizer, policy, optimizer, pad = t.tokenizer, t.policy, t.optimizer, t.pad
 
     engine: Any = create_engine(backend=cfg.backend, model=model, dtype=dtype, seed=cfg.seed, **cfg.options)
-    if not getattr(engine, "supports_async", False):
+    if not is_async_engine(engine):
         engine.shutdown()
         raise ValueError(f"backend={cfg.backend!r} does not offer the async capability")
     stats: list[StepStats] = []

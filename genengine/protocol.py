@@ -1,4 +1,4 @@
-"""The ``GenerationEngine`` protocol and the data it speaks.
+"""The ``GenerationEngine`` protocol, its async extension ``AsyncGenerationEngine``, and the data they speak.
 
 This module is the contract (docs/contract.md says the same in prose). It imports nothing heavy:
 trainers type against it and ``import genengine`` stays fast.
@@ -10,7 +10,7 @@ import math
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
 
 from genengine.errors import InvalidArgumentError, closest
 
@@ -19,16 +19,21 @@ if TYPE_CHECKING:
 
     import torch
 
+    from genengine.aio import PauseMode, StreamChunk
+
 __all__ = [
     "TAG_KV_CACHE",
     "TAG_WEIGHTS",
+    "AsyncGenerationEngine",
     "EngineState",
     "FinishReason",
     "GenerationEngine",
     "GenerationOutput",
     "GenerationResult",
+    "GenerationStream",
     "LoadReport",
     "SamplingParams",
+    "is_async_engine",
 ]
 
 TAG_WEIGHTS = "weights"
@@ -375,6 +380,7 @@ class GenerationEngine(Protocol):
         *,
         bucket_bytes: int | None = None,
         check_finite: bool = False,
+        version: int | None = None,
     ) -> LoadReport:
         """Copy the trainer's (HF name, tensor) pairs into the engine in buckets of at most ``bucket_bytes``.
 
@@ -384,6 +390,10 @@ class GenerationEngine(Protocol):
         ``check_finite`` also refuses NaN/inf values (off by default: it reads every tensor). The prefix
         cache is flushed afterwards. If the call fails once writing began, the engine refuses to generate
         until a ``load_weights`` covers every weight.
+
+        ``version`` (an int >= 0) labels the weights from here on: ``weight_version`` and the
+        ``weight_versions`` of later outputs say it; None keeps the current label. Every engine takes it, so
+        that a transport can label the last bucket of a sync without asking whether the engine can.
         """
         ...
 
@@ -403,3 +413,114 @@ class GenerationEngine(Protocol):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+
+@runtime_checkable
+class GenerationStream(Protocol):
+    """One request submitted with ``AsyncGenerationEngine.stream``: an async iterator of its chunks, then its
+    result. ``genengine.aio.RequestStream`` (an engine's) and the Ray pool's ``PoolStream`` are two."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    def __aiter__(self) -> GenerationStream: ...
+
+    async def __anext__(self) -> StreamChunk:
+        """The next chunk of new tokens of one completion; the stream ends after every completion's last one."""
+        ...
+
+    async def collect(self) -> GenerationResult:
+        """Read the chunks not read yet and return the result; a caller cancelled meanwhile aborts the request."""
+        ...
+
+    def result(self) -> GenerationResult:
+        """Every completion with its tokens, logprobs and weight versions; only once the stream has ended."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop reading: a request still running is aborted."""
+        ...
+
+
+@runtime_checkable
+class AsyncGenerationEngine(GenerationEngine, Protocol):
+    """A ``GenerationEngine`` that also takes requests one prompt at a time, streams them, aborts them, and
+    pauses for a weight update (docs/async.md).
+
+    ``genengine.aio.AsyncEngineMixin`` implements it over a backend's scheduler; the Ray ``EnginePool`` over
+    its replicas. Ask :func:`is_async_engine`, not ``isinstance``, whether an engine offers it.
+    """
+
+    supports_async: ClassVar[bool]
+    """True: the declaration :func:`is_async_engine` reads (the mixin and the pool make it)."""
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights in force: the last ``load_weights(version=...)``, 0 at start."""
+        ...
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not finished: running, held by a ``keep`` pause, or queued during a pause."""
+        ...
+
+    @property
+    def paused(self) -> PauseMode | None:
+        """The mode of the pause in force, or None."""
+        ...
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        image_data: Any = None,
+        request_id: str | None = None,
+    ) -> GenerationStream:
+        """Submit one prompt (not a batch); iterate the returned stream for its chunks as they come, then read
+        ``result()``. Closing the stream early aborts the request. A ``request_id`` in flight is refused."""
+        ...
+
+    async def generate_async(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        image_data: Any = None,
+        request_id: str | None = None,
+    ) -> GenerationResult:
+        """One prompt's completions once all are finished (an aborted one with its partial tokens)."""
+        ...
+
+    async def abort(self, request_ids: str | Sequence[str] | None = None) -> list[str]:
+        """Abort requests (every one in flight when None); returns the ids aborted. An aborted request keeps
+        its tokens and their logprobs, with ``finish_reason="abort"``."""
+        ...
+
+    async def pause_generation(self, mode: PauseMode = "keep", *, clear_cache: bool = True) -> None:
+        """Stop generating so that the weights can change; requests submitted meanwhile wait for the resume.
+
+        ``"abort"``: in-flight requests end now; ``"wait"``: returns once they finished on their own;
+        ``"keep"``: they stay where they are and go on after ``resume_generation`` (their KV recomputed with
+        the new weights when ``clear_cache``).
+        """
+        ...
+
+    async def resume_generation(self) -> None:
+        """Go on after ``pause_generation``: held requests continue, queued ones start. Raises (and stays
+        paused) while the engine is asleep or its weights are incomplete."""
+        ...
+
+
+def is_async_engine(engine: object) -> TypeGuard[AsyncGenerationEngine]:
+    """Whether ``engine`` offers the async calls: whether it declares ``supports_async = True``.
+
+    The one place genengine asks. It reads the declaration rather than ``isinstance(engine,
+    AsyncGenerationEngine)``: a structural check only sees that the names exist (a synchronous engine with a
+    ``stream`` method of its own would pass), on Python 3.10 and 3.11 it evaluates every property of the
+    protocol (a pool's ``state`` asks each replica), and on 3.12+ it misses attributes a wrapper forwards
+    through ``__getattr__``. Third-party backends that implement the calls without the mixin declare it too.
+    """
+    return bool(getattr(engine, "supports_async", False))

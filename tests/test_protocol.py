@@ -1,13 +1,15 @@
-"""SamplingParams and request validation: the bad-input list of the contract, without any engine."""
+"""SamplingParams and request validation (the bad-input list of the contract) and the protocols' shape, without
+any engine."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 
 from genengine.errors import InvalidArgumentError
-from genengine.protocol import SamplingParams
+from genengine.protocol import AsyncGenerationEngine, GenerationEngine, SamplingParams, is_async_engine
 from genengine.requests import normalize_requests
 
 
@@ -221,3 +223,50 @@ def test_unsupported_table_advice_names_real_fields() -> None:
     for advice in UNSUPPORTED_SAMPLING_PARAMS.values():
         for field in re.findall(r"use (\w+)", advice):
             assert field in names, advice
+
+
+# ---- is_async_engine: the declaration, asked in one place --------------------------------------------------
+class _Declares:
+    supports_async = True
+
+
+class _DeclaresNot:
+    supports_async = False
+
+
+class _Forwards:
+    """A wrapper that forwards attributes (as the transport tests' engine wrappers do)."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+class _SyncWithAStream:
+    """A synchronous engine with a ``stream`` of its own: no async declaration, so not async."""
+
+    def stream(self) -> None: ...
+
+
+@pytest.mark.parametrize(
+    ("engine", "expected"),
+    [
+        (_Declares(), True),
+        (_Forwards(_Declares()), True),
+        (_DeclaresNot(), False),
+        (_Forwards(_DeclaresNot()), False),
+        (_SyncWithAStream(), False),
+        (object(), False),
+    ],
+)
+def test_is_async_engine_reads_the_declaration(engine: object, expected: bool) -> None:
+    assert is_async_engine(engine) is expected
+
+
+def test_the_async_protocol_extends_the_sync_one_whose_load_weights_takes_a_version() -> None:
+    """Transports call ``load_weights(bucket, version=...)`` on any engine: the protocol must say it takes it."""
+    assert GenerationEngine in AsyncGenerationEngine.__mro__
+    version = inspect.signature(GenerationEngine.load_weights).parameters["version"]
+    assert version.kind is inspect.Parameter.KEYWORD_ONLY and version.default is None

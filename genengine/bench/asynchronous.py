@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from genengine.errors import ConfigError, InvalidArgumentError
+from genengine.protocol import is_async_engine
 
 if TYPE_CHECKING:
     import torch
@@ -153,7 +154,7 @@ def run_async_bench(
 
                 tensors = _trainer_weights(model, "cpu", settings.dtype)
                 weights = lambda: tensors.items()  # noqa: E731
-        if not getattr(engine, "supports_async", False):
+        if not is_async_engine(engine):
             raise ConfigError(
                 f"backend {settings.backend!r} ({type(engine).__name__}) does not declare supports_async: "
                 "genengine bench --async needs the async capability"

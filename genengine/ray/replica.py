@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
+from genengine.protocol import is_async_engine
 from genengine.ray.errors import StaleReplicaError
 
 __all__ = ["CONTROL_CALLS", "EngineReplica"]
@@ -80,7 +81,7 @@ class EngineReplica:
         return {
             **where,
             "supported_tags": tuple(engine.supported_tags),
-            "supports_async": bool(getattr(engine, "supports_async", False)),
+            "supports_async": is_async_engine(engine),
             "supports_images": bool(getattr(engine, "supports_images", False)),
             "vocab_size": vocab() if callable(vocab) else None,
             "state": engine.state,
@@ -201,8 +202,7 @@ class _FiniteLoads:
         self._engine = engine
 
     def load_weights(self, named_tensors: Any, *, version: int | None = None) -> Any:
-        extra = {} if version is None else {"version": version}
-        return self._engine.load_weights(named_tensors, check_finite=True, **extra)
+        return self._engine.load_weights(named_tensors, check_finite=True, version=version)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)

@@ -68,23 +68,8 @@ def check_spec(spec: TransportSpec, name: str, device: str) -> None:
 
 
 def load_bucket(engine: GenerationEngine, tensors: list[tuple[str, torch.Tensor]], version: int | None) -> None:
-    """``engine.load_weights(tensors)``, labelled ``version`` (the sync's last bucket) where the engine takes
-    versions (``EngineBase`` does; the protocol's ``load_weights`` need not)."""
-    load: Any = engine.load_weights
-    if version is not None and _takes_version(load):
-        load(tensors, version=version)
-    else:
-        load(tensors)
-
-
-def _takes_version(load: Any) -> bool:
-    import inspect
-
-    try:
-        params = inspect.signature(load).parameters
-    except (TypeError, ValueError):
-        return False
-    return "version" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    """``engine.load_weights(tensors)``, labelled ``version`` (the sync's last bucket; None for the others)."""
+    engine.load_weights(tensors, version=version)
 
 
 def device_of(spec: TransportSpec) -> torch.device:

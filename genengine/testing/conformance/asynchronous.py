@@ -14,7 +14,14 @@ from typing import Any, ClassVar
 import pytest
 
 from genengine.errors import EngineSleepingError, EngineStateError, InvalidArgumentError, WeightsNotLoadedError
-from genengine.protocol import TAG_WEIGHTS, GenerationResult, SamplingParams
+from genengine.protocol import (
+    TAG_WEIGHTS,
+    AsyncGenerationEngine,
+    GenerationResult,
+    GenerationStream,
+    SamplingParams,
+    is_async_engine,
+)
 from genengine.testing.conformance.base import GREEDY, PROMPTS, ConformanceBase, reference_logprobs
 
 __all__ = ["AsyncTests"]
@@ -98,7 +105,7 @@ class AsyncTests(ConformanceBase):
     def async_engine(self, engine: Any) -> Iterator[Any]:
         """The class engine, for the async tests only (not autouse: a class fixture would cover every test of
         the suite); skips when the engine has no async capability, and leaves it unpaused and idle."""
-        if not getattr(engine, "supports_async", False):
+        if not is_async_engine(engine):
             pytest.skip("the engine does not declare supports_async")
         assert engine.paused is None, f"an earlier test left the engine paused ({engine.paused!r})"
         yield engine
@@ -114,6 +121,19 @@ class AsyncTests(ConformanceBase):
         if got:
             mean = sum(abs(a - b) for a, b in zip(got, want, strict=True)) / len(got)
             assert mean <= self._tolerance(), f"mean |Δ logprob| {mean:.3g} > {self._tolerance():.3g}"
+
+    # ---- the typed contract ----------------------------------------------------------------------------------
+    def test_it_has_every_member_of_the_async_protocol(self, async_engine: Any) -> None:
+        """The declaration ``supports_async`` promises ``AsyncGenerationEngine``: every call and property is
+        there, and ``stream`` returns a ``GenerationStream``."""
+        assert isinstance(async_engine, AsyncGenerationEngine)
+
+        async def main() -> Any:
+            stream = async_engine.stream(PROMPTS[0], {"max_new_tokens": 2, "temperature": 0.0})
+            await stream.collect()
+            return stream
+
+        assert isinstance(_run(main()), GenerationStream)
 
     # ---- the synchronous path is unchanged -------------------------------------------------------------------
     def test_sync_outputs_carry_one_weight_version(self, async_engine: Any, baseline: list[GenerationResult]) -> None:
