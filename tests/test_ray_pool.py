@@ -7,6 +7,8 @@ colocated pool runs inside a trainer actor, as a real colocated trainer would ow
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import re
 import threading
 import time
@@ -26,6 +28,7 @@ from genengine.errors import (  # noqa: E402
     ConfigError,
     EngineSleepingError,
     InvalidArgumentError,
+    WeightLoadError,
     WeightsNotLoadedError,
 )
 from genengine.ray import EnginePool, ReplicaDiedError, ReplicaError, ReplicaTimeoutError, prefix_key  # noqa: E402
@@ -88,6 +91,15 @@ def _info(replica: Any) -> dict[str, Any]:
 
 def _tokens(results: Any) -> list[list[list[int]]]:
     return [[o.token_ids for o in r.outputs] for r in results]
+
+
+def _served_by_both(pool: EnginePool, want: list[list[list[int]]], tag: str) -> None:
+    """``PROMPTS`` under fresh session keys (least-loaded routing spreads them over every routed replica):
+    ``want`` comes back, and replicas 0 and 1 both did some of the work."""
+    work = dict(pool.router.stats.work)
+    got = pool.generate(PROMPTS, GREEDY, session_id=[f"{tag}-{i}" for i in range(len(PROMPTS))])
+    assert _tokens(got) == want
+    assert all(pool.router.stats.work.get(i, 0) > work.get(i, 0) for i in (0, 1)), (work, pool.router.stats.work)
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------
@@ -225,6 +237,23 @@ def test_a_load_that_fails_mid_write_takes_that_replica_out_of_traffic(
     assert _tokens(pool.generate(PROMPTS, GREEDY)) == _tokens(local.generate(PROMPTS, GREEDY))
 
 
+def test_a_refused_load_that_wrote_nothing_leaves_every_replica_serving(pool: EnginePool, local: Any) -> None:
+    """An unknown name is refused by every replica's engine before it writes anything: the error is the
+    engine's own type, names the weight, and says nothing of a partial write; no replica leaves traffic."""
+    import torch
+
+    before = pool.weight_version
+    want = _tokens(local.generate(PROMPTS, GREEDY))
+    with pytest.raises(WeightLoadError, match=r"replica \d \(actor .*unknown weight 'no\.such\.weight'") as caught:
+        pool.load_weights([("no.such.weight", torch.zeros(4))], version=before + 1)
+    message = str(caught.value)
+    assert "wrote part" not in message and f"weight version stays {before}" in message, message
+    assert pool.weight_version == before and pool.router.replicas == (0, 1)
+    assert [(r.status, r.needs_weights) for r in pool.replicas] == [("healthy", False)] * 2
+    assert [_info(r)["weight_version"] for r in pool.replicas] == [before] * 2
+    _served_by_both(pool, want, "after-refused-load")
+
+
 def test_async_stream_pause_keep_and_abort(pool: EnginePool, local: Any, other_weights: dict[str, Any]) -> None:
     long = SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True, logprobs=True)
 
@@ -331,7 +360,65 @@ def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> No
         busy.join()
 
 
+def test_a_replica_dead_for_good_is_left_out_and_the_retry_reaches_the_others(
+    pool: EnginePool, local: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ray will not restart it (``no_restart=True``). The generate that finds it dead sends its prompts to the
+    healthy replica (request_retries=1) and returns, as does the next one; check_health reports it dead;
+    control calls raise until remove_replica takes it out. The module pool's last test: it leaves no replica up."""
+    want = _tokens(local.generate(PROMPTS, GREEDY))
+    pool.generate(PROMPTS, GREEDY)
+    dead = pool.router._keys[prefix_key(PROMPTS[0])]  # the first prompt goes there again (sticky)
+    alive = 1 - dead
+    ray.kill(ray.get_actor(pool.replicas[dead].name), no_restart=True)
+    with caplog.at_level(logging.WARNING, logger="genengine.ray.pool"):
+        assert _tokens(pool.generate(PROMPTS, GREEDY)) == want
+    retried = [r.getMessage() for r in caplog.records if "to another replica" in r.getMessage()]
+    assert len(retried) == 1 and retried[0].startswith(f"replica {dead} (actor"), retried  # it was sent there
+    assert _tokens(pool.generate(PROMPTS, GREEDY)) == want
+    assert [(r.index, r.status) for r in pool.check_health()] == sorted([(dead, "dead"), (alive, "healthy")])
+    with pytest.raises(ReplicaDiedError, match=rf"replica {dead} \(actor .*is dead and .*remove_replica\({dead}\)"):
+        pool.flush_cache()
+    pool.remove_replica(dead)
+    pool.flush_cache()
+    assert [r.index for r in pool.replicas] == [alive] and pool.router.replicas == (alive,)
+    assert _tokens(pool.generate(PROMPTS, GREEDY)) == want
+    # the last one dead too: nowhere to retry, and the error says which replica and what to do
+    ray.kill(ray.get_actor(pool.replicas[0].name), no_restart=True)
+    with pytest.raises(ReplicaDiedError, match=rf"replica {alive} \(actor .*is dead and .*remove_replica\({alive}\)"):
+        pool.generate(PROMPTS, GREEDY)
+
+
 # ---- colocated ------------------------------------------------------------------------------------------------
+def test_pool_bench_compares_a_colocated_replica_with_the_same_engine_in_process(cluster: Any, model: str) -> None:
+    """``genengine bench --pool`` on the CPU (gloo): both engines measured side by side, and after each sync the
+    replica's greedy outputs equal the in-process engine's on the same new weights."""
+    from genengine.bench.pool import PoolBenchSettings, format_pool_report, run_pool_bench
+
+    report = run_pool_bench(
+        PoolBenchSettings(
+            model=model,
+            dtype="float32",
+            batch_size=4,
+            prompt_len=8,
+            max_new_tokens=8,
+            repeats=1,
+            min_seconds=0.05,
+            syncs=2,
+            num_cpus=0.25,
+            sleep=False,
+        )
+    )
+    assert report["transport"] == "gloo"
+    rows = report["sync"]["rows"]
+    assert [r["version"] for r in rows] == [1, 2]
+    assert all(r["outputs_equal"] and r["changed"] and r["labels_ok"] for r in rows), rows
+    medians = report["tokens_per_s"]["median"]
+    assert medians["pool"] > 0 and medians["in_process"] > 0
+    assert report["ratio"] == medians["pool"] / medians["in_process"]
+    assert "pool / in-process" in format_pool_report(report)
+
+
 def test_colocated_pool_in_a_trainer_actor(cluster: Any, model: str, local: Any, other_weights: dict[str, Any]) -> None:
     """The trainer actor and the replicas share the bundles of one placement group (fractional CPUs here,
     fractional GPUs on a GPU node); the trainer owns the pool and runs an RL step through it, its weights
@@ -372,10 +459,12 @@ def _reference(local: Any, weights: dict[str, Any], version: int) -> list[list[l
     return _tokens(local.generate(PROMPTS, GREEDY))
 
 
-@pytest.fixture(scope="class")
+@pytest.fixture(scope="module")
 def gloo(cluster: Any, model: str) -> Iterator[EnginePool]:
     """Two replicas syncing over ``transport="gloo"`` from the test process (rank 0), with buckets small enough
-    that every sync is several (double-buffered) broadcasts: the one extra pool of the gloo tests."""
+    that every sync is several (double-buffered) broadcasts: the one extra pool of the module. Its default
+    ``request_retries=0`` and its first tests, before any sync, are the health tests of a pool that never
+    loaded weights."""
     with EnginePool(
         backend="transformers",
         model=model,
@@ -392,8 +481,60 @@ def gloo(cluster: Any, model: str) -> Iterator[EnginePool]:
     assert [n for n in pool_actors(cluster) + pool_placement_groups(cluster) if n.startswith(mine)] == []
 
 
+def _new_process(name: str, old_pid: int) -> dict[str, Any]:
+    """The actor's ``info`` once a process other than ``old_pid`` answers for it (Ray restarted it)."""
+    actor = ray.get_actor(name)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ray.exceptions.RayActorError):  # the old process dying, the new one starting
+            info: dict[str, Any] = ray.get(actor.info.remote(), timeout=60)
+            if info["pid"] != old_pid:
+                return info
+        time.sleep(0.05)
+    raise AssertionError(f"{name}: no new process answered within 60 s")
+
+
+def test_request_retries_0_a_replica_dying_in_generate_raises_and_comes_back_without_weights(
+    gloo: EnginePool, local: Any, model: str, faults: Path
+) -> None:
+    """request_retries=0 means no retry: the replica whose process dies inside ``generate`` (the fault switch,
+    so by construction during the call) makes it raise ReplicaDiedError naming it. check_health then brings it
+    back, and since the pool never loaded weights there is nothing to wait for: it needs none and takes
+    traffic again, serving the checkpoint as the other does."""
+    want = _reference(local, load_checkpoint(model), 0)
+    old = {r.index: r.pid for r in gloo.replicas}
+    (faults / "die-in-generate").write_text("")
+    with pytest.raises(
+        ReplicaDiedError, match=r"replica (\d) \(actor [0-9a-f]+, node .*\) died during generate"
+    ) as caught:
+        gloo.generate(PROMPTS, GREEDY)
+    assert not (faults / "die-in-generate").exists()  # claimed: that replica did die in the call
+    died = int(re.search(r"replica (\d) \(actor", str(caught.value)).group(1))  # type: ignore[union-attr]
+    assert gloo.replicas[died].status == "stale" and gloo.router.replicas == (1 - died,)
+    infos = gloo.check_health()
+    assert [(r.status, r.needs_weights) for r in infos] == [("healthy", False)] * 2
+    assert infos[died].pid != old[died] and infos[1 - died].pid == old[1 - died]
+    assert gloo.router.replicas == (0, 1) and gloo.weight_version == 0
+    _served_by_both(gloo, want, "after-death-in-generate")
+
+
+def test_check_health_finds_a_restart_it_was_not_told_of(gloo: EnginePool, local: Any, model: str) -> None:
+    """A replica's process is replaced behind the same actor and answers pings: check_health must see the new
+    incarnation (not call the old replica healthy), start its engine and report the new process."""
+    replica = gloo.replicas[0]
+    ray.kill(ray.get_actor(replica.name), no_restart=False)
+    fresh = _new_process(replica.name, replica.pid)
+    assert not fresh["started"]  # a bare actor: Ray ran only __init__
+    infos = gloo.check_health()
+    assert infos[0].pid == fresh["pid"] and infos[0].status == "healthy" and not infos[0].needs_weights
+    now = _info(infos[0])
+    assert now["started"] and now["incarnation"] == fresh["incarnation"] and now["state"].weights_loaded
+    _served_by_both(gloo, _reference(local, load_checkpoint(model), 0), "after-unseen-restart")
+
+
 class TestGlooSync:
-    """load_weights through the pool's gloo group: every replica, a restart, a corrupted bucket (in this order)."""
+    """load_weights through the pool's gloo group: every replica, an empty sync, a restart, a corrupted bucket
+    (in this order)."""
 
     def test_a_sync_reaches_every_replica(self, gloo: EnginePool, local: Any, other_weights: dict[str, Any]) -> None:
         disk = _tokens(gloo.generate(PROMPTS, GREEDY))
@@ -417,6 +558,16 @@ class TestGlooSync:
         with pytest.raises(InvalidArgumentError, match=r"bucket_bytes=1024: with transport='gloo'"):
             gloo.load_weights(other_weights.items(), bucket_bytes=1024, version=13)
         assert gloo.weight_version == 12
+
+    def test_an_empty_sync_with_a_version_relabels_every_replica(self, gloo: EnginePool) -> None:
+        """``load_weights([], version=13)``: nothing to send, but the label moves on every replica (a trainer
+        that skips an unchanged step still numbers it), and the outputs say so."""
+        want = _tokens(gloo.generate(PROMPTS, GREEDY))
+        report = gloo.load_weights([], version=13)
+        assert (report.num_tensors, report.num_bytes) == (0, 0)
+        assert [_info(r)["weight_version"] for r in gloo.replicas] == [13, 13] and gloo.weight_version == 13
+        got = gloo.generate(PROMPTS, GREEDY)
+        assert _tokens(got) == want and {o.weight_versions for r in got for o in r.outputs} == {((0, 13),)}
 
     def test_a_killed_replica_rejoins_a_new_group_with_the_right_weights(
         self, gloo: EnginePool, local: Any, other_weights: dict[str, Any], model: str

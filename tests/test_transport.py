@@ -95,12 +95,13 @@ def _error(row: dict[str, Any], name: str) -> str:
     return str(row["message"])
 
 
-# ---- one group, four syncs: a clean one, a refused one, a corrupted one, a clean one again ---------------------
+# ---- one group, five syncs: a clean one, a refused one, a corrupted one, a clean one again, an empty one -------
 SYNCS = [
     {"weights": "B", "version": 5},
     {"weights": "B", "version": 9, "bad": True},
     {"weights": "A", "version": 6, "corrupt": 1},
     {"weights": "A", "version": 7},
+    {"weights": None, "version": 8},
 ]
 
 
@@ -177,6 +178,46 @@ def test_the_group_stays_usable_after_refused_and_corrupted_syncs(
         after = replica["syncs"][3]["after"]
         assert after["version"] == 7 and after["digests"] == expected["A"]["digests"]
         assert [o[:2] for o in after["outputs"]] == [o[:2] for o in expected["A"]["outputs"]]
+
+
+def test_an_empty_sync_with_a_version_relabels_every_replica(run: dict[str, Any], expected: dict[str, Any]) -> None:
+    """``send([], version=8)``: no bucket, yet every replica's label moves to 8 (and its outputs say so)."""
+    assert run["sender"][4]["report"] == [8, 0, 0, 0]
+    for rank, replica in run["replicas"].items():
+        row = replica["syncs"][4]
+        assert row["report"] == [8, 0, 0, 0], rank
+        after = row["after"]
+        assert after["version"] == 8 and after["digests"] == expected["A"]["digests"], rank
+        assert all(o[2] == [[0, 8]] or o[2] == ((0, 8),) for o in after["outputs"]), after["outputs"][0][2]
+
+
+def test_a_sender_failing_to_pack_a_bucket_raises_its_own_error(pool: tw.Pool, expected: dict[str, Any]) -> None:
+    """The trainer's process cannot pack bucket 2 (a gather failing): it marks the bucket aborted so that every
+    replica stops in step, and then raises its own error to the trainer, not a TransportError built from the
+    replicas' "saw the abort" statuses. The group stays usable: the next sync lands."""
+    from genengine.transport import _layout
+
+    stream = tw.trainer_stream("B")
+    plan = _layout.plan(stream, version=0, bucket_bytes=BUCKET, checksum=True)
+    at = [name for name, _ in stream].index(plan.buckets[2].entries[0].name)
+    spec = _spec()
+    pool.submit({r: ("receive", {"spec": spec, "rank": r, "syncs": 2}) for r in (1, 2)})
+    sender = get_transport("gloo").sender(TransportSpec(**spec))
+    try:
+        failed = tw.send_one(sender, {"weights": "B", "version": 3, "fail_pack": at})
+        again = tw.send_one(sender, {"weights": "B", "version": 4})
+    finally:
+        sender.close()
+    got = pool.collect([1, 2])
+    assert all(r.status == "ok" for r in got.values()), got
+    assert failed["error"] == "PackFault" and "gathering this tensor failed" in failed["message"], failed
+    assert again["report"][0] == 4
+    for rank in (1, 2):
+        first, second = got[rank].value["syncs"]
+        message = _error(first, "TransportError")
+        assert "the sender aborted the sync of version 3 at bucket 2" in message and "2 earlier bucket(s)" in message
+        assert first["after"]["version"] == 0, rank  # a mix under the old label
+        assert second["after"]["version"] == 4 and second["after"]["digests"] == expected["B"]["digests"], rank
 
 
 # ---- peers that never come or die ----------------------------------------------------------------------------

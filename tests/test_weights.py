@@ -121,6 +121,44 @@ def test_tensor_released_after_handover_is_rejected_before_its_bucket(
             _assert_refused_until_a_full_load(engine, weights["B"], outputs["B"])
 
 
+def _column_major_view(tensor: Any, offset: int, *, short: bool) -> Any:
+    """``tensor``'s values as a column-major view at element ``offset`` of a storage that ends exactly at the
+    view's last element, or (``short``) one element before it: strides and offset both count in the bytes needed."""
+    import torch
+
+    rows, cols = tensor.shape
+    base = torch.empty(offset + tensor.numel(), dtype=tensor.dtype)
+    view = base[offset:].view(cols, rows).t()  # strides (1, rows): the last element is at offset + numel - 1
+    view.copy_(tensor)
+    assert not view.is_contiguous() and view.storage_offset() == offset
+    if short:
+        base.untyped_storage().resize_((offset + tensor.numel() - 1) * tensor.element_size())
+    return view
+
+
+def test_a_storage_one_element_short_of_its_view_is_refused_before_any_read(
+    model_dir: str, weights: dict[str, dict[str, Any]], outputs: dict[str, list[Any]]
+) -> None:
+    """A view whose storage ends one element before the last element its shape, strides and offset reach (a
+    storage shrunk under the trainer's tensor): refused by name before anything is read or written, where a
+    read would go past the storage. The same view over a storage exactly long enough loads."""
+    items = list(weights["B"].items())
+    at = next(i for i, (_, t) in enumerate(items) if t.dim() == 2 and t.shape[0] != t.shape[1])
+    name, tensor = items[at]
+    need = (3 + tensor.numel()) * tensor.element_size()
+    with TransformersEngine(model_dir, dtype="float32") as engine:
+        short = [*items[:at], (name, _column_major_view(tensor, 3, short=True)), *items[at + 1 :]]
+        with pytest.raises(
+            WeightLoadError,
+            match=rf"weight '{name}' has no data: its storage holds {need - tensor.element_size()} bytes, "
+            rf"its shape needs {need} ",
+        ):
+            engine.load_weights(iter(short))
+        assert engine.state.weights_loaded and _tokens(engine) == outputs["A"]  # nothing was written
+        engine.load_weights(iter([*items[:at], (name, _column_major_view(tensor, 3, short=False)), *items[at + 1 :]]))
+        assert _tokens(engine) == outputs["B"]
+
+
 @pytest.mark.parametrize("engine_type", ENGINES, ids=["all-first", "streaming"])
 def test_real_fake_tensor_fails_inside_the_bucket_and_the_engine_refuses(
     model_dir: str, weights: dict[str, dict[str, Any]], outputs: dict[str, list[Any]], engine_type: type

@@ -64,6 +64,8 @@ class PoolBenchSettings:
     weights: str = "genengine.bench.pool:random_weights"
     """``module:function`` called in the trainer actor as ``fn(model_dir, version, device)``: the trainer's
     (name, tensor) pairs for that version."""
+    num_cpus: float = 1.0
+    """Ray CPUs of the trainer actor and of the replica each (their bundle holds both)."""
     seed: int = 0
 
     def check(self) -> None:
@@ -90,6 +92,8 @@ class PoolBenchSettings:
             isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1
         ):
             raise InvalidArgumentError(f"bucket_bytes={self.bucket_bytes!r} must be an integer >= 1 or None")
+        if isinstance(self.num_cpus, bool) or not isinstance(self.num_cpus, (int, float)) or self.num_cpus <= 0:
+            raise InvalidArgumentError(f"num_cpus={self.num_cpus!r} must be a number > 0")
         if not isinstance(self.weights, str) or ":" not in self.weights:
             raise InvalidArgumentError(f"weights={self.weights!r} must be 'module:function'")
         if self.model is not None and not os.path.isdir(self.model):
@@ -208,7 +212,7 @@ class PoolBenchTrainer:
                 placement_group=self.pg,
                 bundle_indices=[0],
                 num_gpus=0.4 if gpu else 0,
-                num_cpus=1,
+                num_cpus=s.num_cpus,
                 transport=transport,
                 transport_options=topts,
             )
@@ -331,13 +335,14 @@ def run_pool_bench(settings: PoolBenchSettings) -> dict[str, Any]:
         paths = [here, *([os.path.dirname(module.__file__)] if module and module.__file__ else [])]
         path = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
         ray.init(include_dashboard=False, num_cpus=4, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    pg = placement_group([{"GPU": 1, "CPU": 2}] if gpu else [{"CPU": 2}])
+    cpus = 2 * settings.num_cpus
+    pg = placement_group([{"GPU": 1, "CPU": cpus}] if gpu else [{"CPU": cpus}])
     actor: Any = None
     try:
         ray.get(pg.ready(), timeout=120)
         strategy = PlacementGroupSchedulingStrategy(pg, 0)
         trainer: Any = ray.remote(PoolBenchTrainer)
-        options = {"num_gpus": 0.2 if gpu else 0, "num_cpus": 1, "scheduling_strategy": strategy}
+        options = {"num_gpus": 0.2 if gpu else 0, "num_cpus": settings.num_cpus, "scheduling_strategy": strategy}
         actor = trainer.options(**options).remote(settings, pg)
         report: dict[str, Any] = ray.get(actor.run.remote())
         return report

@@ -491,12 +491,18 @@ class EnginePool:
                         continue
                     try:
                         info = ray.get(r.pending)
-                    except ray.exceptions.ActorDiedError as exc:
+                    except ray.exceptions.ActorDiedError:
+                        # Not raised here: the caller (a generate retrying elsewhere, check_health) goes on with
+                        # the replicas that are up; control calls raise for it (_check_dead) until it is removed.
                         r.status, r.pending = "dead", None
-                        raise ReplicaDiedError(
-                            f"{r.where} is dead and Ray will not restart it (max_restarts={self._max_restarts}): "
-                            f"remove_replica({r.index}) it"
-                        ) from exc
+                        _log.error(
+                            "%s is dead and Ray will not restart it (max_restarts=%d): it takes no traffic; "
+                            "remove_replica(%d) it",
+                            r.where,
+                            self._max_restarts,
+                            r.index,
+                        )
+                        continue
                     except ray.exceptions.RayActorError:
                         r.pending = None  # restarting: ask again
                         continue
@@ -512,7 +518,8 @@ class EnginePool:
                     time.sleep(0.05)
 
     def check_health(self, *, wait: bool = True) -> list[ReplicaInfo]:
-        """Ping every replica (``timeout_s``); a restarted one is restored before this returns (``wait``)."""
+        """Ping every replica (``timeout_s``); a restarted one is restored before this returns (``wait``), one
+        that Ray will not restart is reported ``dead``."""
         self._check_open()
         with self._lock:
             alive = [r for r in self._replicas.values() if r.status == "healthy"]
@@ -687,7 +694,8 @@ class EnginePool:
         dead = [r for r in self._replicas.values() if r.status == "dead"]
         if dead:
             raise ReplicaDiedError(
-                f"{dead[0].where} is dead and Ray will not restart it: remove_replica({dead[0].index}) it"
+                f"{dead[0].where} is dead and Ray will not restart it (max_restarts={self._max_restarts}): "
+                f"remove_replica({dead[0].index}) it"
             )
 
     def _describe(self) -> str:
@@ -855,6 +863,8 @@ class EnginePool:
                 f"no replica takes traffic: {', '.join(r.where for r in waiting)} wait(s) for the next "
                 "load_weights (restored without a source of the current weights, or a failed sync left a mix)"
             )
+        if not self.router.replicas:
+            self._check_dead()
         groups: dict[int, list[int]] = {}
         for (key, cost), i in zip(work, ids, strict=True):
             groups.setdefault(self.router.pick(key, cost=cost), []).append(i)

@@ -1,10 +1,14 @@
-"""A fault switch inside Ray workers, installed by ``ray.init(runtime_env={"worker_process_setup_hook": ...})``.
+"""Fault switches inside Ray workers, installed by ``ray.init(runtime_env={"worker_process_setup_hook": ...})``.
 
 Write a tensor's name to ``$GENENGINE_TEST_FAULTS_DIR/fail-weight`` and the first replica to write a bucket
 holding that tensor fails there, after its earlier buckets were written: a load that fails mid-write, as a
 GPU engine's does when it runs out of memory. The embedded engine checks a whole stream before writing,
-so no bad input can do that on the CPU. One process claims the switch (by renaming it), so one replica
-of a pool fails and the others load.
+so no bad input can do that on the CPU.
+
+Create ``$GENENGINE_TEST_FAULTS_DIR/die-in-generate`` and the first replica to enter ``generate`` kills its
+own process there: a replica that dies during a call, by construction (no race with the call's end).
+
+One process claims a switch (by renaming it), so one replica of a pool fails and the others go on.
 """
 
 from __future__ import annotations
@@ -16,10 +20,20 @@ from typing import Any
 ENV = "GENENGINE_TEST_FAULTS_DIR"
 
 
+def _claim(switch: Path) -> bool:
+    """Whether this process took ``switch`` (renamed it); False when there is none or another took it."""
+    try:
+        switch.rename(switch.with_name(f"claimed-{switch.name}-by-{os.getpid()}"))
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def install() -> None:
     from genengine.backends.transformers import TransformersEngine
 
     original = TransformersEngine._apply_weights
+    original_generate = TransformersEngine.generate
 
     def _apply_weights(self: Any, bucket: list[tuple[str, Any]]) -> None:
         directory = os.environ.get(ENV)
@@ -27,11 +41,17 @@ def install() -> None:
             switch = Path(directory) / "fail-weight"
             try:
                 name = switch.read_text()
-                if name in {n for n, _ in bucket}:
-                    switch.rename(Path(directory) / f"claimed-by-{os.getpid()}")  # one process wins
-                    raise RuntimeError(f"injected fault while writing the bucket holding {name!r}")
             except FileNotFoundError:
-                pass  # no switch, or another replica claimed it
+                name = None  # no switch, or another replica claimed it
+            if name is not None and name in {n for n, _ in bucket} and _claim(switch):
+                raise RuntimeError(f"injected fault while writing the bucket holding {name!r}")
         original(self, bucket)
 
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        directory = os.environ.get(ENV)
+        if directory and _claim(Path(directory) / "die-in-generate"):
+            os._exit(19)  # the replica's process dies inside the call
+        return original_generate(self, *args, **kwargs)
+
     TransformersEngine._apply_weights = _apply_weights  # type: ignore[method-assign]
+    TransformersEngine.generate = generate  # type: ignore[method-assign]

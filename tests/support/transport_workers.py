@@ -26,7 +26,18 @@ from genengine.transport._layout import CORRUPT_ENV
 from .outcomes import Result
 from .ports import free_port
 
-__all__ = ["CORRUPT_ENV", "Pool", "Result", "configure", "engine", "free_port", "observe", "send_one", "trainer_stream"]
+__all__ = [
+    "CORRUPT_ENV",
+    "PackFault",
+    "Pool",
+    "Result",
+    "configure",
+    "engine",
+    "free_port",
+    "observe",
+    "send_one",
+    "trainer_stream",
+]
 
 
 # ---- shared by the workers and the test process ------------------------------------------------------------
@@ -115,15 +126,22 @@ def observe(engine: Any) -> dict[str, Any]:
     return {"outputs": outputs, "version": engine.weight_version, "digests": digests}
 
 
-def _bomb(tensor: Any) -> Any:
-    """``tensor`` as a subclass whose gather kills the trainer's process (a trainer dying mid-sync)."""
+class PackFault(RuntimeError):
+    """What a tensor from :func:`_bomb` raises when packed with ``fatal=False`` (a DTensor gather failing)."""
+
+
+def _bomb(tensor: Any, *, fatal: bool = True) -> Any:
+    """``tensor`` as a subclass whose gather (the ``detach`` right before it is packed) kills the trainer's
+    process (a trainer dying mid-sync), or with ``fatal=False`` raises :class:`PackFault` there."""
     import torch
 
     class Bomb(torch.Tensor):
         @classmethod
         def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             if func is torch.Tensor.detach:
-                os._exit(17)  # packing this tensor: the sender dies with buckets still to send
+                if fatal:
+                    os._exit(17)  # packing this tensor: the sender dies with buckets still to send
+                raise PackFault("injected: gathering this tensor failed while its bucket was packed")
             return super().__torch_function__(func, types, args, kwargs or {})
 
     return tensor.as_subclass(Bomb)
@@ -171,16 +189,18 @@ class _DiesInLoad:
 
 
 def send_one(sender: Any, sync: dict[str, Any]) -> dict[str, Any]:
-    """One sync on rank 0: ``weights`` ("A"/"B"), ``version``, and optionally ``corrupt`` (flip a byte of that
-    bucket after its checksum), ``bad`` (a stream the checks refuse), ``bomb`` (die packing that tensor index)."""
+    """One sync on rank 0: ``weights`` ("A"/"B", or None: an empty sync), ``version``, and optionally ``corrupt``
+    (flip a byte of that bucket after its checksum), ``bad`` (a stream the checks refuse), ``bomb`` (die packing
+    that tensor index), ``fail_pack`` (raise :class:`PackFault` packing that tensor index)."""
     import torch
 
-    stream = trainer_stream(sync["weights"])
+    stream = trainer_stream(sync["weights"]) if sync["weights"] is not None else []
     if sync.get("bad"):
         stream[3] = (stream[3][0], torch.zeros(stream[3][1].shape, dtype=torch.int32))
-    if sync.get("bomb") is not None:
-        name, tensor = stream[sync["bomb"]]
-        stream[sync["bomb"]] = (name, _bomb(tensor))
+    for key, fatal in (("bomb", True), ("fail_pack", False)):
+        if sync.get(key) is not None:
+            name, tensor = stream[sync[key]]
+            stream[sync[key]] = (name, _bomb(tensor, fatal=fatal))
     if sync.get("corrupt") is not None:
         os.environ[CORRUPT_ENV] = str(sync["corrupt"])
     try:
