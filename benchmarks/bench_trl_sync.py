@@ -2,7 +2,7 @@
 own colocated vLLM loop (``load_weights([(name, param)])`` once per parameter), in the same run.
 
     python3 benchmarks/bench_trl_sync.py [--backend vllm|sglang] [--reps 3] [--json PATH]   # a GPU
-    python3 benchmarks/bench_trl_sync.py --tiny                                             # any CPU
+    python3 benchmarks/bench_trl_sync.py --tiny                                             # a CPU (its default)
 
 GPU: the policy is a Qwen2-7B-shaped HF model in bf16 on the GPU (random weights, 339 tensors, 15.2 GB); the
 engines start from ``load_format="dummy"`` (_bench_7b.make_model_dir writes only config.json and a small
@@ -13,20 +13,26 @@ serve one engine per process), each timing ``sync_weights()`` of its generator `
               beside it, TRL's per-parameter loop run against the same genengine engine, which separates the
               bucketing from the engine;
   trl         TRL's own VLLMGeneration, unmodified, its ``vllm.LLM`` built by TRL's ``_init_vllm`` with
-              ``load_format="dummy"`` added (the only change: the folder holds no weights).
+              ``load_format="dummy"`` (the folder holds no weights) and ``enforce_eager=True`` added (as
+              genengine's side: no torch.compile or CUDA-graph capture at start; a sync writes the same
+              parameters either way). Run only where vLLM is installed: with ``--backend sglang`` in SGLang's
+              site (which has no vLLM) that row is "not run", and the vllm run gives it.
 
-Each side then proves its sync landed: the policy's final norm is zeroed, synced, and one sampled token must
-have logprob -log(vocab) (uniform logits). GPU memory: the allocator's peak over a sync, above what was
-allocated before it.
+Each side then proves its syncs land: 16 one-token samples after the timed syncs must be far from uniform
+(the engine holds the policy's random weights, not the dummy ones, whose logits are nearly flat), and after the
+policy's final norm is zeroed and synced, uniform (every logprob -log(vocab) within 1e-2). GPU memory: the
+allocator's peak over a sync, above what was allocated before it.
 
 ``--tiny`` (the default without CUDA) runs the same code on the tiny model with the embedded engine; there is no
 vLLM there, so the "trl" row is TRL's loop against the embedded engine. Prints a table and
-``BENCH_TRL_SYNC_RESULT {json}``.
+``BENCH_TRL_SYNC_RESULT {json}``; the JSON also goes to ``--json`` or, when ``$OUT`` is set, to
+``$OUT/bench_trl_sync_BACKEND.json`` (rewritten after each side, with ``error`` when one failed).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -46,6 +52,9 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 GIB = 1 << 30
+N_SAMPLES = 16  # one-token samples per landing check
+LANDED_TOL = 1e-2  # |logprob + log(vocab)| after the zeroed norm: logits are exactly 0, so ~1e-6 in fp32
+MOVED_MIN = 0.1  # the largest of 16 such gaps on the random policy: ~1 at 7B (logit std ~1.2), ~0 on dummy weights
 MEM_UTIL = 0.3  # TRL's default vllm_gpu_memory_utilization; the 15 GB policy shares the GPU
 ENGINE_OPTIONS: dict[str, dict[str, Any]] = {
     "vllm": {"load_format": "dummy", "disable_cuda_graph": True, "enable_prefix_caching": False},
@@ -100,14 +109,24 @@ def _policy(model_dir: str, device: str) -> Any:
     return model
 
 
-def _landed(policy: Any, sync: Any, sample: Any, vocab: int) -> float:
-    """|logprob + log(vocab)| of one token sampled after syncing a zeroed final norm (uniform logits)."""
+def _landing(policy: Any, sync: Any, generate: Any) -> dict[str, float | bool]:
+    """Largest |logprob + log(vocab)| of 16 one-token samples on the synced random policy ("before": far from 0)
+    and after syncing a zeroed final norm, which makes every logit 0 ("after": 0)."""
     import torch
 
+    log_v = math.log(policy.config.vocab_size)
+    prompts = [[1, 2, 3 + i] for i in range(N_SAMPLES)]
+
+    def gap() -> float:
+        logprobs = generate(prompts, None, 1)[2]
+        return max(abs(float(row[0][0]) + log_v) for row in logprobs)
+
+    before = gap()
     with torch.no_grad():
         policy.model.norm.weight.zero_()
     sync()
-    return abs(float(sample()) + math.log(vocab))
+    after = gap()
+    return {"gap_before": before, "gap_after": after, "landed": before > MOVED_MIN and after < LANDED_TOL}
 
 
 def side_genengine(model_dir: str, backend: str, device: str, reps: int) -> dict[str, Any]:
@@ -144,9 +163,8 @@ def side_genengine(model_dir: str, backend: str, device: str, reps: int) -> dict
 
         loop = _timed(per_param, reps, device)
         report = gen.last_load
-        gap = _landed(
-            policy, gen.sync_weights, lambda: gen.generate([[1, 2, 3]], None, 1)[2][0][0][0], policy.config.vocab_size
-        )
+        assert report is not None, "sync_weights() left no LoadReport"
+        landing = _landing(policy, gen.sync_weights, gen.generate)
         return {
             "genengine": {
                 "seconds": ours,
@@ -154,7 +172,7 @@ def side_genengine(model_dir: str, backend: str, device: str, reps: int) -> dict
                 "tensors": report.num_tensors,
                 "buckets": report.num_buckets,
                 "bytes": report.num_bytes,
-                "landed_gap": gap,
+                **landing,
             },
             "per_param_into_genengine": {"seconds": loop, "calls": report.num_tensors},
         }
@@ -170,7 +188,8 @@ def side_trl(model_dir: str, device: str, reps: int) -> dict[str, Any]:
     from transformers import AutoTokenizer
     from trl.generation import vllm_generation
 
-    vllm_generation.LLM = functools.partial(vllm.LLM, load_format="dummy")  # the folder has no weights
+    # The folder has no weights; eager as genengine's side (only the start differs: the sync writes the same tensors).
+    vllm_generation.LLM = functools.partial(vllm.LLM, load_format="dummy", enforce_eager=True)
     policy = _policy(model_dir, device)
     gen = vllm_generation.VLLMGeneration(
         model=policy,
@@ -185,79 +204,129 @@ def side_trl(model_dir: str, device: str, reps: int) -> dict[str, Any]:
     )
     seconds = _timed(gen.sync_weights, reps, device)
     peak = _peak_extra_gib(gen.sync_weights, device)
-    gap = _landed(
-        policy, gen.sync_weights, lambda: gen.generate([[1, 2, 3]], None, 1)[2][0][0][0], policy.config.vocab_size
-    )
+    landing = _landing(policy, gen.sync_weights, gen.generate)
     calls = sum(1 for _ in policy.named_parameters())
-    return {"trl_vllm_per_param": {"seconds": seconds, "peak_extra_gib": peak, "calls": calls, "landed_gap": gap}}
+    return {"trl_vllm_per_param": {"seconds": seconds, "peak_extra_gib": peak, "calls": calls, **landing}}
 
 
-def _child(side: str, model_dir: str, backend: str, device: str, reps: int) -> dict[str, Any]:
-    cmd = [
-        sys.executable,
-        __file__,
-        "--side",
-        side,
-        "--model-dir",
-        model_dir,
-        "--backend",
-        backend,
-        "--device",
-        device,
-        "--reps",
-        str(reps),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("SIDE_RESULT "):
-            return json.loads(line.removeprefix("SIDE_RESULT "))  # type: ignore[no-any-return]
-    sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
-    raise SystemExit(f"the {side} side failed (exit {proc.returncode})")
+class SideFailed(RuntimeError):
+    """A side's child process ended without a result (its output is in this process's log, above)."""
 
 
-def main() -> None:
+def _child(side: str, model_dir: str, backend: str, device: str, reps: int, timeout: float) -> dict[str, Any]:
+    """Run one side in a process of its own; its output goes to this process's stdout and stderr (the log)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "side.json")
+        cmd = [sys.executable, __file__, "--side", side, "--model-dir", model_dir, "--backend", backend]
+        cmd += ["--device", device, "--reps", str(reps), "--result", result]
+        print(f"--- {side} side: {' '.join(cmd[1:])}", flush=True)
+        try:
+            code = subprocess.run(cmd, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            raise SideFailed(f"the {side} side did not finish within {timeout:.0f} s") from None
+        if code != 0 or not os.path.exists(result):
+            raise SideFailed(f"the {side} side failed (exit {code}); its traceback is in the log")
+        with open(result, encoding="utf-8") as fh:
+            return json.load(fh)  # type: ignore[no-any-return]
+
+
+def _median(row: dict[str, Any] | None) -> float | None:
+    return None if row is None else statistics.median(row["seconds"])
+
+
+def _summarise(results: dict[str, Any]) -> None:
+    """Medians, ratios and the landing verdicts, beside the raw rows."""
+    ours = _median(results.get("genengine"))
+    loop = _median(results.get("per_param_into_genengine"))
+    trl = _median(results.get("trl_vllm_per_param"))
+    results["median_s"] = {"genengine": ours, "per_param_into_genengine": loop, "trl_vllm_per_param": trl}
+    results["speedup"] = {
+        "per_param_into_genengine": loop / ours if ours and loop else None,
+        "trl_vllm_per_param": trl / ours if ours and trl else None,
+    }
+    sides = {k: results.get(k) for k in ("genengine", "trl_vllm_per_param")}
+    results["landed"] = {k: row["landed"] for k, row in sides.items() if row}
+
+
+def _write(results: dict[str, Any], path: str | None) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(results, fh, indent=1)
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--backend",
         choices=["vllm", "sglang", "transformers"],
-        default="vllm",
-        help="genengine's engine on the GPU (--tiny always uses the embedded one)",
+        help="genengine's engine: vllm or sglang at 7B on a GPU (default: vllm where there is CUDA), transformers: "
+        "the embedded one on the tiny model on the CPU (the default without CUDA)",
     )
-    parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (the default without CUDA)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU, with the embedded engine")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--json")
+    parser.add_argument(
+        "--json", help="write the results here (default: $OUT/bench_trl_sync_BACKEND.json when $OUT is set)"
+    )
+    parser.add_argument("--side-timeout", type=float, default=270.0, help="seconds each side's process may take")
     parser.add_argument("--side", choices=["genengine", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     parser.add_argument("--device", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    if args.side is not None:  # a child: one side, one JSON line
+    if args.side is not None:  # a child: one side, its result in a file
         if args.side == "genengine":
             result = side_genengine(args.model_dir, args.backend, args.device, args.reps)
         else:
             result = side_trl(args.model_dir, args.device, args.reps)
-        print("SIDE_RESULT " + json.dumps(result), flush=True)
-        return
+        _write(result, args.result)
+        return 0
 
     import torch
 
-    tiny = args.tiny or not torch.cuda.is_available()
-    if tiny:
-        from genengine.testing.tiny_model import tiny_model_dir
+    cuda = torch.cuda.is_available()
+    backend = args.backend or ("vllm" if cuda and not args.tiny else "transformers")
+    tiny = args.tiny or backend == "transformers"
+    out = args.json or (
+        os.path.join(os.environ["OUT"], f"bench_trl_sync_{backend}.json") if os.environ.get("OUT") else None
+    )
+    t0 = time.perf_counter()
+    results: dict[str, Any] = {"backend": backend, "reps": args.reps}
+    try:
+        if tiny and backend != "transformers":
+            raise ValueError(f"--tiny runs the embedded engine (backend transformers), not --backend {backend}")
+        if not tiny and not cuda:
+            raise ValueError(f"--backend {backend} runs at 7B on a CUDA GPU and there is none; --tiny runs on the CPU")
+        if tiny:
+            from genengine.testing.tiny_model import tiny_model_dir
 
-        model_dir, backend, device, shape = str(tiny_model_dir()), "transformers", "cpu", "tiny Qwen2 (27 tensors)"
-    else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from _bench_7b import make_model_dir
+            model_dir, device, shape = str(tiny_model_dir()), "cpu", "tiny Qwen2 (27 tensors)"
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            from _bench_7b import make_model_dir
 
-        model_dir = make_model_dir(os.path.join(tempfile.gettempdir(), "genengine-trl-7b"), tokenizer=True)
-        backend, device, shape = args.backend, "cuda", "Qwen2-7B (339 tensors, 15.2 GB bf16)"
-    results: dict[str, Any] = {"shape": shape, "backend": backend, "device": device}
-    results.update(_child("genengine", model_dir, backend, device, args.reps))
-    if tiny:  # no vLLM on a CPU: the per-parameter row against the embedded engine stands for TRL's loop
-        results["trl_vllm_per_param"] = None
-    else:
-        results.update(_child("trl", model_dir, backend, device, args.reps))
+            model_dir = make_model_dir(os.path.join(tempfile.gettempdir(), "genengine-trl-7b"), tokenizer=True)
+            device, shape = "cuda", "Qwen2-7B (339 tensors, 15.2 GB bf16)"
+        results.update({"shape": shape, "device": device})
+        results.update(_child("genengine", model_dir, backend, device, args.reps, args.side_timeout))
+        _summarise(results)
+        _write(results, out)  # the genengine side's figures survive a failure of the other
+        if tiny:  # no vLLM on a CPU: the per-parameter row against the embedded engine stands for TRL's loop
+            results["trl_vllm_per_param"] = None
+            results["trl_not_run"] = "tiny run on the CPU: no vLLM"
+        elif importlib.util.find_spec("vllm") is None:
+            results["trl_vllm_per_param"] = None
+            results["trl_not_run"] = "no vLLM installed here (the vllm backend's run measures TRL's own loop)"
+        else:
+            results.update(_child("trl", model_dir, backend, device, args.reps, args.side_timeout))
+        _summarise(results)
+    except Exception as exc:  # the JSON says what failed (the exit status too)
+        results["error"] = f"{type(exc).__name__}: {exc}"
+        results["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        _write(results, out)
+        print(f"bench_trl_sync: {results['error']}", file=sys.stderr, flush=True)
+        return 1
+    results["elapsed_s"] = round(time.perf_counter() - t0, 1)
 
     print(f"one TRL sync_weights(), {shape}, on {device}; median of {args.reps} after a warm-up")
     rows = [
@@ -267,19 +336,22 @@ def main() -> None:
     ]
     for label, row in rows:
         if row is None:
-            print(f"  {label:<52} (not run: no vLLM on this machine)")
+            print(f"  {label:<52} (not run: {results['trl_not_run']})")
             continue
         peak = row.get("peak_extra_gib")
         print(
             f"  {label:<52} {statistics.median(row['seconds']):8.4f} s"
             + (f"  peak +{peak} GiB" if peak is not None else "")
-            + (f"  landed: |lp + log V| = {row['landed_gap']:.1e}" if "landed_gap" in row else "")
+            + (
+                f"  landed: {row['landed']} (max |lp + log V| {row['gap_before']:.2f} -> {row['gap_after']:.1e})"
+                if "landed" in row
+                else ""
+            )
         )
     print("BENCH_TRL_SYNC_RESULT " + json.dumps(results))
-    for path in filter(None, [args.json, os.environ.get("OUT") and os.path.join(os.environ["OUT"], "trl_sync.json")]):
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(results, fh, indent=1)
+    _write(results, out)
+    return 0 if all(results["landed"].values()) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

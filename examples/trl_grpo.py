@@ -7,15 +7,19 @@ to the token the untrained model samples most often, so it visibly rises in a fe
 ``--backend transformers`` runs on the CPU (the embedded engine); ``sglang`` and ``vllm`` need a GPU and
 ``pip install 'genengine[sglang]'`` / ``'genengine[vllm]'``. Without ``--model`` a tiny random Qwen2 is built.
 ``--compare`` also runs TRL's own generation (``use_vllm=False``) from the same seed and ``--plot`` draws both
-reward curves side by side (docs/trl.md shows that figure).
+reward curves side by side (docs/trl.md shows that figure). The per-step numbers go to ``--json`` or, when ``$OUT``
+is set (tools/gpu/verify.sh's ``trl`` part), to ``$OUT/trl_grpo_BACKEND.json``, with ``error`` if the run failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import math
+import os
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -112,11 +116,13 @@ def run(args: argparse.Namespace, model_dir: str, target: int, *, use_genengine:
         "train_dataset": Dataset.from_dict({"prompt": PROMPTS}),
         "processing_class": tokenizer,
     }
+    built = time.perf_counter()  # the trainer's construction starts the engine
     if use_genengine:
         trainer: Any = GRPOTrainer(**common, genengine=engine_config(args.backend, args.mem_util))  # the one line
     else:
         trainer = trl.GRPOTrainer(**common)  # TRL's own generation, with the policy's generate()
     trainer.remove_callback(PrinterCallback)  # the per-step dicts; the summary below says what matters
+    setup = time.perf_counter() - built
     start = time.perf_counter()
     try:
         trainer.train()
@@ -128,6 +134,7 @@ def run(args: argparse.Namespace, model_dir: str, target: int, *, use_genengine:
     return {
         "path": f"genengine {args.backend}" if use_genengine else "TRL use_vllm=False",
         "seconds": time.perf_counter() - start,
+        "setup_s": setup,
         "reward": [h["reward"] for h in logs],
         "loss": [h["loss"] for h in logs],
         "logp_gap_max": [h.get("sampling/sampling_logp_difference/max") for h in logs],
@@ -179,7 +186,35 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--json", help="write the per-step numbers to this file")
     parser.add_argument("--out-dir", default="out/trl_grpo")
     args = parser.parse_args(argv)
+    out = args.json or (
+        os.path.join(os.environ["OUT"], f"trl_grpo_{args.backend}.json") if os.environ.get("OUT") else None
+    )
+    report: dict[str, Any] = {"backend": args.backend, "steps": args.steps, "seed": args.seed, "lr": args.lr}
+    report["versions"] = _versions(["trl", "transformers", "datasets", "accelerate", "torch", args.backend])
+    t0 = time.perf_counter()
+    try:
+        runs = _main(args, report)
+    except Exception as exc:  # the JSON says what failed; the exit status too (the exception goes on)
+        report.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+        raise
+    finally:
+        report["elapsed_s"] = round(time.perf_counter() - t0, 1)
+        if out:
+            Path(out).write_text(json.dumps(report, indent=1))
+    return runs
 
+
+def _versions(names: list[str]) -> dict[str, str | None]:
+    found: dict[str, str | None] = {}
+    for name in dict.fromkeys(names):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _main(args: argparse.Namespace, report: dict[str, Any]) -> list[dict[str, Any]]:
     import torch
     import transformers
 
@@ -191,24 +226,24 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     model_dir = args.model or str(tiny_model_dir())
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     target = pick_target_token(model_dir, tokenizer)
-    runs = [run(args, model_dir, target, use_genengine=True)]
+    report["target"] = target
+    report["runs"] = runs = [run(args, model_dir, target, use_genengine=True)]
     if args.compare:
         runs.append(run(args, model_dir, target, use_genengine=False))
     for r in runs:
         k = max(1, len(r["reward"]) // 4)
         first, last = sum(r["reward"][:k]) / k, sum(r["reward"][-k:]) / k
-        assert all(math.isfinite(x) for x in r["loss"]), r["loss"]
         print(
-            f"{r['path']}: reward {first:.3f} -> {last:.3f} in {r['seconds']:.1f} s; per step "
-            + " ".join(f"{x:.2f}" for x in r["reward"])
+            f"{r['path']}: reward {first:.3f} -> {last:.3f} in {r['seconds']:.1f} s (trainer built in "
+            f"{r['setup_s']:.1f} s); per step " + " ".join(f"{x:.2f}" for x in r["reward"])
         )
         if r["last_sync"] is not None:
             print(f"  last sync: {r['last_sync']}; max |engine - policy| logprob per step: {r['logp_gap_max']}")
+        if not all(math.isfinite(x) for x in r["loss"]):
+            raise RuntimeError(f"{r['path']}: a loss is not finite: {r['loss']}")
     if args.plot:
         plot(runs, args.plot, str(tokenizer.decode([target])))
         print(f"plot: {args.plot}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"target": target, "runs": runs}, indent=1))
     return runs
 
 

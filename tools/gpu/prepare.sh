@@ -11,7 +11,8 @@
 #      WHEEL_CACHE (default ~/.cache/gpu-kit-wheels), KEEP_FA2=1 (vLLM: keep the FA2 library),
 #      JIT_CACHE=a.tar.xz[:b.tar.xz...] (compiled kernels of earlier runs, unpacked into $HOME),
 #      TEST_PINS (what genengine and its GPU tests import that the image lacks; "" to carry none),
-#      WITH_RAY=1 (also carry Ray 2.60.0 and its missing requirements, for genengine.ray's GPU test).
+#      WITH_RAY=1 (also carry Ray 2.60.0 and its missing requirements, for genengine.ray's GPU test),
+#      WITH_TRL=1 (also carry TRL 1.16.0 and its missing requirements, for verify.sh's trl part).
 #
 # Copy of shared/gpu/prepare.sh, adapted for this repo: carries genengine's test pins, several JIT
 # caches, and only the kit files present in this folder (install.sh, smoke.py).
@@ -46,6 +47,15 @@ PINS="$PINS ${TEST_PINS-pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==
 # requirements (it has click, filelock, msgpack, protobuf, PyYAML, requests: checked on the H200 image).
 if [ "${WITH_RAY:-0}" = 1 ]; then
   PINS="$PINS ray==2.60.0 jsonschema==4.26.0 referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 attrs==26.1.0"
+fi
+# WITH_TRL=1: also TRL 1.16.0 for genengine.integrations.trl (verify.sh's trl part) and what neither the image nor
+# the engine's site has of its requirements: datasets (TRL's), multiprocess and dill (datasets'; SGLang's site
+# already pins dill 0.4.1). The image has the rest: accelerate 1.15.0, huggingface-hub 1.33.0, pandas, pyarrow,
+# psutil, jinja2, xxhash, fsspec (datasets 5.2.0 wants pyarrow>=24, fsspec<=2026.9.0: verify.sh's trl row checks).
+# All pure Python, 0.9 MiB packed. TRL 1.16 needs transformers>=4.56.2: both sites' (5.12.1, 5.17.0) pass tests/test_trl.py.
+if [ "${WITH_TRL:-0}" = 1 ]; then
+  PINS="$PINS trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19"
+  case " $PINS " in *" dill=="*) ;; *) PINS="$PINS dill==0.4.1" ;; esac
 fi
 
 # --- files dropped (see README.md "What is dropped and why") ---

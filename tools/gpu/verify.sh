@@ -2,14 +2,18 @@
 # tools/gpu/verify.sh ENGINE        (ENGINE = sglang | vllm; on the GPU machine, after the kit's last chunk)
 #
 # One call checks an engine: its GPU suite, the Ray and transport GPU tests, the pool benchmark (P7), the exit
-# test and bench_async, each part under its own timeout and inside one overall budget (VERIFY_BUDGET_S,
+# test, bench_async and (with the kit's WITH_TRL=1) TRL's GRPO example and the TRL sync benchmark, each part
+# under its own timeout and inside one overall budget (VERIFY_BUDGET_S,
 # default 540 s: a part that no longer fits is reported "skipped (budget)"). Every part runs in a session of
 # its own with its output in a file (no pipe a leftover process could hold open); whatever it leaves running
 # is killed before the next part starts. Logs, junit XML and JSON go to one tarball in $OUT
 # (verify_ENGINE.tar.gz) beside the summary table (verify_ENGINE.md), which is also printed.
 #
-# Env: VERIFY_BUDGET_S (540), VERIFY_PARTS (default "suite ray pool exit transport async": a subset, in that
-#      order of priority), EXIT_CASES (pytest -k for the exit test; default: all four cases).
+# Env: VERIFY_BUDGET_S (540), VERIFY_PARTS (default "suite ray pool exit transport async trl": a subset, in that
+#      order of priority; "trl" costs nothing where TRL is not installed: one "skipped" row), EXIT_CASES (pytest
+#      -k for the exit test; default: all four cases), VERIFY_TRL_BACKEND (the trl part's --backend, default
+#      ENGINE; "transformers" runs the same two scripts on the CPU, to check this script where there is no GPU),
+#      SITE_ENGINE (default /tmp/site-ENGINE, as for run_tests.sh), SITE_PROJ (default /tmp/site-proj).
 set -uo pipefail
 ENGINE=${1:?usage: tools/gpu/verify.sh sglang|vllm}
 case "$ENGINE" in sglang|vllm) ;; *) echo "verify.sh: ENGINE must be sglang or vllm, not '$ENGINE'" >&2; exit 3 ;; esac
@@ -17,7 +21,9 @@ cd "$(dirname "$0")/../.."
 REAL_OUT=${OUT:-/tmp/verify-out}; mkdir -p "$REAL_OUT"
 WORK=$(mktemp -d /tmp/verify-$ENGINE-XXXX)
 BUDGET=${VERIFY_BUDGET_S:-540}
-PARTS=${VERIFY_PARTS:-suite ray pool exit transport async}
+PARTS=${VERIFY_PARTS:-suite ray pool exit transport async trl}
+SITE_ENGINE=${SITE_ENGINE:-/tmp/site-$ENGINE}
+TRL_BACKEND=${VERIFY_TRL_BACKEND:-$ENGINE}
 T0=$(date +%s)
 SUMMARY="$REAL_OUT/verify_$ENGINE.md"
 ROWS=()
@@ -35,7 +41,8 @@ reap() {  # every process that carries this part's mark (its whole tree: Ray wor
   for pid in $(grep -lsa "GENENGINE_VERIFY_MARK=$mark" /proc/[0-9]*/environ 2>/dev/null | cut -d/ -f3); do
     [ "$pid" != $$ ] && kill -9 "$pid" 2>/dev/null
   done
-  pkill -9 -f 'sglang::|raylet|gcs_server|dashboard_agent|runtime_env_agent' 2>/dev/null
+  # By name only on the GPU machine, which runs nothing else; on a shared CPU machine only the marked tree.
+  command -v nvidia-smi >/dev/null && pkill -9 -f 'sglang::|raylet|gcs_server|dashboard_agent|runtime_env_agent' 2>/dev/null
   for _ in $(seq 1 40); do  # killed processes give their GPU memory back a little later
     [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && return
     sleep 0.5
@@ -82,6 +89,27 @@ print(f"pool/in-process {r['ratio']:.3f} (tok/s {r['tokens_per_s']['median']['po
       f"sync pool {s['pool_median_s']:.3f} s vs in-process {s['in_process_median_s']:.3f} s; outputs equal: {r['verdicts']['outputs_equal']}")
 EOF
 ) ;;
+    trl_grpo) what=$(python3 - "$WORK/trl_grpo_$TRL_BACKEND.json" <<'EOF' 2>/dev/null || echo "no report"
+import json, sys
+r = json.load(open(sys.argv[1]))
+if "error" in r: print("error: " + r["error"][:200]); raise SystemExit
+g = r["runs"][0]; s = g["last_sync"]
+print(f"{len(g['reward'])} GRPO steps in {g['seconds']:.1f} s (trainer and engine built in {g['setup_s']:.1f} s); "
+      "reward per step " + " ".join(f"{x:.2f}" for x in g["reward"]) + "; max engine-policy logprob gap "
+      f"{max(g['logp_gap_max']):.3g}; last sync {s['tensors']} tensors in {s['buckets']} bucket(s), {s['seconds']:.3f} s")
+EOF
+) ;;
+    trl_sync) what=$(python3 - "$WORK/bench_trl_sync_$TRL_BACKEND.json" <<'EOF' 2>/dev/null || echo "no report"
+import json, sys
+r = json.load(open(sys.argv[1]))
+if "genengine" not in r: print("error: " + r.get("error", "no result")[:200]); raise SystemExit
+m, x = r.get("median_s", {}), r.get("speedup", {})
+s = lambda key: "-" if m.get(key) is None else f"{m[key]:.4f} s" + (f" ({x[key]:.1f}x ours)" if x.get(key) else "")
+trl = s("trl_vllm_per_param") if r.get("trl_vllm_per_param") else f"not run ({r.get('trl_not_run', 'failed')})"
+print(f"{r.get('shape', '?')}: genengine {s('genengine')}; TRL's per-parameter loop into it {s('per_param_into_genengine')}; "
+      f"TRL VLLMGeneration {trl}; landed {r.get('landed')}" + (f"; error: {r['error'][:200]}" if "error" in r else ""))
+EOF
+) ;;
     async) what=$(python3 - "$WORK/bench_async_$ENGINE.json" <<'EOF' 2>/dev/null || echo "no report"
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -90,10 +118,45 @@ print(f"async/sync {r['ratio']:.3f}; pause-load-resume max {r['async']['pause_lo
 EOF
 ) ;;
   esac
+  what=$(printf '%s' "$what" | tr '\n|' ' /')  # one table row: no line breaks, no cell separators
   [ "$rc" = 124 ] || [ "$rc" = 137 ] && what="TIMED OUT; $what"
   if [ "$name" = suite ]; then what="$what; exit after summary: $(exit_gap "$log" "$end")"; fi
   grep -q 'Timeout (0:00:' "$log" && what="$what; EXIT HELD (stacks in $name.log)"
   ROWS+=("| $name | $rc | $secs | $what |")
+}
+
+trl_parts() {  # TRL's GRPO example (tiny model, 3 steps) and the TRL sync benchmark (7B), where TRL is installed
+  local info
+  if ! info=$(PYTHONPATH="$SITE_ENGINE${PYTHONPATH:+:$PYTHONPATH}" python3 - 2>&1 <<'EOF'
+import importlib.metadata as md
+import datasets, trl  # noqa: F401  (the part needs both: an ImportError skips it)
+from packaging.requirements import Requirement
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+unmet = []
+for dist in ("trl", "datasets", "multiprocess"):  # what pip would have checked: met by the image and the site?
+    for text in md.requires(dist) or []:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        have = version(req.name)
+        if have is None:
+            unmet.append(f"{req.name} missing ({dist} wants {req.specifier or 'it'})")
+        elif not req.specifier.contains(have, prereleases=True):
+            unmet.append(f"{req.name} {have} ({dist} wants {req.specifier})")
+names = ("trl", "datasets", "transformers", "accelerate", "huggingface-hub", "pyarrow", "fsspec")
+print(", ".join(f"{n} {version(n)}" for n in names) + "; requirements unmet: " + ("; ".join(unmet) or "none"))
+EOF
+  ); then
+    ROWS+=("| trl | - | - | skipped (trl not installed: $(echo "$info" | tail -1 | tr '|' '/' | cut -c1-160); the kit carries it with WITH_TRL=1) |")
+    return
+  fi
+  ROWS+=("| trl | - | - | $(echo "$info" | tail -1 | tr '|' '/') |")
+  run_part trl_grpo 240 bash tools/gpu/run_tests.sh "$ENGINE" --script examples/trl_grpo.py --backend "$TRL_BACKEND" --steps 3
+  run_part trl_sync 330 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_trl_sync.py --backend "$TRL_BACKEND"
 }
 
 PYTEST_J() { echo "--junitxml $WORK/$1.xml"; }
@@ -106,7 +169,8 @@ for part in $PARTS; do
             ${EXIT_CASES:+-k "'$EXIT_CASES'"} ;;
     transport) run_part transport 150 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_transport_gpu.py "$(PYTEST_J transport)" ;;
     async) run_part async 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_async.py "$ENGINE" ;;
-    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool exit transport async) |") ;;
+    trl) trl_parts ;;
+    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool exit transport async trl) |") ;;
   esac
 done
 
