@@ -1,33 +1,13 @@
 """The async capability on SGLang 0.5.17, through SGLang's own calls.
 
-SGLang's ``sgl.Engine`` keeps its ``TokenizerManager`` in this process, on one asyncio loop
-(``engine.loop``, ``entrypoints/engine.py:302-306``) that runs only while a caller runs it: every sync
-``Engine`` method is ``loop.run_until_complete(...)``. Streamed requests need the loop to keep running between
-our calls, so :class:`LoopDriver` lends it to a thread while any async request is live, and gives it back to
-the callers when none is (the sync path is then exactly what it was). Sync calls made while the thread runs
-the loop are handed to that thread as jobs: it leaves ``run_forever``, runs the job (which runs the loop itself
-through ``run_until_complete``, so the streamed requests go on meanwhile) and goes back. One thread owns the
-loop at any time, so SGLang's zmq sockets are never used from two threads.
-
-:class:`AsyncSGLang` maps the four hooks of :class:`genengine.aio.AsyncEngineMixin` onto SGLang's calls:
-
-* a request: one ``tokenizer_manager.generate_request(GenerateReqInput(stream=True, rid=...))`` per sample
-  (``tokenizer_manager.py:744``), with our own rids (uuid hex: SGLang aborts by rid *prefix*,
-  ``scheduler.py:4335/4454``, so rids must not be prefixes of each other);
-* abort: the sample finishes "abort" at once with the tokens the caller was sent, and
-  ``tokenizer_manager.abort_request(rid)`` (``tokenizer_manager.py:1930``) stops it in SGLang; what SGLang
-  sends after that is dropped;
-* ``keep`` with ``clear_cache=False``: ``pause_generation(mode="in_place")`` (``scheduler.py:4469``: the
-  requests stay in the running batch with their KV) and ``continue_generation``;
-* ``keep`` with ``clear_cache=True``: each sample is aborted in SGLang and, at resume, continued from its
-  prompt and the tokens it has (token-in/token-out, the remaining ``max_new_tokens``), so its whole KV is
-  computed again with the weights then in force. SGLang's ``retract`` mode does not give that: retracted
-  requests are prefilled again against the radix cache, which still holds their prompt's KV from the old
-  weights (``release_kv_cache(..., is_insert=False)`` frees only what is outside the tree,
-  ``schedule_batch.py:1855``), and the flush that would drop it fails while they wait in the queue
-  (``is_fully_idle`` counts the waiting queue, ``scheduler.py:3984``). The last token of SGLang's abort
-  chunk is not sent on: the abort wins over the finish checks of that step (``schedule_batch.py:1572``), so
-  that token was never checked for EOS, stop strings or length; the continuation samples that position again.
+SGLang's ``sgl.Engine`` keeps its ``TokenizerManager`` in this process on one asyncio loop (``engine.loop``)
+that runs only while a caller runs it: every sync ``Engine`` method is ``loop.run_until_complete(...)``.
+Streamed requests need the loop to keep running between our calls, so :class:`LoopDriver` lends it to a thread
+while any async request is live and gives it back when none is (the sync path is then exactly what it was).
+Sync calls made meanwhile are handed to that thread as jobs: it leaves ``run_forever``, runs the job (whose
+``run_until_complete`` keeps the streams going) and goes back. One thread owns the loop at any time, so
+SGLang's zmq sockets are never used from two threads. :class:`AsyncSGLang` maps the async hooks onto SGLang's
+calls (docs/async.md, "SGLang"); the SGLang source lines they rely on are listed in docs/upstream.md.
 """
 
 from __future__ import annotations
@@ -71,8 +51,8 @@ THREAD_STOP_TIMEOUT_S = 10.0
 """How long the loop's thread may take to stop at shutdown, once its tasks are cancelled."""
 WATCH_INTERVAL_S = 1.0
 """How often, while async requests live, SGLang's processes are checked. SGLang's own watchdog reports a dead
-scheduler with SIGQUIT to a handler on its loop (tokenizer_manager.py:2161, utils/watchdog.py:221), and uvloop
-delivers signals only while the main thread runs the loop (loop.pyx:282): with our thread running it, a
+scheduler with SIGQUIT to a handler on its loop (``SubprocessWatchdog``, ``TokenizerManager.auto_create_handle_loop``),
+and uvloop delivers signals only while the main thread runs the loop: with our thread running it, a
 crash would leave every stream waiting forever."""
 
 
@@ -381,7 +361,7 @@ class LoopDriver:
     def _maybe_stop(self) -> None:
         # Only the thread's run_forever may be stopped: a stop inside a job's (or a caller's)
         # run_until_complete would end that call with "Event loop stopped before Future completed".
-        # And only once: uvloop's stop() queues a handle (loop.pyx:1349), so a second stop asked in the pass
+        # And only once: uvloop's stop() queues a handle, so a second stop asked in the pass
         # that ends run_forever would stay queued and end the next run_until_complete after one pass.
         if self._forever and not self._stop_asked:
             self._stop_asked = True
@@ -445,7 +425,22 @@ class _Sample:
 
 
 class AsyncSGLang:
-    """The mixin's hooks on one ``sgl.Engine`` (see the module docstring); lives on the TP leader only."""
+    """The hooks of :class:`genengine.aio.AsyncEngineMixin` on one ``sgl.Engine``; lives on the TP leader only.
+
+    * a request: one ``TokenizerManager.generate_request(GenerateReqInput(stream=True, rid=...))`` per sample,
+      with our own rids (uuid hex: ``Scheduler.abort_request`` aborts by rid *prefix*, so no rid may be a
+      prefix of another);
+    * abort: the sample finishes "abort" at once with the tokens the caller was sent, and
+      ``TokenizerManager.abort_request(rid)`` stops it in SGLang; what SGLang sends after that is dropped;
+    * ``keep`` with ``clear_cache=False``: ``pause_generation(mode="in_place")`` (the requests stay in the
+      running batch with their KV) and ``continue_generation``;
+    * ``keep`` with ``clear_cache=True``: each sample is aborted in SGLang and, at resume, continued from its
+      prompt and the tokens it has (the remaining ``max_new_tokens``), so its whole KV is computed again with
+      the weights then in force; SGLang's ``retract`` mode would prefill against a radix cache that still
+      holds the prompt's KV from the old weights. The last token of SGLang's abort chunk is not sent on: the
+      abort wins over that step's finish checks (``Req.update_finish_state``), so it was never checked for
+      EOS, stop strings or length; the continuation samples that position again.
+    """
 
     def __init__(
         self,
@@ -620,8 +615,8 @@ class AsyncSGLang:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
         # SGLang's own pause, not merely ours: a weight update while SGLang is not paused waits for its writer
-        # lock, which every request in flight holds a reader side of (tokenizer_control_mixin.py:514-521,
-        # tokenizer_manager.py:787): the held requests would never let it through.
+        # lock, which every request in flight holds a reader side of (``model_update_lock``, taken in
+        # ``update_weights_from_tensor`` and ``generate_request``): the held requests would never let it through.
         self._in_place = True
         if self._resumed is None:
             self._resumed = asyncio.Event()
@@ -666,7 +661,7 @@ class AsyncSGLang:
             kwargs["custom_logit_processor"] = self._processor
         key = self._extra_key()
         if key is not None:
-            kwargs["extra_key"] = key  # io_struct.py:287, the radix cache's namespace (radix_cache.py:155)
+            kwargs["extra_key"] = key  # GenerateReqInput.extra_key: the radix cache's namespace
         sample.rid = uuid.uuid4().hex
         sample.segments += 1
         sample.seen = 0
@@ -698,7 +693,7 @@ class AsyncSGLang:
 
     def _failed(self, sample: _Sample, exc: Exception) -> None:
         """Under ``_lock``: ``generate_request`` raised (SGLang refused the request, or it was aborted before
-        it reached the scheduler: ``RequestAbortedError``, a ``ValueError``, ``tokenizer_manager.py:3405``)."""
+        it reached the scheduler: ``RequestAbortedError``, a ``ValueError``)."""
         if sample.finished:
             return
         if sample.want == "park":
@@ -748,7 +743,7 @@ class AsyncSGLang:
         self._emit(sample, ids, logprobs)
         if reason is not None:
             finish, stop_reason = finish_from_sglang(reason, params)
-            if sample.segments == 1 and not self._tm.incremental_streaming_output:  # tokenizer_manager.py:408
+            if sample.segments == 1 and not self._tm.incremental_streaming_output:  # cumulative chunks: the whole text
                 text = out.get("text")  # the whole text, as the sync path gets it
             else:
                 text = self._decode(sample.tokens)

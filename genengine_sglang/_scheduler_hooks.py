@@ -1,16 +1,12 @@
 """Code SGLang's scheduler processes import by name (``custom_weight_loader``); keep it tiny.
 
-SGLang answers ``update_weights_from_tensor`` once its scheduler returns from ``load_weights``, but the
+SGLang answers ``update_weights_from_tensor`` once its scheduler returns from ``load_weights``, while the
 copies it launched may still be running on the GPU: the trainer would be told its tensors are free while
 they are still being read. This loader synchronises the device before returning, so the reply is the
-barrier. It costs the copy time itself (which has to be waited for anyway), against the ~66 ms of a
-one-token generate used as a barrier elsewhere, and it works while the KV cache is released, when a
-generate cannot run. Called with no tensors it is a pure barrier.
-
-With ``$GENENGINE_SGLANG_MEMORY_REPORT`` set to a file when the engine starts, each barrier also appends
-one JSON line of what the scheduler holds on its GPU, split into torch's default pool (memory outside
-SGLang's memory saver: a release cannot free it) and the other pools (the saver's and CUDA graphs'):
-the only way to see, from outside, why a sleep frees less than expected.
+barrier (docs/troubleshooting.md, "CUDA-IPC handles and buffers"); called with no tensors it is a pure
+barrier. With ``$GENENGINE_SGLANG_MEMORY_REPORT`` set to a file when the engine starts, each barrier also
+appends one JSON line of what the scheduler holds on its GPU, inside and outside SGLang's memory saver: the
+only way to see, from outside, why a sleep frees less than expected.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """Moving the trainer's tensors into SGLang: producer side (every TP rank) and leader side.
 
 Every rank turns its bucket into CUDA-IPC payloads of tensors on its own GPU (the GPU of the scheduler of
-the same TP rank); the payloads are gathered to the group leader, which hands rank ``i``'s payload to
-scheduler ``i``. Nothing is copied across GPUs and, in ``handles`` mode, nothing is copied at all: the
-scheduler reads the trainer's memory directly.
-
-Lifetimes. A producer's tensor must stay unmodified until the scheduler has read it. torch's CUDA-IPC
-already keeps the *memory* alive until the consumer drops its reference (the consumer's deleter
-synchronises its stream first, ``torch/csrc/StorageSharing.cpp``), and our temporaries (flattened buffers,
-device copies) are only dropped after the call returns and then reclaimed by ``torch.cuda.ipc_collect``.
-The trainer's own tensors may be changed by the trainer as soon as ``load_weights`` returns, so the last
-call of a load is a barrier: SGLang's scheduler runs our synchronising loader
-(``_scheduler_hooks.load_weights_and_sync``) before it answers.
+the same TP rank); the leader hands rank ``i``'s payload to scheduler ``i``. Nothing is copied across GPUs
+and, in ``handles`` mode, nothing at all: the scheduler reads the trainer's memory. torch's CUDA IPC keeps
+the memory alive until the consumer drops it (its deleter synchronises first), and our temporaries are
+reclaimed by ``torch.cuda.ipc_collect`` after the call; but the trainer may change its own tensors as soon
+as ``load_weights`` returns, so the last call of a load is a barrier: SGLang's scheduler runs our
+synchronising loader (``_scheduler_hooks.load_weights_and_sync``) before it answers.
 """
 
 from __future__ import annotations

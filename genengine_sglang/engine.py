@@ -1,23 +1,11 @@
 """``SGLangEngine``: SGLang 0.5.17 behind genengine's protocol (``genengine.protocol.GenerationEngine``).
 
-One engine per tensor-parallel group: the group's first rank (its *leader*) owns an ``sglang.Engine``
-spanning the group's GPUs (SGLang spawns one scheduler process per GPU); every rank of the group calls
-every method, the leader does the engine work, and results (or the leader's error) are broadcast over the
-group's gloo group, so all ranks return the same thing or raise the same error.
-
-LightRFT's API (``lightrft.strategy.sglang_utils``: ``get_sglang_engine``, ``RLGenerationEngine`` with its
-reference-only arguments) is a subclass in :mod:`genengine_sglang.lightrft`; this class is the protocol alone.
-
-Sleep levels on SGLang's memory saver (tags ``weights``, ``kv_cache``, ``cuda_graph``): level 1 releases
-the KV cache and the CUDA-graph memory and keeps the weights: on the GPU by default (fast; LightRFT's
-``sleep()``), or released to host memory with option ``enable_weights_cpu_backup`` (frees everything, but
-the copy to host takes seconds at 7B). Level 2 releases everything and keeps nothing (no copy: the trainer
-sends the weights again, which is the fast RL cycle). ``cuda_graph`` comes back with the first of
-``weights``/``kv_cache`` to wake (its memory is small and generation needs it), or alone when asked.
-
-Async (``genengine.aio``): streamed requests, abort, pause/resume through SGLang's own calls, served by the TP
-leader (see :mod:`genengine_sglang._async` and docs/async.md); a sync ``generate`` while async requests run is
-served by the same SGLang engine, batched with them.
+One engine per tensor-parallel group: the group's first rank (its *leader*) owns an ``sglang.Engine`` spanning
+the group's GPUs; every rank calls every method, the leader does the engine work, and its result (or error) is
+broadcast over the group's gloo group, so all ranks return the same thing or raise the same error. Sleep levels
+map onto SGLang's memory-saver tags ``weights``, ``kv_cache``, ``cuda_graph`` (docs/upstream.md); async requests
+are served by the leader through SGLang's own calls (:mod:`genengine_sglang._async`, docs/async.md). LightRFT's
+API is the subclass in :mod:`genengine_sglang.lightrft`; this class is the protocol alone.
 """
 
 from __future__ import annotations
@@ -358,7 +346,7 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
 
         def run() -> None:
             if self._aio is not None:
-                self._aio.quiesce("sleep")  # SGLang asserts it is idle (weight_updater.py:205)
+                self._aio.quiesce("sleep")  # SGLang's release_memory_occupation asserts it is idle
             self._sgl(lambda: self._engine.release_memory_occupation(tags=tags), "SGLang's release_memory_occupation")
 
         self._on_leader("sleep", run)
@@ -446,7 +434,7 @@ class SGLangEngine(AsyncEngineMixin, EngineBase):
     def _cannot_flush(self) -> bool:
         """On the leader, before a cache flush: True when requests keep their KV in SGLang (an in-place
         pause), where a flush fails (and one inside a weight update kills the scheduler:
-        ``weight_updater.py:108`` asserts it): new requests get a fresh radix namespace instead, so none
+        ``flush_cache_after_weight_update`` asserts it): new requests get a fresh radix namespace instead, so none
         reuses a prefix computed with the old weights. Otherwise waits until SGLang has finished what was
         aborted, so that the flush finds it idle."""
         aio = self._aio

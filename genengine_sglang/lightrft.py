@@ -3,18 +3,9 @@
 ``get_sglang_engine``, ``get_sglang_engine_for_rollout`` and ``RLGenerationEngine`` keep the reference's
 names, signatures, defaults and errors, so a LightRFT trainer switches by changing its import; its memory
 saver is :mod:`genengine_sglang.sgl_model_saver`. ``RLGenerationEngine`` is the protocol engine plus the
-reference's calls, each marked ``# LEGACY`` (``typing.overload`` keeps the protocol's signature first):
-
-* the constructor ``RLGenerationEngine(tp_group_cpu, num_gpu_per_node, **sglang_engine_kwargs)``;
-* ``generate(prompt=..., input_ids=..., ...)`` returning SGLang's output dicts; the reference's path is taken
-  when any reference-only keyword is passed (``prompt``, ``input_ids``, ``return_logprob``,
-  ``logprob_start_len``, ``top_logprobs_num``, ``lora_path``, ``custom_logit_processor``, ``gather_inputs``),
-  the protocol's otherwise (positional calls included);
-* ``sleep(release_weights=...)``, ``wake_up(release_weights=...)``;
-* ``update_weights_from_tensor(name, tensor, flush_cache, load_format)``.
-
-Both faces go through the same state machine: generating while asleep, or after a level-2 sleep before the
-weights came back, raises on either face; weights are checked by name and shape on either face.
+reference's calls (its constructor, ``generate(prompt=..., input_ids=...)``, ``sleep``/``wake_up(release_weights=...)``,
+``update_weights_from_tensor``), each marked ``# LEGACY`` (``typing.overload`` keeps the protocol's signature
+first). Both faces go through the same state machine and the same weight checks.
 """
 
 from __future__ import annotations

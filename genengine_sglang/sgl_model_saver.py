@@ -1,17 +1,11 @@
 """The reference's memory saver (``lightrft.strategy.sglang_utils.sgl_model_saver``), on genengine's engine.
 
-In LightRFT these two functions are SGLang ``Scheduler`` methods, monkey-patched in for SGLang releases that
-lacked them: *release* stashes the model's weights and static state to CPU memory, pauses the memory saver
-and flushes the cache; *resume* maps the memory back and restores weights and state. SGLang 0.5.17 has
-both built in (``managers/scheduler_components/weight_updater.py``, with CPU backup of the weights under
-``enable_weights_cpu_backup``), and its ``Scheduler`` no longer has those attributes, so LightRFT's patch
-would attach methods nothing calls. Here the same meaning is kept at the level users call: release the GPU
-memory of an engine with its weights kept (a level-1 ``sleep``: in host memory with the engine option
-``enable_weights_cpu_backup``, else left on the GPU), and take it back.
-
-Both act on one ``RLGenerationEngine`` (any ``SGLangEngine``), or, without an argument, on every live engine
-of this process.
-Collective like the engine's own methods: every rank of a TP group calls them.
+LightRFT patches these two into SGLang's ``Scheduler``; SGLang 0.5.17 has them built in (docs/upstream.md), so
+here they keep their meaning at the level users call: release the GPU memory of an engine with its weights kept
+(a level-1 ``sleep``: in host memory with the engine option ``enable_weights_cpu_backup``, else left on the
+GPU), and take it back. Both act on one ``RLGenerationEngine`` (any ``SGLangEngine``), or, without an argument,
+on every live engine of this process; collective like the engine's own methods: every rank of a TP group calls
+them.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 vLLM's ``LLM.generate`` steps its ``LLMEngine`` until *every* request it knows is finished, so streamed
 requests cannot share it; they go through the same v1 ``LLMEngine`` one level down, as ``LLM`` itself does:
 ``add_request`` (``RequestOutputKind.DELTA``: each step's new tokens), ``step``, ``abort_request``; the pause
-is the engine core's own ``pause_scheduler(mode="keep")`` / ``resume_scheduler``. Source lines named below
-are vLLM 0.26.0's.
+is the engine core's own ``pause_scheduler(mode="keep")`` / ``resume_scheduler``. The vLLM source lines
+these rely on are listed in docs/upstream.md.
 
 vLLM's engine is not thread-safe: every call into it, from the driver or from a caller's thread (a submit,
 an abort, a pause, a weight load, a sleep, a synchronous ``generate``), runs under one
@@ -46,11 +46,11 @@ _COALESCE_S = 0.002
 def engine_stream(cuda: tuple[int, Any] | None) -> Iterator[None]:
     """Run vLLM work from any thread on ``cuda``: the device and CUDA stream of the thread that started vLLM.
 
-    vLLM gives each thread its own stream (vllm/utils/torch_utils.py:662-689; PyTorch's pool streams do not
-    wait for each other), so a weight write or a generate from another thread (a Ray replica's worker
-    threads, say) could overlap a step on the driver's stream. On the thread that started vLLM this is that
-    thread's stream already and nothing changes; elsewhere the engine's stream first waits for the caller's
-    (the trainer's tensors are ready) and the caller's waits for it after (they may be freed)."""
+    vLLM gives each thread its own current stream (PyTorch's pool streams do not wait for each other), so a
+    weight write or a generate from another thread (a Ray replica's worker threads, say) could overlap a step
+    on the driver's stream. On the thread that started vLLM this is that thread's stream already and nothing
+    changes; elsewhere the engine's stream first waits for the caller's (the trainer's tensors are ready) and
+    the caller's waits for it after (they may be freed)."""
     if cuda is None:
         yield
         return
@@ -106,8 +106,8 @@ class Driver:
 
     def __init__(self, llm: Any, lock: DriverLock, *, detokenize: bool, cuda: tuple[int, Any] | None) -> None:
         self.llm = llm
-        self.engine = llm.llm_engine  # v1 LLMEngine (vllm/v1/engine/llm_engine.py:48)
-        self.core = llm.llm_engine.engine_core.engine_core  # InprocClient's EngineCore (core_client.py:287)
+        self.engine = llm.llm_engine  # the v1 LLMEngine
+        self.core = llm.llm_engine.engine_core.engine_core  # InprocClient's EngineCore
         self.lock = lock
         self.detokenize = detokenize
         self._cuda = cuda
@@ -119,8 +119,8 @@ class Driver:
         """Held with ``clear_cache=False``: the held requests keep KV blocks computed with the old weights."""
         self._stopping = False
         self.broken: BaseException | None = None
-        """Why a step failed, or the thread died: vLLM's own process mode treats either as fatal
-        (core.py:1328-1334), so nothing is handed to it any more."""
+        """Why a step failed, or the thread died: vLLM's own process mode treats either as fatal,
+        so nothing is handed to it any more."""
         self._wake = threading.Event()
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, args=(cuda,), daemon=True, name="genengine-vllm-driver")
@@ -177,15 +177,15 @@ class Driver:
         adding: list[str] = []
         try:
             for prompt, params in inputs:
-                params.output_kind = output_kind  # as LLM._add_request sets FINAL_ONLY (offline_utils.py:552-560)
-                # Rendered as LLM.generate renders (offline_utils.py:145, 299-318): the same prompt token ids.
+                params.output_kind = output_kind  # as LLM._add_request sets FINAL_ONLY
+                # Rendered as LLM.generate renders: the same prompt token ids.
                 engine_input = self.llm._preprocess_cmpl_one(prompt)
                 vid = f"genengine-{kind}{next(self._ids)}"
-                # add_request registers the id with the output processor before the engine core takes it
-                # (llm_engine.py:274-276): if the core refuses, that state must go too, or
+                # LLMEngine.add_request registers the id with the output processor before the engine core
+                # takes it: if the core refuses, that state must go too, or
                 # has_unfinished_requests() stays True and LLM.generate loops forever.
                 adding = [vid]
-                self.engine.add_request(vid, engine_input, params)  # llm_engine.py:218
+                self.engine.add_request(vid, engine_input, params)
                 ids.append(vid)
                 adding = []
                 if request is not None and request.prompt_token_ids is None:
@@ -201,7 +201,7 @@ class Driver:
         return ids
 
     def abort(self, requests: list[AsyncRequest]) -> None:
-        """vLLM forgets them and frees their KV (``abort_request``, llm_engine.py:212); each keeps the tokens it
+        """vLLM forgets them and frees their KV (``LLMEngine.abort_request``); each keeps the tokens it
         was told of (a token sampled in the batch still in flight is dropped with the request)."""
         ids = [vid for r in requests for vid in self.by_request.pop(id(r), [])]
         try:
@@ -219,13 +219,13 @@ class Driver:
         """One engine-core step (on the driver's thread, or a caller's while nothing of ours runs). A failure
         fails every request of ours and leaves the driver broken: vLLM's batch queue may be out of step."""
         try:
-            outputs = self.engine.step()  # llm_engine.py:296: one engine-core step, outputs as RequestOutputs
+            outputs = self.engine.step()  # one engine-core step, outputs as RequestOutputs
         except BaseException as exc:
             self.broken = exc
             self._fail_all(exc)
             raise
         for out in outputs:
-            sample = self.samples.get(out.request_id)  # the id we gave (output_processor.py:370-371)
+            sample = self.samples.get(out.request_id)  # the id we gave
             if sample is not None:
                 self._report(out.request_id, sample, out)
                 continue
@@ -264,8 +264,8 @@ class Driver:
                 del self.by_request[id(request)]
 
     def _core_busy(self) -> bool:
-        """The engine core has work: a batch in flight (async scheduling's batch queue, core.py:199-205,
-        617-720) or requests its scheduler has not returned yet."""
+        """The engine core has work: a batch in flight (async scheduling's ``batch_queue``) or requests its
+        scheduler has not returned yet."""
         return bool(self.core.batch_queue) or bool(self.core.scheduler.has_requests())
 
     def quiesce(self) -> None:
@@ -285,23 +285,23 @@ class Driver:
 
     # ---- pause --------------------------------------------------------------------------------------------
     def hold(self, clear_cache: bool) -> None:
-        """vLLM's ``pause_scheduler(mode="keep")``: nothing is scheduled any more (``PAUSED_ALL``,
-        scheduler.py:446-448); the batch in flight comes back first, so every token sampled with the old
-        weights is reported before they change. ``clear_cache``: then ``_reset_caches`` (core.py:807-819):
-        ``reset_prefix_cache(reset_running_requests=True)`` preempts every running request to the waiting
-        queue with its KV freed (scheduler.py:2326-2362), so at resume vLLM recomputes prompt + tokens so
-        far with the weights then loaded; without it each keeps its KV blocks and goes on from them."""
+        """vLLM's ``pause_scheduler(mode="keep")``: nothing is scheduled any more (``PAUSED_ALL``); the batch
+        in flight comes back first, so every token sampled with the old weights is reported before they
+        change. ``clear_cache``: then ``EngineCore._reset_caches``, whose
+        ``reset_prefix_cache(reset_running_requests=True)`` preempts every running request to the waiting queue
+        with its KV freed, so at resume vLLM recomputes prompt + tokens so far with the weights then loaded;
+        without it each keeps its KV blocks and goes on from them."""
         if self.sync:
             raise EngineStateError(
                 "a synchronous generate() is being served with the async requests: pause after it returned"
             )
-        self.core.pause_scheduler(mode="keep", clear_cache=False)  # core.py:821-850 (in-process: no "wait")
+        self.core.pause_scheduler(mode="keep", clear_cache=False)  # in-process: no "wait"
         try:
             self.quiesce()
             if clear_cache:
                 # The engine core's reset clears the receiver's multimodal cache only; the sender's (the
-                # renderer's) must go with it, as AsyncLLM.pause_generation does (async_llm.py:784-786), else
-                # a later request with an image seen before fails the core's "Expected a cached item".
+                # renderer's) must go with it, as AsyncLLM.pause_generation does, else a later request with
+                # an image seen before fails the core's "Expected a cached item".
                 self.engine.renderer.clear_mm_cache()
                 self.core.pause_scheduler(mode="keep", clear_cache=True)
         except BaseException:
@@ -310,12 +310,12 @@ class Driver:
         self.held, self.kept_kv = True, not clear_cache
 
     def release(self) -> None:
-        self.core.resume_scheduler()  # core.py:852-854
+        self.core.resume_scheduler()
         self.held = self.kept_kv = False
 
     def evict_prefix_cache(self) -> None:
         """Take every block out of vLLM's prefix cache, blocks in use included (they stay allocated to their
-        requests): ``evict_blocks`` (kv_cache_manager.py:548 → block_pool.py:742-759). After a weight load
+        requests): ``KVCacheManager.evict_blocks``. After a weight load
         under requests that keep their KV, no new request may hit KV computed with the old weights."""
         manager = self.core.scheduler.kv_cache_manager
         cached = {block.block_id for block in manager.block_pool.blocks if block.block_hash is not None}
@@ -339,8 +339,8 @@ class Driver:
         if cuda is not None:
             import torch
 
-            # The device and CUDA stream of the thread that started vLLM (vLLM keeps its stream per thread,
-            # vllm/utils/torch_utils.py:646-699, and would make a new one here): kernels launched from any
+            # The device and CUDA stream of the thread that started vLLM (vLLM keeps its stream per thread
+            # and would make a new one here): kernels launched from any
             # thread then run in one order on the GPU, a weight write never overlaps a step.
             torch.cuda.set_device(cuda[0])
             torch.cuda.set_stream(cuda[1])

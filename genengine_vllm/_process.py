@@ -191,22 +191,18 @@ def trainer_world(tp_size: int, *, require: bool = False) -> Topology | None:
 def start_environ(topology: Topology | None) -> dict[str, str | None]:
     """The variables ``vllm.LLM(...)`` reads while it starts, for ``scoped_environ`` around that call only.
 
-    Read in vLLM 0.26.0 during the start and never after:
+    Read in vLLM 0.26.0 during the start and never after (the source lines: docs/upstream.md):
 
     * ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core in this process, so ``apply_model`` reaches
-      the model without IPC: vllm/v1/engine/llm_engine.py:174 (``LLMEngine.from_engine_args`` picks the
-      in-process client), vllm/engine/arg_utils.py:1630 (a warning), vllm/v1/executor/uniproc_executor.py:169
-      (external_launcher's assert). vllm/config/parallel.py:880 sets it itself under external_launcher; the
-      scope takes that back too.
-    * ``RANK``/``LOCAL_RANK``, under the trainer's world: vllm/v1/executor/uniproc_executor.py:184-185
-      (``ExecutorWithExternalLauncher._distributed_args``, called by ``_init_executor``).
+      the model without IPC (``LLMEngine.from_engine_args`` picks the in-process client). vLLM sets it
+      itself under external_launcher; the scope takes that back too.
+    * ``RANK``/``LOCAL_RANK``, under the trainer's world (``ExecutorWithExternalLauncher._distributed_args``).
 
-    ``EngineCore.__init__`` ends the start by caching every ``vllm.envs`` value (vllm/v1/engine/core.py:240)
-    until teardown's ``cleanup_dist_env_and_memory`` (vllm/distributed/parallel_state.py:2113);
-    ``generate``, ``sleep``, ``wake_up``, ``collective_rpc`` and shutdown read none of these. The one later
-    reader is vLLM's logger choosing which rank prints "once per node" lines: ``envs.LOCAL_RANK``
-    (vllm/distributed/parallel_state.py:2290), and only once vLLM's world group is gone, when the trainer's
-    own value is the one to use.
+    ``EngineCore.__init__`` ends the start by caching every ``vllm.envs`` value until teardown's
+    ``cleanup_dist_env_and_memory``; ``generate``, ``sleep``, ``wake_up``, ``collective_rpc`` and shutdown
+    read none of these. The one later reader is vLLM's logger choosing which rank prints "once per node"
+    lines (``envs.LOCAL_RANK``), and only once vLLM's world group is gone, when the trainer's own value is
+    the one to use.
     """
     changes: dict[str, str | None] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if topology is not None:
@@ -220,8 +216,8 @@ def without_expandable_segments() -> Iterator[None]:
     """``expandable_segments:True`` out of the CUDA allocator settings for the block: a sleep-mode engine's life.
 
     With it PyTorch bypasses vLLM's sleep pool and sleep frees nothing. The environment variable is read
-    when PyTorch initialises CUDA (possibly while vLLM starts) and by vLLM as it maps its pools
-    (vllm/device_allocator/cumem.py:330); the process's setting applies to every allocation after. Both
+    when PyTorch initialises CUDA (possibly while vLLM starts) and by vLLM's ``CuMemAllocator`` as it maps
+    its pools; the process's setting applies to every allocation after. Both
     hold until the engine shuts down, then the trainer's come back.
     """
     conf = os.environ.get(ALLOC_CONF)

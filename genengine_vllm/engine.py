@@ -1,37 +1,11 @@
 """``VLLMEngine``: vLLM 0.26.0 colocated in the trainer's own processes, behind genengine's protocol.
 
-How it maps (every choice checked against vLLM 0.26.0's source):
-
-* **Where it runs.** The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while
-  vLLM starts, the only time it reads it; ``_process.start_environ`` says where), so
-  ``load_weights`` writes the trainer's tensors straight into the model (``LLM.apply_model`` →
-  ``model.load_weights``): no IPC, no second copy. With ``torch.distributed`` initialised (the trainer's
-  world), every rank holds one engine rank (``distributed_executor_backend="external_launcher"``) and the
-  TP groups are the contiguous ranks of :mod:`genengine.distributed`, which is how vLLM builds them too.
-  ``create_engine(backend="vllm", tp_size=1)`` also works without ``torch.distributed`` (one GPU, a
-  notebook): vLLM then makes a private one-rank group. ``tp_size > 1``, and ``get_vllm_engine``
-  (:mod:`genengine_vllm.lightrft`) whatever its ``tp_size`` (it keeps the reference's contract, as
-  ``get_sglang_engine`` does), need the trainer's group (``DistributedSetupError``, an AssertionError as in
-  the reference).
-* **Identical ranks.** external_launcher is deterministic only if every rank of a TP group gets the same
-  requests with the same seeds. Each call's inputs *and* engine state are compared across the group first
-  (``InconsistentInputsError`` names the odd rank; a rank that never arrives is a ``CollectiveTimeoutError``,
-  not a hang), and no request reaches vLLM without an explicit seed (vLLM would draw one from the global
-  numpy RNG, which the colocated trainer also consumes). Each TP group has its own seed,
-  ``config.seed + group index``. Creating the engine leaves the trainer's RNG states as they were (vLLM
-  reseeds python/numpy/torch while it starts).
-* **Sleep.** vLLM's sleep mode (cumem allocator): level 1 backs weights up to host memory, level 2 drops
-  them; ``wake`` maps tags back (``"weights"``, ``"kv_cache"``). After level 2 the state machine refuses to
-  generate until ``load_weights`` covered every weight; the disk checkpoint is never reloaded (the TRL bug).
-  ``expandable_segments:True`` is removed from the allocator settings while the engine lives (with it
-  PyTorch bypasses vLLM's pool and sleep frees nothing). vLLM's allocator is one per process: a second
-  sleep-mode engine is refused before any GPU memory is taken.
-* **Shutdown** leaves the trainer's default process group alive (vLLM's teardown calls
-  ``torch.distributed.destroy_process_group()``, which would take the trainer's world down with it).
-* **Async** (:mod:`genengine.aio`; tp_size=1 only): a driver thread steps vLLM's ``LLMEngine`` for the
-  streamed requests (:mod:`genengine_vllm._async`); every call into vLLM holds one lock. A synchronous
-  ``generate`` with no async request live calls ``LLM.generate`` as before; with some live, the driver serves
-  it in the same batches; while a pause(keep) holds requests it is refused (vLLM schedules nothing then).
+The engine core runs in this process, so ``load_weights`` writes the trainer's tensors straight into the model
+(``LLM.apply_model``): no IPC, no second copy. Under the trainer's ``torch.distributed`` world every rank holds
+one engine rank (``external_launcher``), deterministic only with identical inputs, so each call's inputs and
+engine state are compared across the TP group first and every request carries an explicit seed. Sleep is vLLM's
+sleep mode; shutdown leaves the trainer's default process group alive. Async (``tp_size=1``): a driver thread
+steps vLLM's ``LLMEngine`` (:mod:`genengine_vllm._async`). How each choice maps onto vLLM: docs/upstream.md.
 """
 
 from __future__ import annotations
@@ -220,7 +194,7 @@ class VLLMEngine(AsyncEngineMixin, EngineBase):
         import torch
 
         if torch.cuda.is_available():
-            # vLLM made this thread's current stream its own while it started (vllm/utils/torch_utils.py:662-699):
+            # vLLM made this thread's current stream its own while it started (it keeps one per thread):
             # the async driver thread steps on the same device and stream.
             self._cuda = (torch.cuda.current_device(), torch.cuda.current_stream())
 
@@ -282,8 +256,8 @@ class VLLMEngine(AsyncEngineMixin, EngineBase):
 
     def _drop_orphans(self) -> None:
         """Before ``LLM.generate``, with no request of ours in vLLM: forget requests its output processor still
-        tracks (an interrupted generate, or a request its engine core refused after the output processor took
-        it, llm_engine.py:274-276). ``LLM.generate`` steps while any is tracked, and would step forever."""
+        tracks (an interrupted generate, or a request its engine core refused after ``LLMEngine.add_request``
+        gave it to the output processor). ``LLM.generate`` steps while any is tracked, and would step forever."""
         engine = self._llm.llm_engine
         if engine.has_unfinished_requests():
             engine.abort_request(list(engine.output_processor.request_states), internal=True)
@@ -498,7 +472,7 @@ class VLLMEngine(AsyncEngineMixin, EngineBase):
             driver = self._driver
             if driver is not None and driver.held and driver.kept_kv:
                 # pause(keep, clear_cache=False): the held requests keep their KV blocks, which vLLM's reset
-                # refuses (block_pool.py:761-777); the driver takes every block out of the prefix cache instead.
+                # refuses (BlockPool.reset_prefix_cache); the driver takes every block out of the prefix cache instead.
                 driver.evict_prefix_cache()
             elif not self._llm.reset_prefix_cache():
                 raise EngineStateError("vLLM could not reset its prefix cache (requests still running)")

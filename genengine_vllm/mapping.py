@@ -180,8 +180,8 @@ class CompletionDelta:
 def completion_delta(c: Any, params: SamplingParams, *, detokenize: bool) -> CompletionDelta:
     """One ``CompletionOutput`` of a ``RequestOutputKind.DELTA`` request as the tokens it adds.
 
-    vLLM cuts the delta's logprobs off the end of the whole list by the number of new tokens
-    (``v1/engine/output_processor.py:403-404``), so with no new token (a last output carrying only the
+    vLLM's output processor cuts the delta's logprobs off the end of the whole list by the number of new
+    tokens, so with no new token (a last output carrying only the
     finish) its ``logprobs`` are every position's: they are read only when there are tokens.
     """
     token_ids = [int(t) for t in c.token_ids]

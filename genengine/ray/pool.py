@@ -2,17 +2,10 @@
 
 The pool lives in the trainer's process (the driver, or a trainer actor for colocated setups); each replica is
 an :class:`~genengine.ray.replica.EngineReplica` actor that builds its engine with ``create_engine``, so any
-registered backend works. ``generate`` spreads prompts over the replicas with a :class:`~genengine.ray.router.
-Router`; control calls (``sleep``, ``wake``, ``load_weights``, ``flush_cache``, ``pause_generation``,
-``resume_generation``) go to every replica and wait at most ``timeout_s``; any failure raises an error naming
-the replica (index, actor id, node) and the call.
-
-Health: Ray restarts a dead replica's actor (``max_restarts``). The pool notices at the next call that reaches
-it (its in-flight callers get ``ReplicaDiedError``, or a retry where ``request_retries`` asks for one), starts a
-fresh engine in it, gives it the current weights and version and the pool's sleep/pause state, and only then
-routes to it again. Where the current weights come from (docs/deployment.md, "Health"): a
-``weights_source`` callable the trainer registers, else the last synced tensors kept in Ray's object store
-(``keep_weights=True``), else nowhere: the replica takes no traffic until the trainer's next ``load_weights``.
+registered backend works. ``generate`` spreads prompts over the replicas with a
+:class:`~genengine.ray.router.Router`; control calls go to every replica and wait at most ``timeout_s``; a
+failure names the replica (index, actor id, node) and the call. A replica that Ray restarted gets the current
+weights, version and sleep/pause state before it is routed to again (docs/deployment.md, "Health").
 
 Importing this module imports neither Ray nor torch.
 """

@@ -1,15 +1,11 @@
 """One weight-sync group: a rendezvous and process groups of its own, and waits that never hang.
 
-The group never touches torch.distributed's default group (a trainer's world stays as it was): rank 0
-opens a ``TCPStore`` at ``spec.address``, every rank builds ``ProcessGroupGloo`` (and, for NCCL,
-``ProcessGroupNCCL``) on a ``PrefixStore`` named after the group, as vLLM's ``StatelessProcessGroup`` and
-verl do, and calls the backend objects directly (their ranks are the group's own).
-
-Joining is a roll call over the store before any process group exists: each rank writes who it is; rank
-0 waits for every rank until ``timeout_s`` and then publishes either the roster or an error naming the
-ranks that did not come, so that every rank that did come raises the same error at about the same time.
-Every later wait is ``Work.wait(timeout)`` (gloo and NCCL honour it); a failure names the ranks waited
-for and those whose processes are gone, and leaves the group broken: use it no more, form a new one.
+The group never touches torch.distributed's default group: rank 0 opens a ``TCPStore`` at ``spec.address``,
+every rank builds ``ProcessGroupGloo`` (and, for NCCL, ``ProcessGroupNCCL``) on a ``PrefixStore`` named
+after the group and calls the backend objects directly. Joining is a roll call over the store, so every
+rank that came raises the same error naming those that did not; every later wait is ``Work.wait(timeout)``
+(gloo and NCCL honour it), and a failure names the ranks waited for and those whose processes are gone, and
+leaves the group broken: use it no more, form a new one (docs/transports.md, "The group").
 """
 
 from __future__ import annotations
