@@ -12,11 +12,11 @@ Python) and child processes. After ``--warmup`` cycles nothing may grow: GPU mem
 ``--gpu-tolerance`` of the device (1%), either RSS by more than ``--rss-slope-mib`` per cycle (a robust slope
 over the second half), fds, threads or children by even one (judged on the last samples, so a transient one
 does not count). Exit status 0 when the run is clean, 1 with one line per leak, 2 when a cycle raised.
-``--max-seconds T`` stops starting cycles after T seconds and judges the ones done, so a run under a time
-limit still ends with its verdict. ``--inject-leak KIND`` leaks one fd/thread/child/memory chunk per cycle, to
-prove the detector fires. Without ``--model`` a tiny random model is built; backend options come as with
-``genengine generate`` (``--option attention_backend=triton``), and SGLang also reads
-``$GENENGINE_SGLANG_OPTIONS``.
+``--max-seconds T`` stops starting cycles after T seconds (once the warm-up and 3 more are done) and judges
+the ones done, so a run under a time limit still ends with its verdict. ``--inject-leak KIND`` leaks one
+fd/thread/child/memory chunk per cycle, to prove the detector fires. Without ``--model`` a tiny random model
+is built; backend options come as with ``genengine generate`` (``--option attention_backend=triton``), and
+SGLang also reads ``$GENENGINE_SGLANG_OPTIONS``.
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) each rank takes the GPU of its ``LOCAL_RANK``, the default group is
 started (NCCL on GPUs, gloo on CPU), rank 0 builds the tiny model for everyone, and each rank judges its own
@@ -182,8 +182,8 @@ def judge(
     """One message per resource that grew after the warm-up; empty when the run is clean."""
     failures: list[str] = []
     after = [r for r in records if r["cycle"] >= warmup]
-    if len(after) < 3 or warmup < 1:
-        return [f"too few cycles to judge: {len(after)} after a warm-up of {warmup} (need >= 3)"]
+    if len(after) < MIN_JUDGED or warmup < 1:
+        return [f"too few cycles to judge: {len(after)} after a warm-up of {warmup} (need >= {MIN_JUDGED})"]
     base_cycle = warmup - 1
     base = records[base_cycle]
     for key, what in (("fds", "open file descriptors"), ("os_threads", "OS threads"),
@@ -241,6 +241,10 @@ def weight_sets(model_dir: str, device: str, same: bool) -> list[list[tuple[str,
         noise = torch.randn(t.shape, generator=gen).to(device) * (0.05 * float(t.float().std() or 1.0))
         second[name] = (t.float() + noise).to(t.dtype)
     return [list(first.items()), list(second.items())]
+
+
+MIN_JUDGED = 3
+"""Cycles after the warm-up that a verdict needs."""
 
 
 def out_of_time(since: float, limit: float | None) -> bool:
@@ -343,7 +347,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cycling_since = time.perf_counter()
     try:
         for cycle in range(args.cycles):
-            if out_of_time(cycling_since, args.max_seconds):
+            # Never before the verdict has enough cycles: a loaded machine (two ranks on two cores) makes cycles
+            # slow, and a time limit that cut them short would fail the run as "too few cycles to judge".
+            if cycle >= warmup + MIN_JUDGED and out_of_time(cycling_since, args.max_seconds):
                 report["stopped_at_max_seconds"] = cycle
                 break
             current = cycle % len(sets)
