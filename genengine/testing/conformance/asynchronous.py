@@ -53,7 +53,9 @@ async def _read(stream: Any, count: int) -> list[int]:
     return tokens
 
 
-_SWITCH = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True, logprobs=True)
+_SWITCH = SamplingParams(temperature=0.0, max_new_tokens=160, ignore_eos=True, logprobs=True)
+"""Long enough that the request still runs when the pause lands, 4 tokens in, on a loaded 2-core machine too
+(with 40, a run that raced to the end before the pause was seen once)."""
 
 
 async def _switch_weights(
