@@ -5,14 +5,14 @@ caller reads, ``stream`` the caller's handle on one request, ``lock`` the lock a
 callers. Every name is re-exported here: ``from genengine.aio import X`` is the import to use.
 """
 
-from genengine.aio.engine import PAUSE_MODES, AsyncEngineMixin, PauseMode
+from genengine.aio.engine import PAUSE_MODES, AsyncEngineBase, PauseMode
 from genengine.aio.lock import DriverLock
 from genengine.aio.request import AsyncRequest, StreamChunk, normalize_async_request
 from genengine.aio.stream import RequestStream
 
 __all__ = [
     "PAUSE_MODES",
-    "AsyncEngineMixin",
+    "AsyncEngineBase",
     "AsyncRequest",
     "DriverLock",
     "PauseMode",

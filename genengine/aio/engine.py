@@ -1,37 +1,40 @@
-"""The async engine: the request registry, the pause modes, the queue of requests that arrive while paused,
-weight versions per output and the errors trainers see, written once so that every backend has the same
-semantics and the conformance suite tests them once.
+"""``AsyncEngineBase``: an ``EngineBase`` that serves the async calls too, over a backend's scheduler.
 
-A backend mixes :class:`AsyncEngineMixin` into its :class:`~genengine.base.EngineBase` subclass and fills in
-four hooks that talk to its scheduler (``_async_start``, ``_async_abort``, ``_async_hold``,
+The request registry, the pause modes, the queue of requests that arrive while paused, weight versions per
+output and the errors trainers see are written here once, so that every backend has the same semantics and
+the conformance suite tests them once. A backend subclasses it instead of ``EngineBase`` and fills in four
+methods that talk to its scheduler (``_async_start``, ``_async_abort``, ``_async_hold``,
 ``_async_release_hold``); the scheduler reports tokens through :class:`~genengine.aio.AsyncRequest`
-(``emit``, ``finish``, ``fail``) from whatever thread it runs on.
+(``emit``, ``finish``, ``fail``) from whatever thread it runs on. ``sleep``, ``load_weights`` and
+``shutdown`` are ``EngineBase``'s, guarded here against the requests in flight: ``EngineBase`` itself knows
+nothing of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from genengine.aio.request import AsyncRequest, normalize_async_request
 from genengine.aio.stream import RequestStream
+from genengine.base import EngineBase
 from genengine.errors import EngineStateError, InvalidArgumentError
-from genengine.protocol import GenerationResult
+from genengine.protocol import GenerationResult, LoadReport
 
 if TYPE_CHECKING:
-    from genengine.base import EngineBase
+    import torch
 
-__all__ = ["PAUSE_MODES", "AsyncEngineMixin", "PauseMode"]
+__all__ = ["PAUSE_MODES", "AsyncEngineBase", "PauseMode"]
 
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 
 
-class AsyncEngineMixin:
-    """The async half of the protocol over a backend's scheduler; mix in before ``EngineBase``."""
+class AsyncEngineBase(EngineBase):
+    """:class:`~genengine.base.EngineBase` with the async half of the protocol, over a backend's scheduler."""
 
     supports_async: ClassVar[bool] = True
 
@@ -119,7 +122,7 @@ class AsyncEngineMixin:
         An aborted request's result keeps every token it produced, with its logprobs, and ``finish_reason
         "abort"``; requests queued during a pause finish at once with no tokens (they never start).
         """
-        self._engine_base()._check_open()
+        self._check_open()
         self._check_async_available()
         if isinstance(request_ids, str):
             request_ids = [request_ids]
@@ -153,8 +156,7 @@ class AsyncEngineMixin:
         resume, with False the old KV is reused (faster, but the tokens after the switch attend to keys and
         values computed by the old weights).
         """
-        engine = self._engine_base()
-        engine._check_open()
+        self._check_open()
         self._check_async_available()
         if mode not in PAUSE_MODES:
             raise InvalidArgumentError(f"pause mode={mode!r}: allowed are 'abort', 'wait' and 'keep'")
@@ -190,15 +192,14 @@ class AsyncEngineMixin:
         version in force now). While the engine is asleep (any tag released) or its weights are incomplete it
         raises (``EngineSleepingError``, ``WeightsNotLoadedError``) and stays paused, held or queued requests
         or not: requests submitted after a resume would be admitted to an engine that cannot run them."""
-        engine = self._engine_base()
-        engine._check_open()
+        self._check_open()
         self._check_async_available()
         state = self._async_state()
         with state.lock:
             if state.paused is None:
                 return
             held = state.held
-        engine._check_can_generate()
+        self._check_can_generate()
         if held:
             self._async_release_hold()
         with state.lock:
@@ -207,7 +208,40 @@ class AsyncEngineMixin:
         for request in queued:
             self._admit(request)
 
-    # ---- hooks EngineBase calls -------------------------------------------------------------------------------
+    # ---- EngineBase's calls, guarded against the requests in flight ---------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        self._check_sleep(level)  # a bad call is refused as it would be without requests
+        if not self.released_tags:
+            self._check_idle("sleep")
+        super().sleep(level)
+
+    def load_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int | None = None,
+        check_finite: bool = False,
+        version: int | None = None,
+    ) -> LoadReport:
+        self._check_load(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
+        self._check_weights_may_change()
+        before = self.weight_version
+        report = super().load_weights(
+            named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
+        )
+        if self.weight_version != before:
+            self._on_new_weight_version(self.weight_version)
+        return report
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        try:
+            super().shutdown()
+        finally:
+            self._after_shutdown()
+
+    # ---- the guards -------------------------------------------------------------------------------------------
     def _check_idle(self, what: str) -> None:
         """Refuse ``what`` (a sleep) while requests run or are held: it would free memory they use. Requests
         queued during a pause hold none (they start at resume, which needs the engine awake)."""
@@ -258,9 +292,6 @@ class AsyncEngineMixin:
                 request.finish(index, "abort")
 
     # ---- internals -------------------------------------------------------------------------------------------
-    def _engine_base(self) -> EngineBase:
-        return self  # type: ignore[return-value]
-
     def _submit(
         self,
         prompt: str | None,
@@ -269,8 +300,7 @@ class AsyncEngineMixin:
         image_data: Any,
         request_id: str | None,
     ) -> AsyncRequest:
-        engine = self._engine_base()
-        engine._check_open()
+        self._check_open()
         self._check_async_available()
         request, request_id = normalize_async_request(
             prompt,
@@ -278,11 +308,11 @@ class AsyncEngineMixin:
             prompt_token_ids,
             image_data,
             request_id,
-            vocab_size=engine._vocab_size(),
-            supports_images=engine.supports_images,
+            vocab_size=self._vocab_size(),
+            supports_images=self.supports_images,
         )
-        engine._check_can_generate()
-        handle = AsyncRequest(request_id, request, engine.weight_version, asyncio.get_running_loop())
+        self._check_can_generate()
+        handle = AsyncRequest(request_id, request, self.weight_version, asyncio.get_running_loop())
         state = self._async_state()
         with state.lock:
             known = state.live.get(request_id)
@@ -297,7 +327,7 @@ class AsyncEngineMixin:
     def _admit(self, handle: AsyncRequest) -> None:
         # Its tokens come from the weights in force now: a request queued during a pause that started after a
         # load (and the resume) is that load's version, not the one it was submitted under.
-        handle.new_version(self._engine_base().weight_version)
+        handle.new_version(self.weight_version)
         state = self._async_state()
         with state.lock:
             for rid in [rid for rid, r in state.live.items() if r.done]:

@@ -11,7 +11,7 @@ from genengine.errors import EngineStateError
 from genengine.protocol import GenerationResult
 
 if TYPE_CHECKING:
-    from genengine.aio.engine import AsyncEngineMixin
+    from genengine.aio.engine import AsyncEngineBase
     from genengine.aio.request import AsyncRequest, StreamChunk
 
 __all__ = ["RequestStream"]
@@ -20,7 +20,7 @@ __all__ = ["RequestStream"]
 class RequestStream:
     """One submitted request: an async iterator of its chunks, then its result."""
 
-    def __init__(self, engine: AsyncEngineMixin, request: AsyncRequest) -> None:
+    def __init__(self, engine: AsyncEngineBase, request: AsyncRequest) -> None:
         self._engine = engine
         self._request = request
         self._chunks = request.chunks()
