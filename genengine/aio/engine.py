@@ -34,7 +34,7 @@ PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 
 
 class AsyncEngineBase(EngineBase):
-    """:class:`~genengine.base.EngineBase` with the async half of the protocol, over a backend's scheduler."""
+    """An ``EngineBase`` with the async half of the protocol, over a backend's scheduler."""
 
     supports_async: ClassVar[bool] = True
 
