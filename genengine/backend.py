@@ -3,8 +3,9 @@
 ``from genengine.backend import EngineBase, Completion, ...`` gives the base class, the data it speaks, the
 errors, the hook marker, and the bookkeeping every engine adapter otherwise writes again: the weight list
 of a loaded model, the stop/EOS rules, per-request seeds, option checks and a ``from_config`` factory; and
-for the async calls, ``AsyncEngineMixin`` with the request objects its hooks report into. The module
-imports no torch (helpers that need it import it when called), so a plugin module may import it.
+for the async calls, ``AsyncEngineBase`` (an ``EngineBase`` that serves them too) with the request objects
+its hooks report into. The module imports no torch (helpers that need it import it when called), so a
+plugin module may import it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 from genengine.aio import (
     PAUSE_MODES,
-    AsyncEngineMixin,
+    AsyncEngineBase,
     AsyncRequest,
     DriverLock,
     PauseMode,
@@ -65,7 +66,7 @@ __all__ = [
     "PAUSE_MODES",
     "TAG_KV_CACHE",
     "TAG_WEIGHTS",
-    "AsyncEngineMixin",
+    "AsyncEngineBase",
     "AsyncGenerationEngine",
     "AsyncRequest",
     "CheckpointError",

@@ -108,19 +108,6 @@ class EngineBase(abc.ABC):
         rank of a TP group must count alike (it depends only on the tensor's kind and device)."""
         return tensor_nbytes(tensor)
 
-    # Hooks for the async capability (genengine.aio.AsyncEngineMixin overrides them); no-ops without it.
-    def _check_idle(self, what: str) -> None:  # noqa: B027 (a hook, not abstract: most backends are sync)
-        """Refuse ``what`` while requests are in flight."""
-
-    def _check_weights_may_change(self) -> None:  # noqa: B027
-        """Refuse a weight load that would land under running requests."""
-
-    def _on_new_weight_version(self, version: int) -> None:  # noqa: B027
-        """Requests in flight go on with weight version ``version``."""
-
-    def _after_shutdown(self) -> None:  # noqa: B027
-        """The engine is closed: drop what still refers to requests (a caller may keep the engine for long)."""
-
     def _finish_weights(self) -> None:
         """After a load: make sure no cache computed with the old weights survives."""
         self._flush_cache()
@@ -202,7 +189,9 @@ class EngineBase(abc.ABC):
             for result in results
         ]
 
-    def sleep(self, level: int = 1) -> None:
+    def _check_sleep(self, level: int) -> None:
+        """``sleep``'s checks, apart from its work: a subclass that refuses more makes its check after these,
+        so that a bad call gets the same error whatever else holds."""
         self._check_open()
         if isinstance(level, bool) or not isinstance(level, int) or level not in (1, 2):
             raise InvalidArgumentError(
@@ -210,9 +199,11 @@ class EngineBase(abc.ABC):
             )
         if not self.__sleep_enabled:
             raise EngineStateError("sleep is disabled for this engine: create it with enable_sleep=True")
+
+    def sleep(self, level: int = 1) -> None:
+        self._check_sleep(level)
         if self.__released:
             return
-        self._check_idle("sleep")
         self._release(level)
         self.__released = set(self.supported_tags)
         self.__level = level
@@ -260,6 +251,14 @@ class EngineBase(abc.ABC):
             raise InvalidArgumentError(f"bucket_bytes={value!r} must be a positive integer")
         self.__bucket_bytes = value
 
+    def _check_load(self, *, bucket_bytes: int | None, check_finite: bool, version: int | None) -> None:
+        """``load_weights``'s checks before it reads any tensor: a subclass that refuses more makes its check
+        after these, so that a bad call gets the same error whatever else holds."""
+        self._check_open()
+        check_load_options(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
+        if TAG_WEIGHTS in self.__released:
+            raise EngineSleepingError("the weights are asleep: call wake(['weights']) before load_weights")
+
     def load_weights(
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -270,11 +269,7 @@ class EngineBase(abc.ABC):
     ) -> LoadReport:
         """Write ``named_tensors`` into the engine; ``version`` (an int >= 0) labels the weights from here on
         (``weight_version`` and each later output's ``weight_versions``); None keeps the current label."""
-        self._check_open()
-        check_load_options(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
-        if TAG_WEIGHTS in self.__released:
-            raise EngineSleepingError("the weights are asleep: call wake(['weights']) before load_weights")
-        self._check_weights_may_change()
+        self._check_load(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
         check_named_tensors(named_tensors)
         start = time.perf_counter()
         validator = WeightValidator(self._weight_spec(), check_finite=check_finite)
@@ -319,9 +314,8 @@ class EngineBase(abc.ABC):
                     f"({type(exc).__name__}: {exc})"
                 )
             raise
-        if version is not None and version != self.__weight_version:
+        if version is not None:
             self.__weight_version = version
-            self._on_new_weight_version(version)
         return LoadReport(
             num_tensors=len(written),
             num_bytes=num_bytes,
@@ -348,7 +342,6 @@ class EngineBase(abc.ABC):
                 self._shutdown()  # released_tags is still non-empty here when that wake failed
         finally:
             self.__closed = True
-            self._after_shutdown()
 
     def __enter__(self) -> EngineBase:
         return self

@@ -447,12 +447,12 @@ class AsyncGenerationEngine(GenerationEngine, Protocol):
     """A ``GenerationEngine`` that also takes requests one prompt at a time, streams them, aborts them, and
     pauses for a weight update (docs/async.md).
 
-    ``genengine.aio.AsyncEngineMixin`` implements it over a backend's scheduler; the Ray ``EnginePool`` over
+    ``genengine.aio.AsyncEngineBase`` implements it over a backend's scheduler; the Ray ``EnginePool`` over
     its replicas. Ask :func:`is_async_engine`, not ``isinstance``, whether an engine offers it.
     """
 
     supports_async: ClassVar[bool]
-    """True: the declaration :func:`is_async_engine` reads (the mixin and the pool make it)."""
+    """True: the declaration :func:`is_async_engine` reads (``AsyncEngineBase`` and the pool make it)."""
 
     @property
     def weight_version(self) -> int:
@@ -521,6 +521,7 @@ def is_async_engine(engine: object) -> TypeGuard[AsyncGenerationEngine]:
     AsyncGenerationEngine)``: a structural check only sees that the names exist (a synchronous engine with a
     ``stream`` method of its own would pass), on Python 3.10 and 3.11 it evaluates every property of the
     protocol (a pool's ``state`` asks each replica), and on 3.12+ it misses attributes a wrapper forwards
-    through ``__getattr__``. Third-party backends that implement the calls without the mixin declare it too.
+    through ``__getattr__``. Third-party backends that implement the calls without ``AsyncEngineBase``
+    declare it too.
     """
     return bool(getattr(engine, "supports_async", False))

@@ -18,8 +18,7 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from genengine.aio import AsyncEngineMixin
-from genengine.base import EngineBase
+from genengine.aio import AsyncEngineBase
 from genengine.checkpoint import read_model_config, vocab_size, weight_spec
 from genengine.config import EngineConfig
 from genengine.distributed import (
@@ -127,7 +126,7 @@ class _LoadCall:
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
-class SGLangEngine(AsyncEngineMixin, EngineBase):
+class SGLangEngine(AsyncEngineBase):
     """The SGLang engine of one tensor-parallel group (see the module docstring)."""
 
     supported_tags: tuple[str, ...] = (TAG_WEIGHTS, TAG_KV_CACHE, TAG_CUDA_GRAPH)

@@ -17,8 +17,7 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from genengine.aio import AsyncEngineMixin, DriverLock
-from genengine.base import EngineBase
+from genengine.aio import AsyncEngineBase, DriverLock
 from genengine.checkpoint import vocab_size, weight_spec
 from genengine.config import EngineConfig
 from genengine.environ import scoped_environ
@@ -90,7 +89,7 @@ def _unstash_saved_buffers(wrapper: Any) -> None:
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
-class VLLMEngine(AsyncEngineMixin, EngineBase):
+class VLLMEngine(AsyncEngineBase):
     """vLLM in the trainer's process: generate, sleep (levels 1 and 2), staged wake, in-place weight loads.
 
     Create it with :meth:`from_config` (what ``genengine.create_engine(backend="vllm", ...)`` calls) or

@@ -33,8 +33,8 @@ def test_it_exports_what_it_lists() -> None:
     assert all(hasattr(backend, name) for name in backend.__all__)
     for name in ("EngineBase", "EngineConfig", "check_options", "Request", "WeightInfo", "hookimpl", "ConfigError"):
         assert name in backend.__all__
-    # the async half: the protocol, the mixin and the objects its hooks see
-    for name in ("AsyncGenerationEngine", "is_async_engine", "AsyncEngineMixin", "AsyncRequest", "StreamChunk"):
+    # the async half: the protocol, the async base and the objects its hooks see
+    for name in ("AsyncGenerationEngine", "is_async_engine", "AsyncEngineBase", "AsyncRequest", "StreamChunk"):
         assert name in backend.__all__
 
 

@@ -426,9 +426,9 @@ def test_completion_delta_finish_and_stop_reasons() -> None:
 
 
 def test_engine_declares_async_and_refuses_it_on_tp_groups() -> None:
-    from genengine.aio import AsyncEngineMixin
+    from genengine.aio import AsyncEngineBase
 
-    assert VLLMEngine.supports_async and issubclass(VLLMEngine, AsyncEngineMixin)
+    assert VLLMEngine.supports_async and issubclass(VLLMEngine, AsyncEngineBase)
     engine = VLLMEngine.__new__(VLLMEngine)  # the check reads the settings only: nothing is started
     engine.settings = SimpleNamespace(tp_size=2)  # type: ignore[assignment]
     with pytest.raises(EngineStateError, match="tp_size=2"):

@@ -18,14 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from genengine.aio import AsyncEngineMixin, AsyncRequest, DriverLock
+from genengine.aio import AsyncEngineBase, AsyncRequest, DriverLock
 from genengine.backend import (
     DEFAULT_BUCKET_BYTES,
     TAG_KV_CACHE,
     TAG_WEIGHTS,
     Completion,
     ConfigError,
-    EngineBase,
     EngineConfig,
     FromConfig,
     GenerationResult,
@@ -76,7 +75,7 @@ class _Prefix:
     nbytes: int
 
 
-class TransformersEngine(AsyncEngineMixin, FromConfig, EngineBase):
+class TransformersEngine(FromConfig, AsyncEngineBase):
     """A ``GenerationEngine`` running a transformers causal LM in this process.
 
     Options: ``device`` ("cpu", "cuda", "cuda:N"), ``max_batch_size`` (rows decoded together),

@@ -1187,7 +1187,7 @@ class EnginePool:
         request_id: str | None = None,
         session_id: str | None = None,
     ) -> PoolStream:
-        """``AsyncEngineMixin.stream`` through the pool: one prompt, on the replica the router picks."""
+        """``AsyncEngineBase.stream`` through the pool: one prompt, on the replica the router picks."""
         self._check_open()
         request, request_id = normalize_async_request(
             prompt,
@@ -1267,7 +1267,7 @@ class EnginePool:
         return [rid for _, ids in results for rid in ids]
 
     async def pause_generation(self, mode: PauseMode = "keep", *, clear_cache: bool = True) -> None:
-        """``AsyncEngineMixin.pause_generation`` on every replica (a replica restarted meanwhile is paused too)."""
+        """``AsyncEngineBase.pause_generation`` on every replica (a replica restarted meanwhile is paused too)."""
         await asyncio.to_thread(
             self._fanout,
             "pause_generation",

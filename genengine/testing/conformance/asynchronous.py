@@ -491,6 +491,11 @@ class AsyncTests(ConformanceBase):
                 async_engine.sleep(1)
             with pytest.raises(EngineStateError, match="pause_generation"):
                 async_engine.load_weights([])
+            # A bad argument is still named first: the refusal for requests comes after the engine's own checks.
+            with pytest.raises(InvalidArgumentError, match="level=3"):
+                async_engine.sleep(3)
+            with pytest.raises(InvalidArgumentError, match="bucket_bytes=0"):
+                async_engine.load_weights([], bucket_bytes=0)
             await async_engine.abort()
             assert (await stream.collect()).outputs[0].finish_reason == "abort"
 
