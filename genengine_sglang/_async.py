@@ -425,7 +425,7 @@ class _Sample:
 
 
 class AsyncSGLang:
-    """The hooks of :class:`genengine.aio.AsyncEngineMixin` on one ``sgl.Engine``; lives on the TP leader only.
+    """The hooks of :class:`genengine.aio.AsyncEngineBase` on one ``sgl.Engine``; lives on the TP leader only.
 
     * a request: one ``TokenizerManager.generate_request(GenerateReqInput(stream=True, rid=...))`` per sample,
       with our own rids (uuid hex: ``Scheduler.abort_request`` aborts by rid *prefix*, so no rid may be a
