@@ -9,9 +9,19 @@ import pytest
 for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(_key, _value)
 
-# The files that take a minute or more. Under pytest-xdist (`make test` runs two workers, one file per worker at a
-# time) they are handed out first, so that no worker is left running one of them alone at the end.
-_LONG_FILES = ("test_template_plugin.py", "test_ray_pool.py", "test_soak.py", "test_transport.py", "test_fuzz.py")
+# The files that take a minute or more, longest first. Under pytest-xdist (`make test` runs two workers, one file per
+# worker at a time) they are handed out first, so that no worker is left running one of them alone at the end.
+_LONG_FILES = (
+    "test_conformance_transformers.py",
+    "test_ray_pool.py",
+    "test_weights.py",
+    "test_template_plugin.py",
+    "test_fuzz.py",
+    "test_soak.py",
+    "test_transport.py",
+    "test_distributed.py",
+    "test_trl.py",
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

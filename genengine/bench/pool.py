@@ -196,7 +196,7 @@ class PoolBenchTrainer:
             "settings": asdict(s),
             "goals": GOALS,
         }
-        weights = make(model, 1, device)  # a trainer holds its parameters before it builds an engine
+        held = [make(model, 1, device)]  # a trainer holds its parameters before it builds an engine
         t0 = free()
         start = time.perf_counter()
         engine = create_engine(**base, **mem)
@@ -243,7 +243,7 @@ class PoolBenchTrainer:
             medians = {k: statistics.median(v) for k, v in rates.items()}
             report["tokens_per_s"] = {"all": rates, "median": medians}
             report["ratio"] = medians["pool"] / medians["in_process"]
-            report["sync"] = self._syncs(targets, weights, make, model, device)
+            report["sync"] = self._syncs(targets, held, make, model, device)
             if s.sleep:
                 report["sleep"] = {}
                 for which, target in targets.items():
@@ -263,8 +263,10 @@ class PoolBenchTrainer:
         return report
 
     def _syncs(
-        self, targets: dict[str, Any], weights: Any, make: Callable[..., Any], model: str, device: str
+        self, targets: dict[str, Any], held: list[Any], make: Callable[..., Any], model: str, device: str
     ) -> dict[str, Any]:
+        """``held``: the trainer's first weights, handed over (a list emptied here) so that only one version is
+        alive at a time, as a trainer's step overwrites its parameters."""
         import torch
 
         from genengine import SamplingParams
@@ -280,10 +282,13 @@ class PoolBenchTrainer:
 
         rows: list[dict[str, Any]] = []
         previous: list[list[int]] | None = None
+        weights: list[Any] = []
         for version in range(1, s.syncs + 1):
             if version > 1:
-                weights = None  # the old version's tensors go first, as a trainer's step overwrites them
+                weights = []  # the old version's tensors go first
                 weights = make(model, version, device)
+            else:
+                weights = held.pop()
             seconds, buckets = {}, {}
             for which in ("in_process", "pool"):
                 if device.startswith("cuda"):
