@@ -18,7 +18,6 @@ Nothing here runs at import; Ray, torch and the engines are imported in :func:`r
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import statistics
@@ -137,14 +136,6 @@ def random_weights(model_dir: str, version: int, device: str) -> list[tuple[str,
     return out
 
 
-def _resolve(ref: str) -> Callable[..., Any]:
-    module, _, attr = ref.partition(":")
-    fn = getattr(importlib.import_module(module), attr)
-    if not callable(fn):
-        raise ConfigError(f"weights={ref!r} is not callable")
-    return fn  # type: ignore[no-any-return]
-
-
 class PoolBenchTrainer:
     """The trainer actor (``ray.remote`` is applied by :func:`run_pool_bench`): it owns both engines."""
 
@@ -167,7 +158,11 @@ class PoolBenchTrainer:
             from genengine.testing.tiny_model import tiny_model_dir
 
             model = str(tiny_model_dir())
-        make = _resolve(s.weights)
+        from genengine.registry import resolve_ref
+
+        make = resolve_ref(s.weights)
+        if not callable(make):
+            raise ConfigError(f"weights={s.weights!r} is not callable")
 
         def free() -> int | None:
             if not gpu:
