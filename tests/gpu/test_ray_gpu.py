@@ -32,8 +32,10 @@ MEM_UTILS = {"sglang": (0.3, 0.6), "vllm": (0.3, 0.3)}
 """(in-process, replica): SGLang's share is of the whole GPU, checked against what is free when it starts."""
 OPTIONS: dict[str, dict[str, Any]] = {
     "sglang": {"disable_cuda_graph": True, "log_level": "warning"},
-    "vllm": {"max_model_len": 1024},
+    "vllm": {"max_model_len": 1024, "disable_cuda_graph": True},
 }
+"""No CUDA graphs on either side: what is checked here is the transport and the pool, and two engine starts without
+compiling and capturing save half a minute of the one-call GPU check (the figures are bench_pool.py's, at 7B)."""
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
