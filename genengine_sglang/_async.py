@@ -24,12 +24,12 @@ import uuid
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from genengine.errors import EngineClosedError, EngineStateError, InvalidArgumentError
+from genengine.backend import EngineClosedError, EngineStateError, InvalidArgumentError
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.mapping import SglEntry, finish_from_sglang, sampling_to_sglang, stream_delta
 
 if TYPE_CHECKING:
-    from genengine.aio import AsyncRequest
+    from genengine.backend import AsyncRequest
 
 __all__ = [
     "ABORT_ANSWER_TIMEOUT_S",

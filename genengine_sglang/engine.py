@@ -18,9 +18,24 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from genengine.aio import AsyncEngineBase
-from genengine.checkpoint import read_model_config, vocab_size, weight_spec
-from genengine.config import EngineConfig
+from genengine.backend import (
+    TAG_KV_CACHE,
+    TAG_WEIGHTS,
+    AsyncEngineBase,
+    CollectiveTimeoutError,
+    DistributedSetupError,
+    EngineConfig,
+    EngineStateError,
+    GenEngineError,
+    GenerationResult,
+    InconsistentInputsError,
+    InvalidArgumentError,
+    LoadReport,
+    Request,
+    read_model_config,
+    vocab_size,
+    weight_spec,
+)
 from genengine.distributed import (
     EngineGroup,
     check_port_free,
@@ -29,16 +44,6 @@ from genengine.distributed import (
     engine_group,
     parse_cuda_visible_devices,
 )
-from genengine.errors import (
-    CollectiveTimeoutError,
-    DistributedSetupError,
-    EngineStateError,
-    GenEngineError,
-    InconsistentInputsError,
-    InvalidArgumentError,
-)
-from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, GenerationResult, LoadReport
-from genengine.requests import Request
 from genengine_sglang import _process, _weightsync
 from genengine_sglang._process import live_engines
 from genengine_sglang.errors import SGLangEngineError
@@ -54,9 +59,7 @@ from genengine_sglang.settings import (
 if TYPE_CHECKING:
     import torch
 
-    from genengine.aio import AsyncRequest
-    from genengine.lifecycle import ExitHandle
-    from genengine.weights import WeightInfo
+    from genengine.backend import AsyncRequest, ExitHandle, WeightInfo
     from genengine_sglang._async import AsyncSGLang, LoopDriver
 
 __all__ = ["TAG_CUDA_GRAPH", "SGLangEngine", "live_engines"]

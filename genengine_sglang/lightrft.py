@@ -13,10 +13,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
-from genengine.config import EngineConfig
+from genengine.backend import (
+    ConfigError,
+    DistributedSetupError,
+    EngineConfig,
+    InconsistentInputsError,
+    InvalidArgumentError,
+    check_reference_args,
+)
 from genengine.distributed import EngineGroup, topology_from_env
-from genengine.engine_args import check_reference_args
-from genengine.errors import ConfigError, DistributedSetupError, InconsistentInputsError, InvalidArgumentError
 from genengine_sglang.engine import SGLangEngine, _dist, _LoadCall, _timeout
 from genengine_sglang.settings import (
     OUR_OPTIONS,
@@ -30,7 +35,7 @@ from genengine_sglang.settings import (
 if TYPE_CHECKING:
     import torch
 
-    from genengine.protocol import GenerationResult
+    from genengine.backend import GenerationResult
 
 __all__ = ["RLGenerationEngine", "get_sglang_engine", "get_sglang_engine_for_rollout"]
 

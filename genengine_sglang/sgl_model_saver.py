@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from genengine.errors import InvalidArgumentError
+from genengine.backend import InvalidArgumentError
 
 if TYPE_CHECKING:
     from genengine_sglang.engine import SGLangEngine

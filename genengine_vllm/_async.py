@@ -23,14 +23,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from genengine.aio import DriverLock
-from genengine.errors import EngineClosedError, EngineStateError, InvalidArgumentError
+from genengine.backend import DriverLock, EngineClosedError, EngineStateError, InvalidArgumentError
 from genengine_vllm.mapping import completion_delta
 
 _log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from genengine.aio import AsyncRequest
+    from genengine.backend import AsyncRequest
 
 __all__ = ["Driver", "SyncBatch", "engine_stream"]
 

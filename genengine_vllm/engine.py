@@ -17,12 +17,21 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from genengine.aio import AsyncEngineBase, DriverLock
-from genengine.checkpoint import vocab_size, weight_spec
-from genengine.config import EngineConfig
-from genengine.environ import scoped_environ
-from genengine.errors import EngineStateError, InvalidArgumentError
-from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, EngineState, GenerationResult, LoadReport
+from genengine.backend import (
+    TAG_KV_CACHE,
+    TAG_WEIGHTS,
+    AsyncEngineBase,
+    DriverLock,
+    EngineConfig,
+    EngineState,
+    EngineStateError,
+    GenerationResult,
+    InvalidArgumentError,
+    LoadReport,
+    scoped_environ,
+    vocab_size,
+    weight_spec,
+)
 from genengine_vllm._async import Driver, engine_stream
 from genengine_vllm._process import (
     _STATE,
@@ -42,10 +51,8 @@ from genengine_vllm.settings import WEIGHT_SYNC_MODES, VLLMSettings, build_llm_k
 if TYPE_CHECKING:
     import torch
 
-    from genengine.aio import AsyncRequest
+    from genengine.backend import AsyncRequest, Request, WeightInfo
     from genengine.distributed import EngineGroup, Topology
-    from genengine.requests import Request
-    from genengine.weights import WeightInfo
 
 __all__ = ["VLLMEngine"]
 

@@ -6,7 +6,7 @@ import gc
 import time
 from typing import Any
 
-from genengine.config import EngineConfig
+from genengine.backend import EngineConfig
 
 __all__ = ["raw_tokens_per_second"]
 
@@ -21,7 +21,7 @@ def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_ne
 
     import torch
 
-    from genengine.environ import scoped_environ
+    from genengine.backend import scoped_environ
     from genengine_vllm._process import (
         _STATE,
         claim_sleep_slot,
