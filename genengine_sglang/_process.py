@@ -16,7 +16,6 @@ import os
 import signal
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -26,18 +25,14 @@ from genengine_sglang.settings import check_graph_memory_saver
 
 if TYPE_CHECKING:
     from genengine.backend import ExitHandle
-    from genengine_sglang.engine import SGLangEngine
 
 __all__ = [
     "current_gpu",
     "engine_environment",
     "launch",
-    "live_engines",
     "return_sigterm",
     "settle_memory",
     "stop_sglang",
-    "track",
-    "untrack",
     "wait_processes_off_gpu",
 ]
 
@@ -55,22 +50,6 @@ _SCOPED_ENV = (
     "CUDA_MODULE_LOADING",
 )
 _MIB = 1 << 20
-
-_live: weakref.WeakSet[SGLangEngine] = weakref.WeakSet()
-
-
-# ---- the engines of this process -----------------------------------------------------------------------------
-def live_engines() -> list[SGLangEngine]:
-    """The engines of this process that are not shut down (what ``sgl_model_saver`` acts on)."""
-    return [e for e in list(_live) if not e.closed]
-
-
-def track(engine: SGLangEngine) -> None:
-    _live.add(engine)
-
-
-def untrack(engine: SGLangEngine) -> None:
-    _live.discard(engine)
 
 
 # ---- start -----------------------------------------------------------------------------------------------------
