@@ -109,7 +109,7 @@ def sleep_share_at(model: str, mem_util: float) -> dict[str, Any]:
     fixed (its scheduler's context and buffers), so the share depends on the pool it is compared with."""
     from support.gpu_checks import gpu_memory_by_process
 
-    from genengine_sglang.engine import RLGenerationEngine
+    from genengine_sglang.lightrft import RLGenerationEngine
 
     free0 = free_bytes()
     engine = RLGenerationEngine.from_config(engine_config(model, mem_util))
@@ -221,7 +221,7 @@ def ours(model: str, variants: list[tuple[str, str, int | None]], report: dict[s
     from genengine.protocol import SamplingParams
     from genengine_sglang import _weightsync
     from genengine_sglang._scheduler_hooks import MEMORY_REPORT_ENV
-    from genengine_sglang.engine import RLGenerationEngine
+    from genengine_sglang.lightrft import RLGenerationEngine
 
     free_cold = free_bytes()
     warm_trainer_process()

@@ -4,8 +4,11 @@
 errors, the hook marker, and the bookkeeping every engine adapter otherwise writes again: the weight list
 of a loaded model, the stop/EOS rules, per-request seeds, option checks and a ``from_config`` factory; and
 for the async calls, ``AsyncEngineBase`` (an ``EngineBase`` that serves them too) with the request objects
-its hooks report into. The module imports no torch (helpers that need it import it when called), so a
-plugin module may import it.
+its hooks report into and the ``DriverLock`` a driver thread shares with callers; and what an engine that
+owns processes needs: the checkpoint readers, scoped environment changes, exit hooks and the process's
+live-engine tracking. Backend plugins import the core only from here (and ``genengine.distributed``;
+tests/test_import_hygiene.py holds them to it). The module imports no torch (helpers that need it import
+it when called), so a plugin module may import it.
 """
 
 from __future__ import annotations
@@ -27,20 +30,28 @@ from genengine.aio import (
     normalize_async_request,
 )
 from genengine.base import EngineBase
-from genengine.checkpoint import checkpoint_dtype, read_model_config
+from genengine.checkpoint import checkpoint_dtype, read_model_config, resolve_model_dir, vocab_size, weight_spec
 from genengine.config import EngineConfig, check_options, option_bool, option_int, option_number
+from genengine.engine_args import REFERENCE_DTYPES, check_reference_args
+from genengine.environ import ALLOC_CONF, scoped_environ, strip_expandable_segments
 from genengine.errors import (
+    BackendImportError,
     CheckpointError,
+    CollectiveTimeoutError,
     ConfigError,
+    DistributedSetupError,
     EngineClosedError,
     EngineSleepingError,
     EngineStateError,
     GenEngineError,
+    InconsistentInputsError,
     InvalidArgumentError,
     WeightLoadError,
     WeightsNotLoadedError,
+    closest,
 )
 from genengine.hookspecs import RegisterBackend, hookimpl
+from genengine.lifecycle import ExitHandle, at_exit, live_engines, track_engine, untrack_engine
 from genengine.protocol import (
     TAG_KV_CACHE,
     TAG_WEIGHTS,
@@ -62,16 +73,22 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "ALLOC_CONF",
     "DEFAULT_BUCKET_BYTES",
     "PAUSE_MODES",
+    "REFERENCE_DTYPES",
     "TAG_KV_CACHE",
     "TAG_WEIGHTS",
     "AsyncEngineBase",
     "AsyncGenerationEngine",
     "AsyncRequest",
+    "BackendImportError",
     "CheckpointError",
+    "CollectiveTimeoutError",
     "Completion",
     "ConfigError",
+    "Decode",
+    "DistributedSetupError",
     "DriverLock",
     "EngineBase",
     "EngineClosedError",
@@ -79,6 +96,7 @@ __all__ = [
     "EngineSleepingError",
     "EngineState",
     "EngineStateError",
+    "ExitHandle",
     "FinishReason",
     "FromConfig",
     "GenEngineError",
@@ -86,6 +104,7 @@ __all__ = [
     "GenerationOutput",
     "GenerationResult",
     "GenerationStream",
+    "InconsistentInputsError",
     "InvalidArgumentError",
     "LoadReport",
     "PauseMode",
@@ -99,19 +118,31 @@ __all__ = [
     "WeightInfo",
     "WeightLoadError",
     "WeightsNotLoadedError",
+    "at_exit",
     "check_device",
     "check_options",
+    "check_reference_args",
+    "closest",
     "complete",
     "hookimpl",
     "is_async_engine",
+    "live_engines",
     "module_weight_spec",
     "normalize_async_request",
     "option_bool",
     "option_int",
     "option_number",
+    "read_model_config",
+    "resolve_model_dir",
     "sample_seed",
+    "scoped_environ",
+    "strip_expandable_segments",
     "text_decoder",
     "torch_dtype",
+    "track_engine",
+    "untrack_engine",
+    "vocab_size",
+    "weight_spec",
 ]
 
 Decode = Callable[[list[int]], str]

@@ -32,9 +32,20 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
-__all__ = ["ExitHandle", "at_exit", "pending_exit_cleanups", "run_exit_cleanups", "set_parent_death_signal"]
+__all__ = [
+    "ExitHandle",
+    "at_exit",
+    "live_engines",
+    "pending_exit_cleanups",
+    "run_exit_cleanups",
+    "set_parent_death_signal",
+    "track_engine",
+    "untrack_engine",
+]
 
 _log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
@@ -173,3 +184,37 @@ def run_exit_cleanups() -> None:
                 return
             handle = _HANDLES.pop()
         handle.run()
+
+
+# ---- the engines of this process ------------------------------------------------------------------------------
+_E = TypeVar("_E")
+_LIVE_LOCK = threading.Lock()
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def track_engine(engine: object) -> None:
+    """Count ``engine`` among this process's live engines, once it has started (weakly: it is not kept alive).
+
+    Backends whose engine holds process-global state (vLLM's parallel state, LightRFT's module-level
+    ``sgl_model_saver``) ask :func:`live_engines`; every backend tracks the same way, here.
+    """
+    with _LIVE_LOCK:
+        _LIVE.add(engine)
+
+
+def untrack_engine(engine: object, kind: type[_E] | None = None) -> list[_E]:
+    """Forget ``engine`` (at its shutdown); returns the tracked engines of ``kind`` left (none without it).
+
+    Forgetting and reading the rest is one step, so two engines shut down at once do not both find
+    themselves the last one.
+    """
+    with _LIVE_LOCK:
+        _LIVE.discard(engine)
+        return [] if kind is None else [e for e in list(_LIVE) if isinstance(e, kind)]
+
+
+def live_engines(kind: type[_E]) -> list[_E]:
+    """The tracked engines of ``kind`` (subclasses included) that are not shut down."""
+    with _LIVE_LOCK:
+        found = [e for e in list(_LIVE) if isinstance(e, kind)]
+    return [e for e in found if not getattr(e, "closed", False)]

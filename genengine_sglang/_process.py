@@ -16,29 +16,23 @@ import os
 import signal
 import threading
 import time
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from genengine.environ import scoped_environ, strip_expandable_segments
-from genengine.errors import BackendImportError, ConfigError, closest
+from genengine.backend import BackendImportError, ConfigError, closest, scoped_environ, strip_expandable_segments
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.settings import check_graph_memory_saver
 
 if TYPE_CHECKING:
-    from genengine.lifecycle import ExitHandle
-    from genengine_sglang.engine import SGLangEngine
+    from genengine.backend import ExitHandle
 
 __all__ = [
     "current_gpu",
     "engine_environment",
     "launch",
-    "live_engines",
     "return_sigterm",
     "settle_memory",
     "stop_sglang",
-    "track",
-    "untrack",
     "wait_processes_off_gpu",
 ]
 
@@ -56,22 +50,6 @@ _SCOPED_ENV = (
     "CUDA_MODULE_LOADING",
 )
 _MIB = 1 << 20
-
-_live: weakref.WeakSet[SGLangEngine] = weakref.WeakSet()
-
-
-# ---- the engines of this process -----------------------------------------------------------------------------
-def live_engines() -> list[SGLangEngine]:
-    """The engines of this process that are not shut down (what ``sgl_model_saver`` acts on)."""
-    return [e for e in list(_live) if not e.closed]
-
-
-def track(engine: SGLangEngine) -> None:
-    _live.add(engine)
-
-
-def untrack(engine: SGLangEngine) -> None:
-    _live.discard(engine)
 
 
 # ---- start -----------------------------------------------------------------------------------------------------
@@ -99,7 +77,7 @@ def launch(kwargs: Mapping[str, Any], *, enable_sleep: bool) -> tuple[Any, ExitH
     Every key is checked against ``ServerArgs`` first, so a typo is a ``ConfigError`` naming the closest
     argument rather than SGLang's ``TypeError`` after the import.
     """
-    from genengine.lifecycle import at_exit
+    from genengine.backend import at_exit
 
     try:
         from sglang.srt.entrypoints.engine import Engine

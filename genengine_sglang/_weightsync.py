@@ -11,6 +11,7 @@ synchronising loader (``_scheduler_hooks.load_weights_and_sync``) before it answ
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,17 @@ from genengine_sglang.settings import SYNC_LOADER
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["apply_payloads", "barrier", "producer_payload", "serialize"]
+__all__ = ["LoadCall", "apply_payloads", "barrier", "producer_payload", "serialize"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadCall:
+    """How the current load hands its tensors over (the protocol's ``load_weights`` or LightRFT's per-tensor
+    ``update_weights_from_tensor``)."""
+
+    mode: str
+    load_format: str | None
+    flush: bool
 
 
 def serialize(obj: Any) -> bytes:

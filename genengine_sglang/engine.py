@@ -4,43 +4,45 @@ One engine per tensor-parallel group: the group's first rank (its *leader*) owns
 the group's GPUs; every rank calls every method, the leader does the engine work, and its result (or error) is
 broadcast over the group's gloo group, so all ranks return the same thing or raise the same error. Sleep levels
 map onto SGLang's memory-saver tags ``weights``, ``kv_cache``, ``cuda_graph`` (docs/upstream.md); async requests
-are served by the leader through SGLang's own calls (:mod:`genengine_sglang._async`, docs/async.md). LightRFT's
-API is the subclass in :mod:`genengine_sglang.lightrft`; this class is the protocol alone.
+are served by the leader through SGLang's own calls (:mod:`genengine_sglang._async`, on the loop that
+:mod:`genengine_sglang._loop` runs; docs/async.md). LightRFT's API is the subclass in
+:mod:`genengine_sglang.lightrft`, which nothing here imports; this class is the protocol alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import pickle
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
-from genengine.aio import AsyncEngineBase
-from genengine.checkpoint import read_model_config, vocab_size, weight_spec
-from genengine.config import EngineConfig
+from genengine.backend import (
+    TAG_KV_CACHE,
+    TAG_WEIGHTS,
+    AsyncEngineBase,
+    CollectiveTimeoutError,
+    EngineConfig,
+    EngineStateError,
+    GenEngineError,
+    GenerationResult,
+    InconsistentInputsError,
+    InvalidArgumentError,
+    LoadReport,
+    Request,
+    read_model_config,
+    track_engine,
+    untrack_engine,
+    vocab_size,
+    weight_spec,
+)
 from genengine.distributed import (
     EngineGroup,
     check_port_free,
-    compute_topology,
-    default_collective_timeout_s,
-    engine_group,
-    parse_cuda_visible_devices,
 )
-from genengine.errors import (
-    CollectiveTimeoutError,
-    DistributedSetupError,
-    EngineStateError,
-    GenEngineError,
-    InconsistentInputsError,
-    InvalidArgumentError,
-)
-from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, GenerationResult, LoadReport
-from genengine.requests import Request
 from genengine_sglang import _process, _weightsync
-from genengine_sglang._process import live_engines
+from genengine_sglang._group import collective_timeout, make_group, portable_error
+from genengine_sglang._weightsync import LoadCall
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.mapping import build_entries, results_from_sglang
 from genengine_sglang.settings import (
@@ -54,75 +56,17 @@ from genengine_sglang.settings import (
 if TYPE_CHECKING:
     import torch
 
-    from genengine.aio import AsyncRequest
-    from genengine.lifecycle import ExitHandle
-    from genengine.weights import WeightInfo
-    from genengine_sglang._async import AsyncSGLang, LoopDriver
+    from genengine.backend import AsyncRequest, ExitHandle, WeightInfo
+    from genengine_sglang._async import AsyncDriver
+    from genengine_sglang._loop import LoopThread
 
-__all__ = ["TAG_CUDA_GRAPH", "SGLangEngine", "live_engines"]
+__all__ = ["TAG_CUDA_GRAPH", "SGLangEngine"]
 
 TAG_CUDA_GRAPH = "cuda_graph"
 T = TypeVar("T")
 _E = TypeVar("_E", bound="SGLangEngine")
 
 _seed_warned = False
-
-
-# ---- groups ------------------------------------------------------------------------------------------------
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist
-
-
-def _timeout(settings: SGLangSettings) -> float:
-    return settings.collective_timeout_s or default_collective_timeout_s()
-
-
-def _make_group(settings: SGLangSettings, *, require_distributed: bool) -> tuple[EngineGroup, bool]:
-    """This rank's group from the trainer's world (or a lone one), and whether its engine port was checked."""
-    dist = _dist()
-    if dist.is_available() and dist.is_initialized():
-        group = engine_group(
-            settings.tp_size, base_port=settings.base_port, check_port=True, timeout_s=_timeout(settings)
-        )
-        return group, True
-    if require_distributed or settings.tp_size > 1:
-        raise DistributedSetupError(
-            "torch.distributed is not initialised: the trainer owns the process group and must call "
-            "torch.distributed.init_process_group() before an engine is created"
-            + (f" (tp_size={settings.tp_size} needs a group of that many ranks)" if settings.tp_size > 1 else "")
-        )
-    topo = compute_topology(
-        0, 1, 0, 1, 1, parse_cuda_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES")), settings.base_port
-    )
-    gpu = _process.current_gpu()
-    if gpu is not None and gpu != topo.gpu_id:  # a lone engine serves the GPU this process already uses
-        topo = dataclasses.replace(topo, gpu_id=gpu, base_gpu_id=gpu, gpu_ids=(gpu,))
-    return EngineGroup(topo, None, None, "gloo", _timeout(settings)), False  # type: ignore[arg-type]
-
-
-def _portable(exc: BaseException, rank: int) -> BaseException:
-    """The leader's error as it will be raised on the other ranks."""
-    if isinstance(exc, GenEngineError):
-        try:
-            pickle.loads(pickle.dumps(exc))
-            return exc
-        except Exception:
-            pass
-        base: type[GenEngineError] = type(exc) if isinstance(exc, SGLangEngineError) else SGLangEngineError
-        return base(f"on the TP leader (rank {rank}): {exc}")
-    return SGLangEngineError(f"{type(exc).__name__} on the TP leader (rank {rank}): {exc}")
-
-
-@dataclasses.dataclass(frozen=True)
-class _LoadCall:
-    """How the current load hands its tensors over (the protocol's ``load_weights`` or LightRFT's per-tensor
-    ``update_weights_from_tensor``)."""
-
-    mode: str
-    load_format: str | None
-    flush: bool
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
@@ -144,13 +88,13 @@ class SGLangEngine(AsyncEngineBase):
         """
         port_checked = False
         if group is None:
-            group, port_checked = _make_group(settings, require_distributed=require_distributed)
+            group, port_checked = make_group(settings, require_distributed=require_distributed)
         super().__init__(sleep_enabled=settings.enable_sleep, bucket_bytes=settings.bucket_bytes)
         self._settings = settings
         self._group = group
         self._engine: Any = None
-        self._driver: LoopDriver | None = None
-        self._aio: AsyncSGLang | None = None
+        self._loop_thread: LoopThread | None = None
+        self._driver: AsyncDriver | None = None
         self._cache_epoch = 0
         """Bumped when a weight load cannot flush SGLang's prefix cache (requests hold their KV in an in-place
         pause): requests from then on use a radix-cache namespace of their own (``_cache_key``)."""
@@ -158,7 +102,7 @@ class SGLangEngine(AsyncEngineBase):
         self._processor: str | None = None
         self._sgl_released: set[str] = set()
         self._unsynced = False
-        self._load_call: _LoadCall | None = None
+        self._load_call: LoadCall | None = None
         self._gpu: torch.device | None = None
         config = read_model_config(settings.model_path)
         self._vocab = vocab_size(config)
@@ -174,7 +118,7 @@ class SGLangEngine(AsyncEngineBase):
             self._start(port)
 
         self._on_leader("start the engine", start)
-        _process.track(self)
+        track_engine(self)
 
     @classmethod
     def from_config(cls: type[_E], config: EngineConfig) -> _E:
@@ -229,7 +173,7 @@ class SGLangEngine(AsyncEngineBase):
                 payload = ("ok", fn())
             except Exception as exc:
                 error = exc
-                payload = ("err", _portable(exc, g.topology.rank))
+                payload = ("err", portable_error(exc, g.topology.rank))
         kind, value = g.broadcast_object(payload, op=op)
         if kind == "err":
             if error is not None:
@@ -240,11 +184,11 @@ class SGLangEngine(AsyncEngineBase):
     def _start(self, port: int) -> None:
         kwargs = server_kwargs(self._settings, base_gpu_id=self._base_gpu_id, port=port)
         self._engine, self._exit = _process.launch(kwargs, enable_sleep=self._settings.enable_sleep)
-        from genengine_sglang._async import LoopDriver
         from genengine_sglang._logits import serialized_processor
+        from genengine_sglang._loop import LoopThread
 
         # A delegated SGLang call gets the engine's own bound (the collective timeout), as every rank waits that long.
-        self._driver = LoopDriver(self._engine.loop, call_timeout_s=_timeout(self._settings))
+        self._loop_thread = LoopThread(self._engine.loop, call_timeout_s=collective_timeout(self._settings))
         self._processor = serialized_processor()
 
     def _device(self) -> torch.device | None:
@@ -260,8 +204,8 @@ class SGLangEngine(AsyncEngineBase):
     def _sgl(self, fn: Callable[[], T], what: str = "an SGLang call") -> T:
         """Run a sync SGLang call (one that runs SGLang's event loop) with the loop to itself: in this thread,
         or, while async requests keep the loop running in ours (or this thread is inside a coroutine, where
-        SGLang's loop cannot run), on that thread (``_async.LoopDriver``). ``what`` names it in errors."""
-        driver = self._driver
+        SGLang's loop cannot run), on that thread (``_loop.LoopThread``). ``what`` names it in errors."""
+        driver = self._loop_thread
         return fn() if driver is None else driver.call(fn, what)
 
     def _cache_key(self) -> str | None:
@@ -269,8 +213,8 @@ class SGLangEngine(AsyncEngineBase):
         return None if self._cache_epoch == 0 else f"genengine-weights-{self._cache_epoch}"
 
     def _check_sync_generate(self) -> None:
-        if self._aio is not None:
-            self._aio.check_not_paused_in_place("generate")
+        if self._driver is not None:
+            self._driver.check_not_paused_in_place("generate")
 
     def _check_request_kinds(self, requests: Sequence[Request]) -> None:
         if not self._multimodal and any(r.image is not None for r in requests):
@@ -344,8 +288,8 @@ class SGLangEngine(AsyncEngineBase):
             tags.insert(0, TAG_WEIGHTS)
 
         def run() -> None:
-            if self._aio is not None:
-                self._aio.quiesce("sleep")  # SGLang's release_memory_occupation asserts it is idle
+            if self._driver is not None:
+                self._driver.quiesce("sleep")  # SGLang's release_memory_occupation asserts it is idle
             self._sgl(lambda: self._engine.release_memory_occupation(tags=tags), "SGLang's release_memory_occupation")
 
         self._on_leader("sleep", run)
@@ -366,7 +310,7 @@ class SGLangEngine(AsyncEngineBase):
     def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         import torch
 
-        call = self._load_call or _LoadCall(self._settings.weight_sync_mode, None, True)
+        call = self._load_call or LoadCall(self._settings.weight_sync_mode, None, True)
         names = [name for name, _ in bucket]
         payload, keep = _weightsync.producer_payload(call.mode, bucket, self._device())
         gathered = self._group.gather_object((names, payload))
@@ -407,7 +351,7 @@ class SGLangEngine(AsyncEngineBase):
         tensor of the flattened mode) counts in full, so ``bucket_bytes`` still bounds the extra memory."""
         import torch
 
-        mode = (self._load_call or _LoadCall(self._settings.weight_sync_mode, None, True)).mode
+        mode = (self._load_call or LoadCall(self._settings.weight_sync_mode, None, True)).mode
         in_place = type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_contiguous()
         if mode == "handles" and in_place and tensor.device == self._device():
             return 0
@@ -436,7 +380,7 @@ class SGLangEngine(AsyncEngineBase):
         ``flush_cache_after_weight_update`` asserts it): new requests get a fresh radix namespace instead, so none
         reuses a prefix computed with the old weights. Otherwise waits until SGLang has finished what was
         aborted, so that the flush finds it idle."""
-        aio = self._aio
+        aio = self._driver
         if aio is None:
             return False
         if aio.keeps_kv():
@@ -474,7 +418,7 @@ class SGLangEngine(AsyncEngineBase):
                 pids = self._on_leader("shutdown", stop)
         finally:
             self._engine = None
-            _process.untrack(self)
+            untrack_engine(self)
         _process.wait_processes_off_gpu(pids, self._group.topology.gpu_id, self._settings.release_timeout_s)
         self._settle_memory()
 
@@ -520,14 +464,14 @@ class SGLangEngine(AsyncEngineBase):
         check_finite: bool = False,
         version: int | None = None,
     ) -> LoadReport:
-        call = _LoadCall(self._settings.weight_sync_mode, None, True)
+        call = LoadCall(self._settings.weight_sync_mode, None, True)
         return self._load(named_tensors, bucket_bytes, call, check_finite=check_finite, version=version)
 
     def _load(
         self,
         named_tensors: Any,
         bucket_bytes: int | None,
-        call: _LoadCall,
+        call: LoadCall,
         *,
         check_finite: bool = False,
         version: int | None = None,
@@ -577,21 +521,21 @@ class SGLangEngine(AsyncEngineBase):
                 "on the leader (the synchronous calls stay collective)"
             )
 
-    def _async_driver(self) -> AsyncSGLang:
-        if self._aio is None:
-            from genengine_sglang._async import AsyncSGLang
+    def _async_driver(self) -> AsyncDriver:
+        if self._driver is None:
+            from genengine_sglang._async import AsyncDriver
 
-            assert self._driver is not None and self._engine is not None  # on the leader, started
-            self._aio = AsyncSGLang(
-                self._driver,
+            assert self._loop_thread is not None and self._engine is not None  # on the leader, started
+            self._driver = AsyncDriver(
+                self._loop_thread,
                 self._engine.tokenizer_manager,
                 deterministic=self._settings.deterministic,
                 processor=self._processor,
                 extra_key=self._cache_key,
-                timeout_s=_timeout(self._settings),
+                timeout_s=collective_timeout(self._settings),
                 dead=functools.partial(_process.dead_processes, self._engine),
             )
-        return self._aio
+        return self._driver
 
     def _async_start(self, request: AsyncRequest) -> None:
         aio = self._async_driver()
@@ -606,8 +550,8 @@ class SGLangEngine(AsyncEngineBase):
         aio.start(request, entries)
 
     def _async_abort(self, requests: list[AsyncRequest]) -> None:
-        if self._aio is not None:
-            self._aio.abort(requests)
+        if self._driver is not None:
+            self._driver.abort(requests)
 
     def _async_hold(self, clear_cache: bool) -> None:
         self._async_driver().hold(clear_cache)
@@ -631,19 +575,14 @@ class SGLangEngine(AsyncEngineBase):
         """Shutdown with requests in flight: each ends "abort" with the tokens it has, queued ones with none;
         then the loop's thread stops."""
         try:
-            if self._aio is not None:
-                self._aio.close()
-            elif self._driver is not None:
+            if self._driver is not None:
                 self._driver.close()
+            elif self._loop_thread is not None:
+                self._loop_thread.close()
         except Exception as exc:  # SGLang's processes are stopped all the same
             warnings.warn(f"stopping the async requests failed: {exc!r}", RuntimeWarning, stacklevel=2)
         finally:
-            state = self._async_state()
-            with state.lock:
-                queued, state.queued = state.queued, []
-            for request in queued:
-                for index in request.unfinished():
-                    request.finish(index, "abort")
+            self._abort_queued()
 
 
 def _warn_seed() -> None:
@@ -656,16 +595,3 @@ def _warn_seed() -> None:
             RuntimeWarning,
             stacklevel=4,
         )
-
-
-# LEGACY: LightRFT's names lived here before genengine_sglang.lightrft; resolved lazily (that module imports
-# this one).
-_MOVED = ("RLGenerationEngine", "get_sglang_engine", "get_sglang_engine_for_rollout")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from genengine_sglang import lightrft
-
-        return getattr(lightrft, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from genengine.errors import GenEngineError
+from genengine.backend import GenEngineError
 
 __all__ = ["SGLangEngineError"]
 

@@ -13,11 +13,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
-from genengine.config import EngineConfig
+from genengine.backend import (
+    ConfigError,
+    DistributedSetupError,
+    EngineConfig,
+    InconsistentInputsError,
+    InvalidArgumentError,
+    check_reference_args,
+)
 from genengine.distributed import EngineGroup, topology_from_env
-from genengine.engine_args import check_reference_args
-from genengine.errors import ConfigError, DistributedSetupError, InconsistentInputsError, InvalidArgumentError
-from genengine_sglang.engine import SGLangEngine, _dist, _LoadCall, _timeout
+from genengine_sglang._group import collective_timeout, torch_dist
+from genengine_sglang._weightsync import LoadCall
+from genengine_sglang.engine import SGLangEngine
 from genengine_sglang.settings import (
     OUR_OPTIONS,
     SGLangSettings,
@@ -30,7 +37,7 @@ from genengine_sglang.settings import (
 if TYPE_CHECKING:
     import torch
 
-    from genengine.protocol import GenerationResult
+    from genengine.backend import GenerationResult
 
 __all__ = ["RLGenerationEngine", "get_sglang_engine", "get_sglang_engine_for_rollout"]
 
@@ -141,7 +148,7 @@ def _reference_construction(
     without ``tp_group_cpu`` the group is left to ``SGLangEngine`` (this rank alone)."""
     if tp_group_cpu is None:
         return _settings_from_engine_kwargs(kwargs, None), None
-    dist = _dist()
+    dist = torch_dist()
     if not (dist.is_available() and dist.is_initialized()):
         raise DistributedSetupError("tp_group_cpu was given but torch.distributed is not initialised")
     settings = _settings_from_engine_kwargs(kwargs, dist.get_world_size(tp_group_cpu))
@@ -150,7 +157,7 @@ def _reference_construction(
 
 def _group_from_process_group(pg: Any, settings: SGLangSettings, num_gpu_per_node: int) -> EngineGroup:
     """An ``EngineGroup`` over the reference's ``tp_group_cpu`` (a gloo group of contiguous ranks)."""
-    dist = _dist()
+    dist = torch_dist()
     if not (dist.is_available() and dist.is_initialized()):
         raise DistributedSetupError("tp_group_cpu was given but torch.distributed is not initialised")
     ranks = tuple(dist.get_process_group_ranks(pg))
@@ -168,7 +175,7 @@ def _group_from_process_group(pg: Any, settings: SGLangSettings, num_gpu_per_nod
             f"tp_group_cpu holds ranks {list(ranks)}, but rank {topo.rank}'s TP group of contiguous ranks is "
             f"{list(topo.tp_group_ranks)}"
         )
-    return EngineGroup(topo, pg, pg, "gloo", _timeout(settings))
+    return EngineGroup(topo, pg, pg, "gloo", collective_timeout(settings))
 
 
 def _settings_from_engine_kwargs(kwargs: dict[str, Any], tp_size: int | None) -> SGLangSettings:
@@ -407,7 +414,7 @@ class RLGenerationEngine(SGLangEngine):
             raise InvalidArgumentError(f"flush_cache={flush_cache!r} must be True or False")
         if load_format is not None and not isinstance(load_format, str):
             raise InvalidArgumentError(f"load_format={load_format!r} must be None or a string")
-        self._load([(name, tensor)], None, _LoadCall("per_param", load_format, flush_cache))
+        self._load([(name, tensor)], None, LoadCall("per_param", load_format, flush_cache))
 
 
 def _flat_ids(value: Any) -> bool:

@@ -11,9 +11,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from genengine.errors import InvalidArgumentError
-from genengine.protocol import FinishReason, GenerationOutput, GenerationResult, SamplingParams
-from genengine.requests import Request
+from genengine.backend import (
+    FinishReason,
+    GenerationOutput,
+    GenerationResult,
+    InvalidArgumentError,
+    Request,
+    SamplingParams,
+)
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.settings import LOGIT_PROCESSOR_PARAM
 

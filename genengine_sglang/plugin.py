@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from genengine.hookspecs import RegisterBackend, hookimpl
+from genengine.backend import RegisterBackend, hookimpl
 
 
 @hookimpl
 def register_backends(register: RegisterBackend) -> None:
-    # RLGenerationEngine, not the protocol class SGLangEngine it extends: create_engine's SGLang engines have
-    # always answered LightRFT's calls too (tests/gpu/test_sglang_gpu.py::test_reference_face relies on it).
+    # The protocol class, as the vLLM plugin registers its own. LightRFT's face (RLGenerationEngine) sits on
+    # top of it: create_engine(backend=RLGenerationEngine, ...) or genengine_sglang.get_sglang_engine.
     register(
         "sglang",
-        "genengine_sglang.lightrft:RLGenerationEngine.from_config",
+        "genengine_sglang.engine:SGLangEngine.from_config",
         requires=("sglang",),
         install_hint="pip install 'genengine[sglang]'",
         description="SGLang 0.5.17, one engine per tensor-parallel group, owned by the group leader",

@@ -10,7 +10,7 @@ __all__ = ["raw_tokens_per_second", "start_raw_engine", "stop_raw_engine"]
 
 def start_raw_engine(config: Any, **overrides: Any) -> Any:
     """An ``sglang.Engine`` with the server arguments genengine would use for ``config`` (minus its hooks)."""
-    from genengine.config import EngineConfig
+    from genengine.backend import EngineConfig
     from genengine_sglang._process import current_gpu, engine_environment
     from genengine_sglang.settings import resolve_settings, server_kwargs
 

@@ -14,9 +14,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from genengine.checkpoint import resolve_model_dir
-from genengine.config import EngineConfig, check_options, option_bool, option_int, option_number
-from genengine.errors import ConfigError, InvalidArgumentError
+from genengine.backend import (
+    ConfigError,
+    EngineConfig,
+    InvalidArgumentError,
+    check_options,
+    option_bool,
+    option_int,
+    option_number,
+    resolve_model_dir,
+)
 from genengine_sglang._server_args import SERVER_ARGS_FIELDS
 
 __all__ = [

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from genengine.errors import InvalidArgumentError
+from genengine.backend import InvalidArgumentError, live_engines
 
 if TYPE_CHECKING:
     from genengine_sglang.engine import SGLangEngine
@@ -22,11 +22,10 @@ __all__ = ["release_memory_occupation", "resume_memory_occupation"]
 
 
 def _engines(engine: Any) -> list[SGLangEngine]:
-    from genengine_sglang._process import live_engines
     from genengine_sglang.engine import SGLangEngine
 
     if engine is None:
-        return live_engines()
+        return live_engines(SGLangEngine)
     if not isinstance(engine, SGLangEngine):
         raise InvalidArgumentError(
             f"expected a genengine_sglang RLGenerationEngine (or None for every live engine), got "

@@ -23,16 +23,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from genengine.aio import DriverLock
-from genengine.errors import EngineClosedError, EngineStateError, InvalidArgumentError
+from genengine.backend import DriverLock, EngineClosedError, EngineStateError, InvalidArgumentError
 from genengine_vllm.mapping import completion_delta
 
 _log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    from genengine.aio import AsyncRequest
+    from genengine.backend import AsyncRequest
 
-__all__ = ["Driver", "SyncBatch", "engine_stream"]
+__all__ = ["AsyncDriver", "SyncBatch", "engine_stream"]
 
 _DRAIN_STEPS = 16
 """Steps a pause may take to collect the batch still in flight (async scheduling keeps at most 2)."""
@@ -70,7 +69,7 @@ def engine_stream(cuda: tuple[int, Any] | None) -> Iterator[None]:
 
 
 @dataclass
-class _Sample:
+class _InFlight:
     """One vLLM request (always ``n=1``): completion ``index`` of an async request."""
 
     request: AsyncRequest
@@ -98,10 +97,10 @@ class SyncBatch:
         return self.outputs
 
 
-class Driver:
+class AsyncDriver:
     """Steps vLLM's ``LLMEngine`` on its own thread while streamed (or driver-served sync) requests live.
 
-    Every method but :meth:`wake` and :meth:`stop` is called with the :class:`~genengine.aio.DriverLock` held.
+    Every method but :meth:`wake` and :meth:`close` is called with the :class:`~genengine.aio.DriverLock` held.
     """
 
     def __init__(self, llm: Any, lock: DriverLock, *, detokenize: bool, cuda: tuple[int, Any] | None) -> None:
@@ -111,7 +110,7 @@ class Driver:
         self.lock = lock
         self.detokenize = detokenize
         self._cuda = cuda
-        self.samples: dict[str, _Sample] = {}
+        self.samples: dict[str, _InFlight] = {}
         self.by_request: dict[int, list[str]] = {}  # id(AsyncRequest) -> its vLLM request ids
         self.sync: dict[str, tuple[SyncBatch, int]] = {}
         self.held = False
@@ -143,7 +142,7 @@ class Driver:
         return bool(self.samples or self.sync)
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def add(self, request: AsyncRequest, inputs: list[tuple[dict[str, Any], Any]]) -> None:
+    def start(self, request: AsyncRequest, inputs: list[tuple[dict[str, Any], Any]]) -> None:
         """Hand vLLM one single-sample request per completion; a refusal adds none of them. A request that
         ended meanwhile (aborted from another thread before it got here) is not handed over."""
         from vllm.sampling_params import RequestOutputKind
@@ -154,7 +153,7 @@ class Driver:
 
         ids = self._add(inputs, "a", RequestOutputKind.DELTA, request)
         for index, vid in enumerate(ids):
-            self.samples[vid] = _Sample(request, index)
+            self.samples[vid] = _InFlight(request, index)
         self.by_request[id(request)] = ids
 
     def submit_sync(self, prompts: list[dict[str, Any]], params: list[Any]) -> SyncBatch:
@@ -238,7 +237,7 @@ class Driver:
                 if not batch.remaining:
                     batch.done.set()
 
-    def _report(self, vid: str, sample: _Sample, out: Any) -> None:
+    def _report(self, vid: str, sample: _InFlight, out: Any) -> None:
         request = sample.request
         try:
             for completion in out.outputs:  # one: every request here has n=1
@@ -378,7 +377,7 @@ class Driver:
             batch.error = exc
             batch.done.set()
 
-    def stop(self) -> None:
+    def close(self) -> None:
         """Abort every request (streams end with "abort", keeping their tokens), fail a driver-served
         ``generate`` with ``EngineClosedError``, and end the thread."""
         with self.lock():

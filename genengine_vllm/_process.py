@@ -12,13 +12,20 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from genengine.environ import ALLOC_CONF, scoped_environ, strip_expandable_segments
-from genengine.errors import BackendImportError, DistributedSetupError, EngineStateError
+from genengine.backend import (
+    ALLOC_CONF,
+    BackendImportError,
+    DistributedSetupError,
+    EngineStateError,
+    scoped_environ,
+    strip_expandable_segments,
+)
 
 if TYPE_CHECKING:
     from genengine.distributed import Topology
 
 __all__ = [
+    "PROCESS_STATE",
     "check_sleep_slot",
     "claim_sleep_slot",
     "import_vllm",
@@ -36,16 +43,16 @@ class _ProcessState:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.live: weakref.WeakSet[Any] = weakref.WeakSet()
         self.sleep_owner: weakref.ref[Any] | None = None
         self.vllm_world: Any = None  # the default group vLLM created itself (no trainer world)
 
 
-_STATE = _ProcessState()
+PROCESS_STATE = _ProcessState()
+"""This process's one vLLM sleep allocator owner and the default group vLLM made itself (take its ``lock``)."""
 
 
 def _sleep_owner() -> Any:
-    owner = _STATE.sleep_owner() if _STATE.sleep_owner is not None else None
+    owner = PROCESS_STATE.sleep_owner() if PROCESS_STATE.sleep_owner is not None else None
     if owner is not None and getattr(owner, "closed", False):
         return None
     return owner
@@ -81,15 +88,15 @@ def check_sleep_slot(owner: object | None, what: str) -> None:
 
 def claim_sleep_slot(owner: object, what: str) -> None:
     """Reserve vLLM's one-per-process sleep allocator for ``owner``; raise if another engine holds it."""
-    with _STATE.lock:
+    with PROCESS_STATE.lock:
         check_sleep_slot(owner, what)
-        _STATE.sleep_owner = weakref.ref(owner)
+        PROCESS_STATE.sleep_owner = weakref.ref(owner)
 
 
 def release_sleep_slot(owner: object) -> None:
-    with _STATE.lock:
-        if _STATE.sleep_owner is not None and _STATE.sleep_owner() in (owner, None):
-            _STATE.sleep_owner = None
+    with PROCESS_STATE.lock:
+        if PROCESS_STATE.sleep_owner is not None and PROCESS_STATE.sleep_owner() in (owner, None):
+            PROCESS_STATE.sleep_owner = None
 
 
 @contextlib.contextmanager
@@ -167,7 +174,7 @@ def trainer_world(tp_size: int, *, require: bool = False) -> Topology | None:
     import torch.distributed as dist
 
     initialised = dist.is_available() and dist.is_initialized()
-    if initialised and _STATE.vllm_world is not None and dist.group.WORLD is _STATE.vllm_world:
+    if initialised and PROCESS_STATE.vllm_world is not None and dist.group.WORLD is PROCESS_STATE.vllm_world:
         initialised = False  # the one-rank group an earlier engine of this process made: not a trainer's
     if not initialised:
         if require:

@@ -17,15 +17,26 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from genengine.aio import AsyncEngineBase, DriverLock
-from genengine.checkpoint import vocab_size, weight_spec
-from genengine.config import EngineConfig
-from genengine.environ import scoped_environ
-from genengine.errors import EngineStateError, InvalidArgumentError
-from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, EngineState, GenerationResult, LoadReport
-from genengine_vllm._async import Driver, engine_stream
+from genengine.backend import (
+    TAG_KV_CACHE,
+    TAG_WEIGHTS,
+    AsyncEngineBase,
+    DriverLock,
+    EngineConfig,
+    EngineState,
+    EngineStateError,
+    GenerationResult,
+    InvalidArgumentError,
+    LoadReport,
+    scoped_environ,
+    track_engine,
+    untrack_engine,
+    vocab_size,
+    weight_spec,
+)
+from genengine_vllm._async import AsyncDriver, engine_stream
 from genengine_vllm._process import (
-    _STATE,
+    PROCESS_STATE,
     check_sleep_slot,
     claim_sleep_slot,
     import_vllm,
@@ -42,10 +53,8 @@ from genengine_vllm.settings import WEIGHT_SYNC_MODES, VLLMSettings, build_llm_k
 if TYPE_CHECKING:
     import torch
 
-    from genengine.aio import AsyncRequest
+    from genengine.backend import AsyncRequest, Request, WeightInfo
     from genengine.distributed import EngineGroup, Topology
-    from genengine.requests import Request
-    from genengine.weights import WeightInfo
 
 __all__ = ["VLLMEngine"]
 
@@ -116,7 +125,7 @@ class VLLMEngine(AsyncEngineBase):
         self._max_model_len = 0
         self._multimodal = False
         self._lock = DriverLock()  # every call into vLLM: the async driver steps it from its own thread
-        self._driver: Driver | None = None
+        self._driver: AsyncDriver | None = None
         self._cuda: tuple[int, Any] | None = None
         group_index = topology.dp_rank if topology is not None else 0
         self.group_seed = settings.seed + group_index
@@ -129,8 +138,7 @@ class VLLMEngine(AsyncEngineBase):
             self._life.close()
             release_sleep_slot(self)
             raise
-        with _STATE.lock:
-            _STATE.live.add(self)
+        track_engine(self)
 
     # -- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -147,7 +155,7 @@ class VLLMEngine(AsyncEngineBase):
         settings = resolve_settings(config)
         topology = trainer_world(settings.tp_size, require=require_distributed)
         if settings.enable_sleep:
-            with _STATE.lock:
+            with PROCESS_STATE.lock:
                 check_sleep_slot(None, f"VLLMEngine({settings.model!r})")
         import_vllm()
         return cls(settings, topology)
@@ -178,7 +186,7 @@ class VLLMEngine(AsyncEngineBase):
                 cleanup_dist_env_and_memory()
             raise
         if not had_world and dist.is_available() and dist.is_initialized():
-            _STATE.vllm_world = dist.group.WORLD
+            PROCESS_STATE.vllm_world = dist.group.WORLD
         self._llm = llm
         from vllm.v1.engine.core_client import InprocClient
 
@@ -366,7 +374,8 @@ class VLLMEngine(AsyncEngineBase):
             )
 
     # -- async (genengine.aio's hooks; genengine_vllm._async drives vLLM) ---------------------------------------
-    def _check_async(self) -> None:
+    def _check_async_available(self) -> None:
+        """Async requests need one engine core that admits, aborts and pauses them: ``tp_size=1`` only."""
         if self.settings.tp_size > 1:
             raise EngineStateError(
                 f"the async calls are not available with tp_size={self.settings.tp_size}: every rank of the TP "
@@ -374,20 +383,19 @@ class VLLMEngine(AsyncEngineBase):
                 "different steps (see docs/async.md, vLLM); use tp_size=1 engines or the synchronous generate()"
             )
 
-    def _ensure_driver(self) -> Driver:
+    def _async_driver(self) -> AsyncDriver:
         if self._driver is None:
-            self._driver = Driver(
+            self._driver = AsyncDriver(
                 self._llm, self._lock, detokenize=not self.settings.skip_tokenizer_init, cuda=self._cuda
             )
         return self._driver
 
     def _async_start(self, request: AsyncRequest) -> None:
-        self._check_async()
         self._check_requests([request.request])
         inputs = self._vllm_requests(request.request, one_per_sample=True)
         with self._lock():
-            driver = self._ensure_driver()
-            driver.add(request, inputs)
+            driver = self._async_driver()
+            driver.start(request, inputs)
         driver.wake()
 
     def _async_abort(self, requests: list[AsyncRequest]) -> None:
@@ -402,13 +410,12 @@ class VLLMEngine(AsyncEngineBase):
         driver.wake()  # it steps the batch in flight back
 
     def _async_hold(self, clear_cache: bool) -> None:
-        self._check_async()
         with self._lock():
-            self._ensure_driver().hold(clear_cache)
+            self._async_driver().hold(clear_cache)
 
     def _async_release_hold(self) -> None:
         with self._lock():
-            driver = self._ensure_driver()
+            driver = self._async_driver()
             driver.release()
         driver.wake()
 
@@ -480,19 +487,16 @@ class VLLMEngine(AsyncEngineBase):
     def _shutdown(self) -> None:
         driver, self._driver = self._driver, None
         if driver is not None:
-            driver.stop()  # streams in flight end with "abort", keeping their tokens
+            driver.close()  # streams in flight end with "abort", keeping their tokens
         llm, self._llm = self._llm, None
         try:
             # EngineBase woke every released tag first (wake_before_shutdown); when that wake failed, memory is
             # still unmapped and freeing it would poison the process's allocator: leave it to process exit.
             if llm is not None and not self.released_tags:
-                with _STATE.lock:
-                    _STATE.live.discard(self)
-                    last = not any(e is not self for e in _STATE.live)
+                last = not untrack_engine(self, VLLMEngine)
                 self._teardown(llm, last=last)
         finally:
-            with _STATE.lock:
-                _STATE.live.discard(self)
+            untrack_engine(self)
             self._life.close()
             release_sleep_slot(self)
         # Only now is the last reference to vLLM's objects gone (this frame's ``llm`` kept the model and the
@@ -510,7 +514,7 @@ class VLLMEngine(AsyncEngineBase):
             with keep_default_group(in_trainer_world):
                 client.shutdown()
             if not in_trainer_world:
-                _STATE.vllm_world = None
+                PROCESS_STATE.vllm_world = None
         else:
             # Another engine of this process still uses vLLM's process-global parallel state: free only ours.
             core = client.engine_core

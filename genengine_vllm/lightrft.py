@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from genengine.checkpoint import resolve_model_dir
-from genengine.config import EngineConfig
-from genengine.engine_args import check_reference_args
-from genengine.errors import InvalidArgumentError
+from genengine.backend import EngineConfig, InvalidArgumentError, check_reference_args, resolve_model_dir
 from genengine_vllm.engine import VLLMEngine
 
 __all__ = ["get_vllm_engine"]

@@ -12,8 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from genengine.errors import EngineStateError, InvalidArgumentError
-from genengine.protocol import FinishReason, GenerationOutput, GenerationResult, SamplingParams
+from genengine.backend import (
+    EngineStateError,
+    FinishReason,
+    GenerationOutput,
+    GenerationResult,
+    InvalidArgumentError,
+    SamplingParams,
+)
 
 __all__ = [
     "MIN_TEMPERATURE",

@@ -6,7 +6,7 @@ import gc
 import time
 from typing import Any
 
-from genengine.config import EngineConfig
+from genengine.backend import EngineConfig
 
 __all__ = ["raw_tokens_per_second"]
 
@@ -21,9 +21,9 @@ def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_ne
 
     import torch
 
-    from genengine.environ import scoped_environ
+    from genengine.backend import scoped_environ
     from genengine_vllm._process import (
-        _STATE,
+        PROCESS_STATE,
         claim_sleep_slot,
         import_vllm,
         keep_default_group,
@@ -69,7 +69,7 @@ def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_ne
             with keep_default_group(topology is not None):
                 llm.llm_engine.engine_core.shutdown()
             if topology is None:
-                _STATE.vllm_world = None
+                PROCESS_STATE.vllm_world = None
             del llm
             gc.collect()
             torch.cuda.empty_cache()

@@ -13,11 +13,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from genengine.checkpoint import read_model_config, resolve_model_dir
-from genengine.config import EngineConfig, check_options, option_bool
-from genengine.engine_args import REFERENCE_DTYPES
-from genengine.errors import ConfigError
-from genengine.weights import DEFAULT_BUCKET_BYTES
+from genengine.backend import (
+    DEFAULT_BUCKET_BYTES,
+    REFERENCE_DTYPES,
+    ConfigError,
+    EngineConfig,
+    check_options,
+    option_bool,
+    read_model_config,
+    resolve_model_dir,
+)
 
 __all__ = [
     "DTYPES",

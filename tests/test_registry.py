@@ -233,3 +233,28 @@ def test_all_errors_share_one_base() -> None:
     classes = [getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)]
     assert len(classes) > 10
     assert all(issubclass(c, GenEngineError) for c in classes)
+
+
+def test_live_engine_tracking_is_per_class_and_drops_closed_engines() -> None:
+    """The one tracker both plugins use: ``live_engines(kind)`` lists the tracked, unclosed engines of that
+    class; ``untrack_engine(e, kind)`` forgets ``e`` and returns the others of ``kind`` in the same step."""
+    from genengine.backend import live_engines, track_engine, untrack_engine
+
+    class A:
+        closed = False
+
+    class B(A):
+        pass
+
+    a, b, c = A(), B(), B()
+    for engine in (a, b, c):
+        track_engine(engine)
+    try:
+        assert set(live_engines(B)) == {b, c} and set(live_engines(A)) == {a, b, c}
+        c.closed = True
+        assert live_engines(B) == [b]
+        assert untrack_engine(b, B) == [c]  # still tracked (closed only): vLLM's "last engine" reads this
+        assert untrack_engine(c, B) == [] and live_engines(A) == [a]
+    finally:
+        for engine in (a, b, c):
+            untrack_engine(engine)

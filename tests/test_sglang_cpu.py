@@ -79,7 +79,7 @@ def test_imports_load_neither_torch_nor_sglang() -> None:
         "import genengine_sglang, genengine_sglang.plugin, genengine_sglang.engine, genengine_sglang.sgl_model_saver\n"
         "import genengine_sglang.lightrft, genengine_sglang.raw, genengine_sglang._weightsync\n"
         "import genengine_sglang._process, genengine_sglang.settings, genengine_sglang.mapping\n"
-        "import genengine_sglang._async\n"
+        "import genengine_sglang._async, genengine_sglang._loop, genengine_sglang._group\n"
         "import sys; print(sorted(m for m in ('torch', 'sglang', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
@@ -96,9 +96,9 @@ def test_lazy_exports() -> None:
     assert genengine_sglang.SGLangEngine is engine.SGLangEngine
     with pytest.raises(AttributeError):
         genengine_sglang.no_such_thing  # noqa: B018
-    # LightRFT's names were in genengine_sglang.engine before genengine_sglang.lightrft; they still resolve there.
+    # The protocol module does not reach up to LightRFT's face (which imports it): the names live in lightrft.
     for name in ("RLGenerationEngine", "get_sglang_engine", "get_sglang_engine_for_rollout"):
-        assert getattr(engine, name) is getattr(lightrft, name)
+        assert not hasattr(engine, name) and callable(getattr(lightrft, name))
     with pytest.raises(AttributeError):
         engine.no_such_thing  # noqa: B018
 
@@ -116,6 +116,8 @@ def test_plugin_targets_resolve() -> None:
         for part in attr.split("."):
             obj = getattr(obj, part)
         assert callable(obj), ref
+    # The protocol class is the backend, as in the vLLM plugin; LightRFT's face is a subclass on top of it.
+    assert seen["factory"] == "genengine_sglang.engine:SGLangEngine.from_config"
     assert inspect.ismethod(RLGenerationEngine.from_config)
     assert issubclass(RLGenerationEngine, SGLangEngine)
 
@@ -566,10 +568,10 @@ def test_loop_driver_lends_the_loop_to_a_thread_while_tasks_run() -> None:
     import asyncio
     import threading
 
-    from genengine_sglang._async import LoopDriver
+    from genengine_sglang._loop import LoopThread
 
     loop = asyncio.new_event_loop()
-    driver = LoopDriver(loop)
+    driver = LoopThread(loop)
     try:
 
         async def where() -> threading.Thread:
@@ -616,10 +618,10 @@ def test_loop_driver_tasks_spawned_while_a_caller_runs_the_loop() -> None:
     import asyncio
     import threading
 
-    from genengine_sglang._async import LoopDriver
+    from genengine_sglang._loop import LoopThread
 
     loop = asyncio.new_event_loop()
-    driver = LoopDriver(loop)
+    driver = LoopThread(loop)
     done = threading.Event()
     try:
 
@@ -639,7 +641,7 @@ def test_loop_driver_tasks_spawned_while_a_caller_runs_the_loop() -> None:
         loop.close()
 
 
-# ---- LoopDriver against the tokenizer manager's pattern (a fake: it tests our driver, not SGLang) ----------------
+# ---- LoopThread against the tokenizer manager's pattern (a fake: it tests our driver, not SGLang) ----------------
 class _FakeTokenizerManager:
     """Imitates how SGLang 0.5.17's ``TokenizerManager`` uses its loop, to test *our* driver (it stands in for
     no SGLang behaviour a test claims): a receive task started lazily on the loop of the first request
@@ -782,10 +784,10 @@ def test_loop_driver_sync_calls_from_inside_a_coroutine(sgl_loop: tuple[str, Any
     event loop while another loop is running``, and uvloop left the call behind as a task on SGLang's loop: the
     GPU hang of issue 17). Nothing is left on the loop, the thread ends after the call, and a later call from
     a plain thread runs there again."""
-    from genengine_sglang._async import LoopDriver
+    from genengine_sglang._loop import LoopThread
 
     kind, loop = sgl_loop
-    driver = LoopDriver(loop)
+    driver = LoopThread(loop)
     tm = _FakeTokenizerManager(loop)
     try:
         assert driver.call(lambda: tm.generate_sync("first", 3)) == ["0", "1", "2", "end"]  # the receive task starts
@@ -815,10 +817,10 @@ def test_loop_driver_streams_with_a_lazily_started_receive_task(sgl_loop: tuple[
     run, aborts told through ``soon`` from another thread, a spawn and a ``soon`` from the loop's own thread,
     and, once the thread has gone, a sync call in the caller's thread (outputs that arrived while nobody ran
     the loop waited in the socket)."""
-    from genengine_sglang._async import LoopDriver
+    from genengine_sglang._loop import LoopThread
 
     kind, loop = sgl_loop
-    driver = LoopDriver(loop)
+    driver = LoopThread(loop)
     tm = _FakeTokenizerManager(loop)
     sinks: dict[str, list[str]] = {f"s{i}": [] for i in range(40)}
     follow_up: list[str] = []
@@ -871,10 +873,10 @@ def test_loop_driver_waits_are_bounded(sgl_loop: tuple[str, Any]) -> None:
     fails after ``pickup_timeout_s`` naming the call and where the loop is stuck, and never runs later; a call
     that does not return fails after ``call_timeout_s``; a sync call from a task on the loop itself fails
     at once."""
-    from genengine_sglang._async import LoopDriver
+    from genengine_sglang._loop import LoopThread
 
     _kind, loop = sgl_loop
-    driver = LoopDriver(loop, pickup_timeout_s=0.3, call_timeout_s=0.5)
+    driver = LoopThread(loop, pickup_timeout_s=0.3, call_timeout_s=0.5)
     release, gate, slow = threading.Event(), threading.Event(), threading.Event()
     ran: list[str] = []
     errors: list[BaseException] = []
@@ -922,7 +924,7 @@ def test_loop_driver_waits_are_bounded(sgl_loop: tuple[str, Any]) -> None:
 def test_loop_driver_close_with_tasks_pending(sgl_loop: tuple[str, Any]) -> None:
     """``close`` cancels live tasks and stops the thread; one that ignores its cancellation is reported (left
     behind) within the bound; spawns after it are refused."""
-    from genengine_sglang._async import LoopDriver
+    from genengine_sglang._loop import LoopThread
 
     _kind, loop = sgl_loop
     seen: list[str] = []
@@ -946,7 +948,7 @@ def test_loop_driver_close_with_tasks_pending(sgl_loop: tuple[str, Any]) -> None
             except asyncio.CancelledError:
                 seen.append("ignored")
 
-    driver = LoopDriver(loop)
+    driver = LoopThread(loop)
     driver.spawn(cancellable())
     driver.spawn(cancellable())
     assert started.acquire(timeout=5) and started.acquire(timeout=5)
@@ -955,7 +957,7 @@ def test_loop_driver_close_with_tasks_pending(sgl_loop: tuple[str, Any]) -> None
     with pytest.raises(GenEngineError, match="shut down"):
         driver.spawn(cancellable())
 
-    other = LoopDriver(loop)
+    other = LoopThread(loop)
     other.spawn(ignores_cancel())
     assert started.acquire(timeout=5)
     start = time.monotonic()
@@ -970,11 +972,11 @@ def test_loop_driver_asks_run_forever_to_stop_once() -> None:
     """uvloop's ``stop()`` queues a handle (it is not a flag, as in asyncio): a second stop asked in the pass
     that ends ``run_forever`` would stay queued and end the next job's ``run_until_complete`` after one pass
     ("Event loop stopped before Future completed"). A job queued behind such a pass runs to its end."""
-    from genengine_sglang._async import LoopDriver, _Job
+    from genengine_sglang._loop import LoopThread, _Job
 
     uvloop = pytest.importorskip("uvloop")
     loop = uvloop.new_event_loop()
-    driver = LoopDriver(loop)
+    driver = LoopThread(loop)
     release = threading.Event()
 
     async def held() -> None:
@@ -1007,10 +1009,10 @@ def test_loop_driver_asks_run_forever_to_stop_once() -> None:
 def test_loop_driver_call_queued_behind_a_stuck_call_is_bounded(sgl_loop: tuple[str, Any]) -> None:
     """A call waiting behind another call that does not return fails at its own ``call_timeout_s``, naming
     the call before it, instead of waiting as long as that one; it never runs later."""
-    from genengine_sglang._async import LoopDriver
+    from genengine_sglang._loop import LoopThread
 
     _kind, loop = sgl_loop
-    driver = LoopDriver(loop, pickup_timeout_s=0.2, call_timeout_s=0.6)
+    driver = LoopThread(loop, pickup_timeout_s=0.2, call_timeout_s=0.6)
     release, stuck = threading.Event(), threading.Event()
     ran: list[str] = []
 
@@ -1042,10 +1044,10 @@ def test_loop_driver_call_queued_behind_a_stuck_call_is_bounded(sgl_loop: tuple[
 def test_loop_driver_close_while_a_caller_runs_the_loop(sgl_loop: tuple[str, Any]) -> None:
     """Shutdown while a caller runs SGLang's loop in its own sync call, with a task spawned meanwhile: the
     close waits for that call, then cancels the task; nothing is left live."""
-    from genengine_sglang._async import LoopDriver
+    from genengine_sglang._loop import LoopThread
 
     _kind, loop = sgl_loop
-    driver = LoopDriver(loop)
+    driver = LoopThread(loop)
     inside, seen = threading.Event(), []
 
     async def cancellable() -> None:
@@ -1093,7 +1095,8 @@ def test_async_requests_fail_when_sglang_processes_die(monkeypatch: pytest.Monke
     import types
 
     from genengine.aio import AsyncRequest
-    from genengine_sglang._async import AsyncSGLang, LoopDriver
+    from genengine_sglang._async import AsyncDriver
+    from genengine_sglang._loop import LoopThread
 
     io_struct = types.ModuleType("sglang.srt.managers.io_struct")
     io_struct.GenerateReqInput = lambda **kw: types.SimpleNamespace(**kw)  # type: ignore[attr-defined]
@@ -1102,10 +1105,10 @@ def test_async_requests_fail_when_sglang_processes_die(monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
 
     sgl_loop, caller_loop = asyncio.new_event_loop(), asyncio.new_event_loop()
-    driver = LoopDriver(sgl_loop)
+    driver = LoopThread(sgl_loop)
     tm = _SilentTokenizerManager()
     died = threading.Event()
-    aio = AsyncSGLang(
+    aio = AsyncDriver(
         driver,
         tm,
         deterministic=False,
@@ -1194,7 +1197,7 @@ def _scenario(rank: int, world: int, port: int, model: str, out: Any) -> None:
         import torch.distributed as dist
 
         from genengine_sglang import get_sglang_engine
-        from genengine_sglang.engine import RLGenerationEngine
+        from genengine_sglang.lightrft import RLGenerationEngine
 
         dist.init_process_group("gloo", rank=rank, world_size=world)
         base = 30000 + (port % 5000) * 2  # the engine port check must find these free

@@ -61,9 +61,9 @@ def model_dir() -> Path:
 @pytest.fixture
 def fresh_slot() -> Any:
     """No sleep-mode engine registered before or after the test."""
-    vprocess._STATE.sleep_owner = None
+    vprocess.PROCESS_STATE.sleep_owner = None
     yield
-    vprocess._STATE.sleep_owner = None
+    vprocess.PROCESS_STATE.sleep_owner = None
 
 
 # ---- import hygiene ------------------------------------------------------------------------------------------
@@ -432,9 +432,9 @@ def test_engine_declares_async_and_refuses_it_on_tp_groups() -> None:
     engine = VLLMEngine.__new__(VLLMEngine)  # the check reads the settings only: nothing is started
     engine.settings = SimpleNamespace(tp_size=2)  # type: ignore[assignment]
     with pytest.raises(EngineStateError, match="tp_size=2"):
-        engine._check_async()
+        engine._check_async_available()
     engine.settings = SimpleNamespace(tp_size=1)  # type: ignore[assignment]
-    engine._check_async()
+    engine._check_async_available()
 
 
 def test_engine_lock_lets_callers_in_between_driver_steps() -> None:
@@ -543,7 +543,7 @@ def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Any:
     import types
 
     from genengine.aio import DriverLock
-    from genengine_vllm._async import Driver
+    from genengine_vllm._async import AsyncDriver
 
     if not HAS_VLLM:
         kinds = types.ModuleType("vllm.sampling_params")
@@ -552,9 +552,9 @@ def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Any:
         monkeypatch.setitem(sys.modules, "vllm.sampling_params", kinds)
     engine = _FakeLLMEngine()
     llm = SimpleNamespace(llm_engine=engine, _preprocess_cmpl_one=lambda prompt: dict(prompt))
-    driver = Driver(llm, DriverLock(), detokenize=False, cuda=None)
+    driver = AsyncDriver(llm, DriverLock(), detokenize=False, cuda=None)
     yield driver, engine
-    driver.stop()
+    driver.close()
 
 
 def _async_request(loop: Any, rid: str, tokens: int) -> Any:
@@ -575,7 +575,7 @@ def test_driver_serves_streams_and_a_sync_batch(fake_driver: Any) -> None:
     try:
         request = _async_request(loop, "a", 3)
         with driver.lock():
-            driver.add(request, [({"prompt_token_ids": [1, 2, 3]}, _params(3))])
+            driver.start(request, [({"prompt_token_ids": [1, 2, 3]}, _params(3))])
             batch = driver.submit_sync([{"prompt_token_ids": [4]}], [_params(2)])
         driver.wake()
         outputs = batch.wait(driver.alive)
@@ -597,7 +597,7 @@ def test_driver_forgets_a_request_the_engine_core_refused(fake_driver: Any) -> N
     try:
         engine.refuse_in_core = True
         with driver.lock(), pytest.raises(InvalidArgumentError, match="vLLM refused the request: the engine core"):
-            driver.add(_async_request(loop, "a", 3), [({"prompt_token_ids": [1]}, _params(3))])
+            driver.start(_async_request(loop, "a", 3), [({"prompt_token_ids": [1]}, _params(3))])
         assert not engine.has_unfinished_requests() and not driver.busy
     finally:
         loop.close()
@@ -612,7 +612,7 @@ def test_driver_after_a_failed_step(fake_driver: Any) -> None:
         engine.fail_step = RuntimeError("CUDA error: an illegal memory access")
         request = _async_request(loop, "a", 50)
         with driver.lock():
-            driver.add(request, [({"prompt_token_ids": [1]}, _params(50))])
+            driver.start(request, [({"prompt_token_ids": [1]}, _params(50))])
         driver.wake()
         deadline = time.monotonic() + 5
         while not request.done and time.monotonic() < deadline:
@@ -665,7 +665,7 @@ def test_driver_skips_a_request_aborted_before_it_reached_vllm(fake_driver: Any)
         request = _async_request(loop, "a", 5)
         request.finish(0, "abort")  # aborted from another thread while its submission waited for the lock
         with driver.lock():
-            driver.add(request, [({"prompt_token_ids": [1]}, _params(5))])
+            driver.start(request, [({"prompt_token_ids": [1]}, _params(5))])
         assert not driver.busy and not engine.output_processor.request_states
     finally:
         loop.close()

@@ -278,6 +278,16 @@ class AsyncEngineBase(EngineBase):
         for request in live:
             request.new_version(version)
 
+    def _abort_queued(self) -> None:
+        """End every request queued during a pause "abort", with no tokens (they never started): what a
+        backend's ``_shutdown`` calls once the ones it runs are ended, before it stops its engine."""
+        state = self._async_state()
+        with state.lock:
+            queued, state.queued = state.queued, []
+        for request in queued:
+            for index in request.unfinished():
+                request.finish(index, "abort")
+
     def _after_shutdown(self) -> None:
         """No stream outlives the engine unfinished: requests the backend did not end (queued ones, or held
         ones it lost) end "abort" with what they have. The registry lets go of every request, so that an

@@ -57,6 +57,8 @@ from genengine.errors import (  # noqa: E402
 from genengine.protocol import GenerationEngine, GenerationResult, SamplingParams  # noqa: E402
 from genengine.testing.conformance import GREEDY, PROMPTS, EngineConformance  # noqa: E402
 from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
+from genengine_sglang.engine import SGLangEngine  # noqa: E402
+from genengine_sglang.lightrft import RLGenerationEngine  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -134,7 +136,11 @@ class TestSGLangConformance(EngineConformance):
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         try:
             before = free_gpu_memory()
-            engine = create_engine(backend="sglang", model=model_dir, mem_util=MEM_UTIL if main else 0.3, **options)
+            # LightRFT's face on the protocol engine (the registered "sglang" backend is SGLangEngine itself): the
+            # suite runs on it and test_reference_face calls its LightRFT methods on the same engine.
+            engine = create_engine(
+                backend=RLGenerationEngine, model=model_dir, mem_util=MEM_UTIL if main else 0.3, **options
+            )
             assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
         finally:
             if saved is None:
@@ -461,6 +467,7 @@ def test_shutdown_with_streams_open_ends_them_with_abort() -> None:
     """Streams end "abort" with every token they were sent (held ones too), queued requests with none;
     shutdown stays idempotent and the engine object refuses everything after it."""
     engine: Any = create_engine(backend="sglang", model=str(tiny_model_dir()), mem_util=0.3, **TEST_OPTIONS)
+    assert type(engine) is SGLangEngine  # the registered backend is the protocol class, as vLLM's
 
     async def main() -> list[tuple[list[int], GenerationResult]]:
         streams = [engine.stream(p, _LONG) for p in PROMPTS[:2]]

@@ -355,7 +355,8 @@ def test_shutdown_with_streams_open_ends_them_with_abort(trainer_world: Any) -> 
     and (kept by the caller, with its streams) holds no GPU memory any more."""
     import weakref
 
-    from genengine_vllm._process import _STATE
+    from genengine.backend import live_engines
+    from genengine_vllm.engine import VLLMEngine
 
     free_before = _free_device_wide()
     engine = create_engine(
@@ -391,7 +392,7 @@ def test_shutdown_with_streams_open_ends_them_with_abort(trainer_world: Any) -> 
     holders = [type(r).__name__ for r in gc.get_referrers(llm())] if llm() is not None else []
     assert left <= GIB // 2, (
         f"{left / GIB:.2f} GiB still held after shutdown; vLLM's LLM object alive: {llm() is not None} "
-        f"(held by {holders}); live engines in this process: {len(_STATE.live)}"
+        f"(held by {holders}); live engines in this process: {len(live_engines(VLLMEngine))}"
     )
 
 
