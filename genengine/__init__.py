@@ -19,6 +19,8 @@ from genengine.protocol import (
     GenerationStream,
     LoadReport,
     SamplingParams,
+    SupportsLoadSessions,
+    WeightLoadSession,
     is_async_engine,
 )
 from genengine.registry import available_backends, create_engine
@@ -39,6 +41,8 @@ __all__ = [
     "GenerationStream",
     "LoadReport",
     "SamplingParams",
+    "SupportsLoadSessions",
+    "WeightLoadSession",
     "__version__",
     "available_backends",
     "create_engine",

@@ -12,7 +12,7 @@ import abc
 import dataclasses
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from genengine.errors import (
     EngineClosedError,
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = ["EngineBase"]
+__all__ = ["EngineBase", "LoadSession"]
 
 
 class EngineBase(abc.ABC):
@@ -71,6 +71,7 @@ class EngineBase(abc.ABC):
         self.__flush_pending = False
         self.__closed = False
         self.__weight_version = 0
+        self.__session: LoadSession | None = None
 
     # ---- what a backend implements --------------------------------------------------------------------
     @abc.abstractmethod
@@ -171,6 +172,7 @@ class EngineBase(abc.ABC):
         image_data: Sequence[Any] | None = None,
     ) -> list[GenerationResult]:
         self._check_open()
+        self._check_no_open_load("generate")
         requests = normalize_requests(
             prompts,
             sampling_params,
@@ -199,6 +201,7 @@ class EngineBase(abc.ABC):
             )
         if not self.__sleep_enabled:
             raise EngineStateError("sleep is disabled for this engine: create it with enable_sleep=True")
+        self._check_no_open_load("sleep")
 
     def sleep(self, level: int = 1) -> None:
         self._check_sleep(level)
@@ -229,6 +232,7 @@ class EngineBase(abc.ABC):
             if unknown:
                 raise InvalidArgumentError(f"wake tags {unknown!r}: {allowed}")
             wanted = set(items)
+        self._check_no_open_load("wake")
         todo = tuple(t for t in self.supported_tags if t in wanted and t in self.__released)
         if not todo:
             return
@@ -256,8 +260,75 @@ class EngineBase(abc.ABC):
         after these, so that a bad call gets the same error whatever else holds."""
         self._check_open()
         check_load_options(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
+        self._check_no_open_load("start another load")
         if TAG_WEIGHTS in self.__released:
             raise EngineSleepingError("the weights are asleep: call wake(['weights']) before load_weights")
+
+    def _check_no_open_load(self, what: str) -> None:
+        """Refuse ``what`` while a load session is open: the weights are half-written until its commit."""
+        session = self.__session
+        if session is not None:
+            raise EngineStateError(f"cannot {what} while {session!r} is open: commit() or abort() it first")
+
+    def _check_weights_may_change(self) -> None:
+        """Raise if the weights may not change now; every load (a session or ``load_weights``) asks once, before
+        anything is read. ``AsyncEngineBase`` refuses while requests run."""
+        return
+
+    def _on_new_weight_version(self, version: int) -> None:
+        """A load committed with a new ``version`` label (``AsyncEngineBase`` relabels the requests it holds)."""
+        return
+
+    def begin_load(self, *, check_finite: bool = False, version: int | None = None) -> LoadSession:
+        """Open a load session: ``write`` buckets as they arrive, then ``commit`` once (one cache flush, and
+        ``version`` set) or ``abort``. Until then generate, sleep, wake and other loads are refused."""
+        return self._begin_load(check_finite=check_finite, version=version, what="a load session")
+
+    def _begin_load(self, *, check_finite: bool, version: int | None, what: str) -> LoadSession:
+        self._check_load(bucket_bytes=None, check_finite=check_finite, version=version)
+        self._check_weights_may_change()
+        session = LoadSession(self, WeightValidator(self._weight_spec(), check_finite=check_finite), version, what)
+        self.__session = session
+        return session
+
+    def _end_load(self, session: LoadSession, exc: BaseException | None) -> None:
+        """A session's end: its commit (``exc`` None; raises what the flush raised), or its failure or abort.
+        Called by ``LoadSession`` only."""
+        if self.__session is not session:
+            return  # the engine was shut down meanwhile
+        try:
+            if exc is not None:
+                if session.touched:
+                    self.__break(session, exc)
+                return
+            try:
+                self.__missing.difference_update(session.written)
+                if not self.__missing:
+                    self.__broken_reason = None
+                if session.written:
+                    if TAG_KV_CACHE in self.__released:
+                        self.__flush_pending = True  # flushed as soon as the KV cache is back
+                    else:
+                        self._finish_weights()
+            except BaseException as failed:
+                self.__break(session, failed)
+                raise
+        finally:
+            self.__session = None
+        if session.version is not None and session.version != self.__weight_version:
+            self.__weight_version = session.version
+            self._on_new_weight_version(session.version)
+
+    def __break(self, session: LoadSession, exc: BaseException) -> None:
+        # Only an error before the first write (a rejected entry, a stream or gather failing first) leaves the old
+        # weights whole. Any later one, inside a bucket, further on or in the cache flush, leaves a mix of old and
+        # new weights or a stale cache: refuse to generate until a load covers every weight.
+        self.__missing = {n for n, info in self._weight_spec().items() if info.required}
+        during = f" and while writing {session.writing} more" if session.writing else ""
+        self.__broken_reason = (
+            f"{session.what} failed after writing {len(session.written)} weight(s){during} "
+            f"({type(exc).__name__}: {exc})"
+        )
 
     def load_weights(
         self,
@@ -268,60 +339,23 @@ class EngineBase(abc.ABC):
         version: int | None = None,
     ) -> LoadReport:
         """Write ``named_tensors`` into the engine; ``version`` (an int >= 0) labels the weights from here on
-        (``weight_version`` and each later output's ``weight_versions``); None keeps the current label."""
+        (``weight_version`` and each later output's ``weight_versions``); None keeps the current label.
+
+        One load session: a bucket written per bucket of ``named_tensors``, then one commit."""
         self._check_load(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
-        check_named_tensors(named_tensors)
-        start = time.perf_counter()
-        validator = WeightValidator(self._weight_spec(), check_finite=check_finite)
-        buckets = iter_buckets(
-            named_tensors,
-            validator,
-            self.__bucket_bytes if bucket_bytes is None else bucket_bytes,
-            validate_all_first=self.validate_all_weights_first,
-            cost=self._bucket_cost,
-        )
-        written: list[str] = []
-        writing: list[tuple[str, torch.Tensor]] = []  # the bucket in _apply_weights: how much of it landed is unknown
-        touched = False  # _apply_weights was called: from here on the old weights may no longer be whole
-        num_bytes = num_buckets = 0
-        try:
+        session = self._begin_load(check_finite=check_finite, version=version, what="a load_weights call")
+        with session:
+            check_named_tensors(named_tensors)
+            buckets = iter_buckets(
+                named_tensors,
+                session.validator,
+                self.__bucket_bytes if bucket_bytes is None else bucket_bytes,
+                validate_all_first=self.validate_all_weights_first,
+                cost=self._bucket_cost,
+            )
             for bucket in buckets:
-                writing = validator.prepare(bucket)
-                touched = True
-                self._apply_weights(writing)
-                num_buckets += 1
-                for name, tensor in writing:
-                    written.append(name)
-                    num_bytes += tensor_nbytes(tensor)
-                writing = []
-            self.__missing.difference_update(written)
-            if not self.__missing:
-                self.__broken_reason = None
-            if written:
-                if TAG_KV_CACHE in self.__released:
-                    self.__flush_pending = True  # flushed as soon as the KV cache is back
-                else:
-                    self._finish_weights()
-        except BaseException as exc:
-            # Only an error before the first write (a rejected entry, a stream or gather failing first) leaves the
-            # old weights whole. Any later one, inside a bucket, further on or in the cache flush, leaves a mix of
-            # old and new weights or a stale cache: refuse to generate until a load covers every weight.
-            if touched:
-                self.__missing = {n for n, info in self._weight_spec().items() if info.required}
-                during = f" and while writing {len(writing)} more" if writing else ""
-                self.__broken_reason = (
-                    f"a load_weights call failed after writing {len(written)} weight(s){during} "
-                    f"({type(exc).__name__}: {exc})"
-                )
-            raise
-        if version is not None:
-            self.__weight_version = version
-        return LoadReport(
-            num_tensors=len(written),
-            num_bytes=num_bytes,
-            num_buckets=num_buckets,
-            seconds=time.perf_counter() - start,
-        )
+                session._write_checked(bucket)
+            return session.commit()
 
     def flush_cache(self) -> None:
         self._check_open()
@@ -332,6 +366,7 @@ class EngineBase(abc.ABC):
     def shutdown(self) -> None:
         if self.__closed:
             return
+        self.__session = None  # an open session's writes and commit now raise EngineClosedError
         try:
             try:
                 if self.wake_before_shutdown and self.__released:
@@ -353,3 +388,120 @@ class EngineBase(abc.ABC):
         tb: TracebackType | None,
     ) -> None:
         self.shutdown()
+
+
+class LoadSession:
+    """One weight load into an ``EngineBase``, bucket by bucket: ``write`` each bucket as it arrives, then
+    ``commit`` once (the cache flush and the ``version`` label happen there, once per load, not per bucket).
+
+    Each write checks its tensors against the engine's spec (a name written twice in one session is an error)
+    and writes them. Any failure ends the session as ``load_weights``' failures do: before the first write the
+    old weights stay whole; after it the engine refuses to generate until a load covers every weight. Used as
+    a context manager, an error inside the block aborts the session, and leaving it uncommitted aborts it too.
+    """
+
+    def __init__(self, engine: EngineBase, validator: WeightValidator, version: int | None, what: str) -> None:
+        self._engine = engine
+        self.validator = validator
+        self.version = version
+        self.what = what
+        self.written: list[str] = []
+        self.writing = 0  # tensors of the bucket in _apply_weights: how much of it landed is unknown
+        self.touched = False  # _apply_weights was called: from here on the old weights may no longer be whole
+        self._entries = 0
+        self._num_bytes = 0
+        self._num_buckets = 0
+        self._start = time.perf_counter()
+        self._state: Literal["open", "committed", "aborted"] = "open"
+
+    def __repr__(self) -> str:
+        label = "" if self.version is None else f" of version {self.version}"
+        return (
+            f"the load session{label} ({len(self.written)} weight(s) in {self._num_buckets} bucket(s) written, "
+            f"{self._state})"
+        )
+
+    @property
+    def state(self) -> str:
+        """``"open"``, ``"committed"`` or ``"aborted"``."""
+        return self._state
+
+    def _check_open(self) -> None:
+        self._engine._check_open()
+        if self._state != "open":
+            raise EngineStateError(f"{self!r}: it takes no more writes or commits; begin_load() a new one")
+
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Check and write one bucket of (name, tensor) pairs; a failure aborts the session and raises."""
+        self._check_open()
+        try:
+            check_named_tensors(named_tensors)
+            source = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+            bucket = []
+            for item in list(source):
+                bucket.append(self.validator.check(self._entries, item))
+                self._entries += 1
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self._write_checked(bucket)
+
+    def _write_checked(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Write a bucket ``validator`` already checked (``load_weights`` checks as it buckets)."""
+        if not bucket:
+            return
+        try:
+            ready = self.validator.prepare(bucket)
+            self.writing = len(ready)
+            self.touched = True
+            self._engine._apply_weights(ready)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self.writing = 0
+        self._num_buckets += 1
+        for name, tensor in ready:
+            self.written.append(name)
+            self._num_bytes += tensor_nbytes(tensor)
+
+    def commit(self) -> LoadReport:
+        """End the load: one cache flush (or the flush owed at ``wake(["kv_cache"])``), then ``version``."""
+        self._check_open()
+        self._state = "committed"
+        try:
+            self._engine._end_load(self, None)
+        except BaseException:
+            self._state = "aborted"
+            raise
+        return LoadReport(
+            num_tensors=len(self.written),
+            num_bytes=self._num_bytes,
+            num_buckets=self._num_buckets,
+            seconds=time.perf_counter() - self._start,
+        )
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """End the load without committing: the version stays; once anything was written the engine refuses
+        to generate until a full load. A no-op on a session already ended."""
+        if self._state != "open":
+            return
+        self._fail(exc or EngineStateError("the load session was aborted before its commit"))
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._state == "open":
+            self._state = "aborted"
+            self._engine._end_load(self, exc)
+
+    def __enter__(self) -> LoadSession:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            self.abort(exc)
+        elif self._state == "open":
+            self.abort(EngineStateError("the load session ended without commit()"))

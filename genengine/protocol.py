@@ -33,6 +33,8 @@ __all__ = [
     "GenerationStream",
     "LoadReport",
     "SamplingParams",
+    "SupportsLoadSessions",
+    "WeightLoadSession",
     "is_async_engine",
 ]
 
@@ -413,6 +415,50 @@ class GenerationEngine(Protocol):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None: ...
+
+
+@runtime_checkable
+class WeightLoadSession(Protocol):
+    """One weight load written bucket by bucket, as a transport receives it: ``write`` each bucket, then
+    ``commit`` once. The engine flushes its cache and takes the ``version`` label at the commit, not per bucket.
+
+    A failed ``write`` or ``commit`` ends the session by ``load_weights``' rule: before the first tensor was
+    written the old weights stay whole, after it the engine refuses to generate until a load covers every
+    weight. As a context manager, an error in the block (or leaving it without ``commit``) aborts it.
+    """
+
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Check one bucket's (name, tensor) pairs as ``load_weights`` does (a name written twice in one
+        session is refused) and write them."""
+        ...
+
+    def commit(self) -> LoadReport:
+        """End the load: one cache flush, then the session's ``version``; the report covers every write."""
+        ...
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """End the load without committing (``exc``: why, for the engine's refusal message); the version stays."""
+        ...
+
+    def __enter__(self) -> WeightLoadSession: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+@runtime_checkable
+class SupportsLoadSessions(Protocol):
+    """An engine that loads through sessions (every ``EngineBase`` does). Not part of ``GenerationEngine``: an
+    engine with only ``load_weights`` stays valid, and transports fall back to one ``load_weights`` a bucket."""
+
+    def begin_load(self, *, check_finite: bool = False, version: int | None = None) -> WeightLoadSession:
+        """Open a load session (``check_finite`` and ``version`` as for ``load_weights``). While it is open,
+        generate, sleep, wake and other loads raise ``EngineStateError`` naming it; only one is open at a time."""
+        ...
 
 
 @runtime_checkable

@@ -5,27 +5,24 @@ output and the errors trainers see are written here once, so that every backend 
 the conformance suite tests them once. A backend subclasses it instead of ``EngineBase`` and fills in four
 methods that talk to its scheduler (``_async_start``, ``_async_abort``, ``_async_hold``,
 ``_async_release_hold``); the scheduler reports tokens through :class:`~genengine.aio.AsyncRequest`
-(``emit``, ``finish``, ``fail``) from whatever thread it runs on. ``sleep``, ``load_weights`` and
-``shutdown`` are ``EngineBase``'s, guarded here against the requests in flight: ``EngineBase`` itself knows
-nothing of them.
+(``emit``, ``finish``, ``fail``) from whatever thread it runs on. ``sleep``, ``load_weights`` (and its
+load sessions) and ``shutdown`` are ``EngineBase``'s, guarded here against the requests in flight through its
+hooks (``_check_weights_may_change``, ``_on_new_weight_version``): ``EngineBase`` itself knows nothing of them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from genengine.aio.request import AsyncRequest, normalize_async_request
 from genengine.aio.stream import RequestStream
 from genengine.base import EngineBase
 from genengine.errors import EngineStateError, InvalidArgumentError
-from genengine.protocol import GenerationResult, LoadReport
-
-if TYPE_CHECKING:
-    import torch
+from genengine.protocol import GenerationResult
 
 __all__ = ["PAUSE_MODES", "AsyncEngineBase", "PauseMode"]
 
@@ -199,6 +196,7 @@ class AsyncEngineBase(EngineBase):
             if state.paused is None:
                 return
             held = state.held
+        self._check_no_open_load("resume_generation")
         self._check_can_generate()
         if held:
             self._async_release_hold()
@@ -214,24 +212,6 @@ class AsyncEngineBase(EngineBase):
         if not self.released_tags:
             self._check_idle("sleep")
         super().sleep(level)
-
-    def load_weights(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]],
-        *,
-        bucket_bytes: int | None = None,
-        check_finite: bool = False,
-        version: int | None = None,
-    ) -> LoadReport:
-        self._check_load(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
-        self._check_weights_may_change()
-        before = self.weight_version
-        report = super().load_weights(
-            named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
-        )
-        if self.weight_version != before:
-            self._on_new_weight_version(self.weight_version)
-        return report
 
     def shutdown(self) -> None:
         if self.closed:
@@ -322,6 +302,8 @@ class AsyncEngineBase(EngineBase):
             supports_images=self.supports_images,
         )
         self._check_can_generate()
+        if self.paused is None:
+            self._check_no_open_load("start a request")  # queued during a pause, it starts after the commit
         handle = AsyncRequest(request_id, request, self.weight_version, asyncio.get_running_loop())
         state = self._async_state()
         with state.lock:

@@ -171,15 +171,14 @@ class EngineReplica:
         self._receiver = await asyncio.to_thread(open_receiver, spec, rank, self.engine)
 
     async def transport_receive(self, expect: str | None, check_finite: bool = False) -> tuple[Any, Any, int]:
-        """Receive one sync from the group's sender into the engine (it calls ``engine.load_weights`` bucket by
-        bucket, each with ``check_finite``)."""
+        """Receive one sync from the group's sender into the engine (one load session: a write per bucket,
+        checked with ``check_finite``, and one commit)."""
         self._check(expect)
         receiver = self._receiver
         if receiver is None:
             raise RuntimeError(f"replica {self.index} is in no weight-sync group (the pool forms one before a sync)")
         async with self._lock:
-            engine = _FiniteLoads(self.engine) if check_finite else self.engine
-            report = await asyncio.to_thread(receiver.receive, engine)
+            report = await asyncio.to_thread(receiver.receive, self.engine, check_finite=check_finite)
             return (report, *self._status())
 
     async def transport_close(self) -> None:
@@ -193,16 +192,3 @@ class EngineReplica:
         async with self._lock:
             if self.engine is not None:
                 await asyncio.to_thread(self.engine.shutdown)
-
-
-class _FiniteLoads:
-    """The engine as a receiver sees it, with ``check_finite=True`` on every ``load_weights`` (a bucket)."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-
-    def load_weights(self, named_tensors: Any, *, version: int | None = None) -> Any:
-        return self._engine.load_weights(named_tensors, check_finite=True, version=version)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)

@@ -69,7 +69,7 @@ def get_transport(name: str) -> WeightTransport:
 
 def open_receiver(spec: TransportSpec, rank: int, engine: GenerationEngine | None = None) -> WeightReceiver:
     """Rank ``rank``'s receiver: the engine's own (native endpoint) when it offers one for ``spec``, else the
-    transport's generic one (receive, then ``engine.load_weights`` bucket by bucket).
+    transport's generic one (receive into one load session of the engine: a write per bucket, one commit).
 
     An engine offers a native endpoint by defining ``weight_transport_receiver(spec, rank)`` returning a
     :class:`WeightReceiver`, or None to decline (e.g. for a transport it does not speak).

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from genengine.errors import InvalidArgumentError
+from genengine.protocol import LoadReport, SupportsLoadSessions, WeightLoadSession
 from genengine.transport import _layout as layout
 from genengine.transport._group import Group
 from genengine.transport.errors import ChecksumError, TransportError
@@ -34,7 +35,7 @@ __all__ = ["GlooTransport", "NcclTransport", "check_rank", "check_version"]
 # A receiver's status after a sync: (code, bucket, sync number).
 STATUS_WIDTH = 3
 OK, CHECKSUM, LOAD_FAILED, ABORTED = 0, 1, 2, 3
-_CODES = {CHECKSUM: "checksum mismatch", LOAD_FAILED: "its engine's load_weights failed", ABORTED: "saw the abort"}
+_CODES = {CHECKSUM: "checksum mismatch", LOAD_FAILED: "its engine failed to load it", ABORTED: "saw the abort"}
 
 
 def check_version(version: object) -> int:
@@ -67,9 +68,55 @@ def check_spec(spec: TransportSpec, name: str, device: str) -> None:
             raise TransportError(f"transport {name!r} needs a CUDA device; torch sees none")
 
 
-def load_bucket(engine: GenerationEngine, tensors: list[tuple[str, torch.Tensor]], version: int | None) -> None:
-    """``engine.load_weights(tensors)``, labelled ``version`` (the sync's last bucket; None for the others)."""
-    engine.load_weights(tensors, version=version)
+class _PerBucketLoads:
+    """The load session of an engine that has only ``load_weights``: one call a bucket, the last (empty) one
+    carrying the version. Each call checks and flushes on its own; engines with ``begin_load`` avoid that."""
+
+    def __init__(self, engine: GenerationEngine, check_finite: bool, version: int) -> None:
+        self._engine, self._check_finite, self._version = engine, check_finite, version
+        self._reports: list[LoadReport] = []
+
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._reports.append(self._engine.load_weights(named_tensors, check_finite=self._check_finite))
+
+    def commit(self) -> LoadReport:
+        self._engine.load_weights([], version=self._version)
+        r = self._reports
+        return LoadReport(sum(x.num_tensors for x in r), sum(x.num_bytes for x in r), len(r), sum(x.seconds for x in r))
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        return  # each bucket's load_weights already settled the engine's state
+
+    def __enter__(self) -> _PerBucketLoads:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return
+
+
+def begin_load(engine: GenerationEngine, version: int, check_finite: bool) -> WeightLoadSession:
+    """The sync's load session on ``engine``: its own ``begin_load`` (one check, one flush and the version at
+    the commit), or for an engine without sessions one ``load_weights`` a bucket."""
+    if isinstance(engine, SupportsLoadSessions):
+        return engine.begin_load(check_finite=check_finite, version=version)
+    return _PerBucketLoads(engine, check_finite, version)
+
+
+def finish_load(
+    session: WeightLoadSession | None, failure: tuple[int, int, BaseException] | None, num_buckets: int
+) -> tuple[int, int, BaseException] | None:
+    """A sync's end on a receiver: commit the session (its one flush and the version), or abort it with the
+    sync's failure; returns the failure, a failed commit's included."""
+    if session is None:
+        return failure
+    if failure is not None:
+        session.abort(failure[2])
+        return failure
+    try:
+        session.commit()
+    except Exception as exc:
+        return (LOAD_FAILED, max(num_buckets - 1, 0), exc)
+    return None
 
 
 def device_of(spec: TransportSpec) -> torch.device:
@@ -158,11 +205,17 @@ def read_metadata(group: Group) -> dict[str, Any]:
     return meta
 
 
+_AFTER = (
+    "written, so the load was aborted: with any written the engine refuses to generate until a whole sync lands "
+    "(its version stays the old one); sync again"
+)
+
+
 def aborted_error(group: Group, version: int, bucket: layout.Bucket, k: int, loaded: int) -> TransportError:
     return TransportError(
         f"{group.describe('receive')}: the sender aborted the sync of version {version} at "
         f"{bucket.describe(k)} (its error is raised on the trainer); {loaded} earlier bucket(s) were "
-        "loaded, so the weights are a mix: sync again"
+        f"{_AFTER}"
     )
 
 
@@ -170,7 +223,7 @@ def checksum_error(group: Group, version: int, bucket: layout.Bucket, k: int, lo
     return ChecksumError(
         f"{group.describe('receive')}: {bucket.describe(k)} of the sync of version {version} arrived "
         f"corrupted (its checksum differs from the sender's); nothing of it was loaded, nor of any later "
-        f"bucket. {loaded} earlier bucket(s) were loaded, so the weights are a mix: sync again"
+        f"bucket. {loaded} earlier bucket(s) were {_AFTER}"
     )
 
 
@@ -240,7 +293,7 @@ class BroadcastReceiver:
         self.group = group
         self._buffers = _Buffers(device_of(group.spec))
 
-    def receive(self, engine: GenerationEngine) -> SyncReport:
+    def receive(self, engine: GenerationEngine, *, check_finite: bool = False) -> SyncReport:
         g = self.group
         g.check_usable()
         start = time.perf_counter()
@@ -254,35 +307,40 @@ class BroadcastReceiver:
             works[0] = g.broadcast(slices[0], data=True)
         failure: tuple[int, int, BaseException] | None = None
         tensors = nbytes = loaded = 0
-        for k, bucket in enumerate(buckets):
-            g.wait(works.pop(k), f"receiving {bucket.describe(k)} of {len(buckets)}", [0])
-            flag, expected = layout.read_trailer(slices[k], bucket)
-            if flag == layout.FLAG_ABORT:
-                failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, loaded))
-                break
-            if k + 1 < len(buckets):
-                works[k + 1] = g.broadcast(slices[k + 1], data=True)  # in flight while bucket k loads
-            if failure is not None:
-                continue  # drain the sync, in step with the sender, but load nothing more
-            if meta["checksum"]:
-                actual = int(layout.checksum_of(slices[k], bucket.nbytes).item())
-                if actual != expected:
-                    failure = (CHECKSUM, k, checksum_error(g, version, bucket, k, loaded))
+        session: WeightLoadSession | None = None
+        try:
+            session = begin_load(engine, version, check_finite)
+        except Exception as exc:
+            failure = (LOAD_FAILED, 0, exc)
+        try:
+            for k, bucket in enumerate(buckets):
+                g.wait(works.pop(k), f"receiving {bucket.describe(k)} of {len(buckets)}", [0])
+                flag, expected = layout.read_trailer(slices[k], bucket)
+                if flag == layout.FLAG_ABORT:
+                    failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, loaded))
+                    break
+                if k + 1 < len(buckets):
+                    works[k + 1] = g.broadcast(slices[k + 1], data=True)  # in flight while bucket k loads
+                if failure is not None or session is None:
+                    continue  # drain the sync, in step with the sender, but load nothing more
+                if meta["checksum"]:
+                    actual = int(layout.checksum_of(slices[k], bucket.nbytes).item())
+                    if actual != expected:
+                        failure = (CHECKSUM, k, checksum_error(g, version, bucket, k, loaded))
+                        continue
+                try:
+                    session.write(bucket.views(slices[k]))
+                except Exception as exc:
+                    failure = (LOAD_FAILED, k, exc)
                     continue
-            try:
-                last = k == len(buckets) - 1
-                load_bucket(engine, bucket.views(slices[k]), version if last else None)
-            except Exception as exc:
-                failure = (LOAD_FAILED, k, exc)
-                continue
-            loaded += 1
-            tensors += len(bucket.entries)
-            nbytes += sum(e.nbytes for e in bucket.entries)
-        if not buckets:
-            try:
-                load_bucket(engine, [], version)
-            except Exception as exc:
-                failure = (LOAD_FAILED, 0, exc)
+                loaded += 1
+                tensors += len(bucket.entries)
+                nbytes += sum(e.nbytes for e in bucket.entries)
+            failure = finish_load(session, failure, len(buckets))
+        except BaseException as exc:  # the group failed mid-sync (a dead peer, a timeout): the load ends with it
+            if session is not None:
+                session.abort(exc)
+            raise
         code, at = (failure[0], failure[1]) if failure else (OK, -1)
         g.send_status([code, at, int(meta["seq"])], "reporting the sync's outcome to the sender")
         if failure is not None:

@@ -29,12 +29,13 @@ from genengine.transport.broadcast import (
     STATUS_WIDTH,
     _Buffers,
     aborted_error,
+    begin_load,
     check_rank,
     check_spec,
     check_version,
     checksum_error,
     device_of,
-    load_bucket,
+    finish_load,
     plan_or_refuse,
     raise_failure,
     raise_for_status,
@@ -47,7 +48,7 @@ from genengine.transport.spec import SyncReport, TransportSpec
 if TYPE_CHECKING:
     import torch
 
-    from genengine.protocol import GenerationEngine
+    from genengine.protocol import GenerationEngine, WeightLoadSession
 
 __all__ = ["CudaIpcTransport"]
 
@@ -160,7 +161,7 @@ class CudaIpcReceiver:
         self.group = group
         self._buffers = _Buffers(device_of(group.spec))
 
-    def receive(self, engine: GenerationEngine) -> SyncReport:
+    def receive(self, engine: GenerationEngine, *, check_finite: bool = False) -> SyncReport:
         import torch
 
         g = self.group
@@ -174,6 +175,11 @@ class CudaIpcReceiver:
         local = self._buffers.get(int(meta["buffer_bytes"])) if buckets else []
         failure: tuple[int, int, BaseException] | None = None
         tensors = nbytes = loaded = 0
+        session: WeightLoadSession | None = None
+        try:
+            session = begin_load(engine, version, check_finite)
+        except Exception as exc:
+            failure = (LOAD_FAILED, 0, exc)
         try:
             for k, bucket in enumerate(buckets):
                 notice = torch.zeros(1, dtype=torch.int64)
@@ -193,25 +199,31 @@ class CudaIpcReceiver:
                     and int(layout.checksum_of(buf, bucket.nbytes).item()) != expected
                 ):
                     failure = (CHECKSUM, k, checksum_error(g, version, bucket, k, loaded))
-                if failure is None:
+                if failure is None and session is not None:
                     try:
-                        last = k == len(buckets) - 1
-                        load_bucket(engine, bucket.views(buf), version if last else None)
+                        session.write(bucket.views(buf))
                         torch.cuda.synchronize()  # the engine's copies have read the buffer before we ack
                         loaded += 1
                         tensors += len(bucket.entries)
                         nbytes += sum(e.nbytes for e in bucket.entries)
                     except Exception as exc:
                         failure = (LOAD_FAILED, k, exc)
+                if k == len(buckets) - 1 and failure is None:
+                    # The commit (the one cache flush, the version) before the last ack: the sender returns
+                    # once every replica acknowledged, with the sync in force everywhere.
+                    failure = finish_load(session, None, len(buckets))
+                    session = None
                 code, at = (failure[0], failure[1]) if failure else (OK, k)
                 g.send_status([code, at, seq], f"acknowledging {bucket.describe(k)}")
+            if session is not None:
+                failure = finish_load(session, failure, len(buckets))
             if not buckets:
-                try:
-                    load_bucket(engine, [], version)
-                except Exception as exc:
-                    failure = (LOAD_FAILED, 0, exc)
                 code, at = (failure[0], failure[1]) if failure else (OK, -1)
                 g.send_status([code, at, seq], "acknowledging the sync")
+        except BaseException as exc:  # the group failed mid-sync (a dead peer, a timeout): the load ends with it
+            if session is not None:
+                session.abort(exc)
+            raise
         finally:
             del shared  # drop our references to the sender's memory
         if failure is not None:

@@ -135,10 +135,12 @@ class WeightSender(Protocol):
 class WeightReceiver(Protocol):
     """Replica side, ranks >= 1, inside the replica's process."""
 
-    def receive(self, engine: GenerationEngine) -> SyncReport:
-        """Receive one whole sync and load it bucket by bucket with ``engine.load_weights``; the last bucket
-        carries ``version=<the sender's>``. Returns once the last bucket is loaded, or raises
-        TransportError / TransportTimeoutError / ChecksumError."""
+    def receive(self, engine: GenerationEngine, *, check_finite: bool = False) -> SyncReport:
+        """Receive one whole sync into one load session of ``engine`` (``begin_load``, a ``write`` per bucket,
+        one ``commit`` with ``version=<the sender's>``: one check, one cache flush and one version change per
+        sync; an engine without sessions gets one ``load_weights`` a bucket). ``check_finite`` refuses NaN/inf.
+        Returns once the sync is committed, or raises TransportError / TransportTimeoutError / ChecksumError
+        (the session aborted: the old version stays)."""
         ...
 
     def close(self) -> None: ...

@@ -113,17 +113,23 @@ def trainer_stream(which: str) -> list[tuple[str, Any]]:
 
 
 def observe(engine: Any) -> dict[str, Any]:
-    """What a replica's engine now holds: greedy outputs (tokens and logprobs), weight version, weight digests."""
+    """What a replica's engine now holds: greedy outputs (tokens and logprobs; or ``refused``, the message of a
+    generate it refuses), weight version, weight digests."""
+    from genengine.errors import WeightsNotLoadedError
     from genengine.testing.conformance import GREEDY, PROMPTS
 
-    results = engine.generate(PROMPTS, GREEDY)
-    outputs = [[o.token_ids, o.logprobs, o.weight_versions] for r in results for o in r.outputs]
+    try:
+        results = engine.generate(PROMPTS, GREEDY)
+    except WeightsNotLoadedError as exc:  # a failed sync wrote part of its buckets: the engine refuses
+        seen: dict[str, Any] = {"refused": str(exc)}
+    else:
+        seen = {"outputs": [[o.token_ids, o.logprobs, o.weight_versions] for r in results for o in r.outputs]}
     # The embedded engine's own parameters (test-only access): bit-exact evidence, beyond equal outputs.
     digests = {
         n: hashlib.sha256(p.detach().cpu().contiguous().view(-1).numpy().tobytes()).hexdigest()[:16]
         for n, p in engine._params.items()
     }
-    return {"outputs": outputs, "version": engine.weight_version, "digests": digests}
+    return {**seen, "version": engine.weight_version, "digests": digests}
 
 
 class PackFault(RuntimeError):
@@ -173,16 +179,23 @@ def reference(which: str) -> dict[str, Any]:
 
 
 class _DiesInLoad:
-    """A real engine whose process dies inside the ``n``-th ``load_weights`` (a replica dying mid-sync)."""
+    """A real engine whose process dies writing the ``n``-th bucket it is given (a replica dying mid-sync)."""
 
     def __init__(self, inner: Any, n: int) -> None:
         self._inner, self._n = inner, n
 
-    def load_weights(self, *args: Any, **kwargs: Any) -> Any:
-        self._n -= 1
-        if self._n <= 0:
-            os._exit(18)
-        return self._inner.load_weights(*args, **kwargs)
+    def begin_load(self, **kwargs: Any) -> Any:
+        session = self._inner.begin_load(**kwargs)
+        write = session.write
+
+        def dying_write(named_tensors: Any) -> None:
+            self._n -= 1
+            if self._n <= 0:
+                os._exit(18)
+            write(named_tensors)
+
+        session.write = dying_write
+        return session
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -190,7 +203,8 @@ class _DiesInLoad:
 
 def send_one(sender: Any, sync: dict[str, Any]) -> dict[str, Any]:
     """One sync on rank 0: ``weights`` ("A"/"B", or None: an empty sync), ``version``, and optionally ``corrupt``
-    (flip a byte of that bucket after its checksum), ``bad`` (a stream the checks refuse), ``bomb`` (die packing
+    (flip a byte of that bucket after its checksum), ``nan_bucket`` (a NaN in that bucket's first tensor: a
+    receiver's ``check_finite`` refuses it), ``bad`` (a stream the checks refuse), ``bomb`` (die packing
     that tensor index), ``fail_pack`` (raise :class:`PackFault` packing that tensor index)."""
     import torch
 
@@ -201,6 +215,15 @@ def send_one(sender: Any, sync: dict[str, Any]) -> dict[str, Any]:
         if sync.get(key) is not None:
             name, tensor = stream[sync[key]]
             stream[sync[key]] = (name, _bomb(tensor, fatal=fatal))
+    if sync.get("nan_bucket") is not None:
+        from genengine.transport import _layout
+
+        plan = _layout.plan(stream, version=0, bucket_bytes=sender.group.spec.bucket_bytes, checksum=False)
+        at = [name for name, _ in stream].index(plan.buckets[sync["nan_bucket"]].entries[0].name)
+        name, tensor = stream[at]
+        poisoned = tensor.contiguous().clone()
+        poisoned.view(-1)[poisoned.numel() // 2] = float("nan")
+        stream[at] = (name, poisoned)
     if sync.get("corrupt") is not None:
         os.environ[CORRUPT_ENV] = str(sync["corrupt"])
     try:
@@ -223,13 +246,19 @@ def scenario_send(spec: dict[str, Any], syncs: list[dict[str, Any]]) -> list[dic
         sender.close()
 
 
-def scenario_receive(spec: dict[str, Any], rank: int, syncs: int, die_in_load: int | None = None) -> dict[str, Any]:
+def scenario_receive(
+    spec: dict[str, Any], rank: int, syncs: int, die_in_load: int | None = None, check_finite: bool = False
+) -> dict[str, Any]:
     """A replica: start from checkpoint A at version 0, join, receive ``syncs`` syncs (observing the engine
-    after each), close. ``seconds`` of each receive is measured so a timeout's promptness can be asserted.
-    ``die_in_load``: the process dies inside that (1-based) ``load_weights`` call."""
+    after each, and what its :class:`LoadProbe` counted), close. ``seconds`` of each receive is measured so a
+    timeout's promptness can be asserted. ``die_in_load``: the process dies writing that (1-based) bucket."""
+    from genengine.testing.conformance.transport import LoadProbe
     from genengine.transport import TransportSpec, get_transport
 
     real = engine()
+    if "probe" not in _STATE:
+        _STATE["probe"] = LoadProbe(real)
+    probe: LoadProbe = _STATE["probe"]
     real.load_weights(trainer_stream("A"), version=0)
     before = observe(real)
     target = real if die_in_load is None else _DiesInLoad(real, die_in_load)
@@ -240,13 +269,15 @@ def scenario_receive(spec: dict[str, Any], rank: int, syncs: int, die_in_load: i
     rows: list[dict[str, Any]] = []
     try:
         for _ in range(syncs):
+            probe.take()
             start = time.monotonic()
             try:
-                r = receiver.receive(target)
+                r = receiver.receive(target, check_finite=check_finite)
                 row: dict[str, Any] = {"report": [r.version, r.num_tensors, r.num_bytes, r.num_buckets]}
             except Exception as exc:
                 row = _error_row(exc)
             row["seconds"] = time.monotonic() - start
+            row["probe"] = probe.take()
             row["after"] = observe(real)
             rows.append(row)
             if "error" in row and "TransportTimeoutError" in row["mro"]:

@@ -9,8 +9,14 @@ from typing import Any
 import pytest
 
 from genengine.base import EngineBase
-from genengine.errors import InvalidArgumentError, WeightLoadError, WeightsNotLoadedError
-from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, GenerationEngine, GenerationResult
+from genengine.errors import EngineStateError, InvalidArgumentError, WeightLoadError, WeightsNotLoadedError
+from genengine.protocol import (
+    TAG_KV_CACHE,
+    TAG_WEIGHTS,
+    GenerationEngine,
+    GenerationResult,
+    SupportsLoadSessions,
+)
 from genengine.testing.conformance.base import (
     GREEDY,
     PROMPTS,
@@ -501,4 +507,115 @@ class WeightsTests(ConformanceBase):
             from_bf16 = engine.generate(PROMPTS, GREEDY)
             engine.load_weights([(n, t.float()) for n, t in halves])  # the same values, in float32
             self.assert_same_outputs(from_bf16, engine.generate(PROMPTS, GREEDY))
+        self.assert_baseline(engine, baseline)
+
+    # ---- load sessions (begin_load: a write per bucket, one commit), as transport receivers load ------------------
+    def _sessions(self, engine: GenerationEngine) -> SupportsLoadSessions:
+        if not isinstance(engine, SupportsLoadSessions):
+            pytest.skip("the engine has no begin_load (transports load it with one load_weights a bucket)")
+        return engine
+
+    def _version(self, engine: GenerationEngine) -> int:
+        """The version label the engine's outputs carry now."""
+        return engine.generate(PROMPTS[:1], GREEDY)[0].outputs[0].weight_versions[-1][1]
+
+    def _assert_refused_while_open(self, engine: GenerationEngine, sessions: SupportsLoadSessions) -> None:
+        for call in (
+            lambda: engine.generate(PROMPTS, GREEDY),
+            lambda: engine.sleep(1),
+            lambda: engine.wake(),
+            lambda: engine.load_weights([]),
+            lambda: sessions.begin_load(),
+        ):
+            error = _expect_raises(EngineStateError, call)
+            assert "load session" in str(error) and "commit() or abort()" in str(error), error
+
+    def test_load_session_labels_and_flushes_only_at_commit(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        other_record: dict[str, Any],
+    ) -> None:
+        """Two writes, then the commit: the same report and outputs as ``load_weights`` of the same buckets, the
+        new version label only from the commit on, and every other call refused while the session is open."""
+        sessions = self._sessions(engine)
+        items = list(other_weights.items())
+        half = len(items) // 2
+        old = self._version(engine)
+        with self.restoring(engine, original_weights):
+            session = sessions.begin_load(version=old + 7)
+            session.write(items[:half])
+            session.write(items[half:])
+            self._assert_refused_while_open(engine, sessions)
+            report = session.commit()
+            assert (report.num_tensors, report.num_buckets) == (len(items), 2)
+            assert report.num_bytes == sum(t.numel() * t.element_size() for _, t in items) and report.seconds >= 0
+            results = engine.generate(PROMPTS, GREEDY)
+            self.assert_same_outputs(results, other_record["results"])  # the commit flushed the old cache
+            assert {o.weight_versions for r in results for o in r.outputs} == {((0, old + 7),)}
+            _expect_raises(EngineStateError, lambda: session.write(items[:1]))  # a committed session takes no more
+            again = engine.load_weights(items, bucket_bytes=sum(t.numel() * t.element_size() for _, t in items[:half]))
+            assert (again.num_tensors, again.num_bytes) == (report.num_tensors, report.num_bytes)
+        engine.load_weights([], version=old)
+        self.assert_baseline(engine, baseline)
+
+    def test_load_session_failing_after_a_write_refuses_until_a_full_load(
+        self,
+        engine: GenerationEngine,
+        baseline: list[GenerationResult],
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+    ) -> None:
+        """A bucket refused after one was written (here a name written twice in the session): the session ends,
+        the version stays, and the engine refuses to generate until a load covers every weight."""
+        sessions = self._sessions(engine)
+        items = list(other_weights.items())
+        old = self._version(engine)
+        with self.restoring(engine, original_weights):
+            session = sessions.begin_load(version=old + 3)
+            session.write(items[:2])
+            error = _expect_raises(WeightLoadError, lambda: session.write([items[1], *items[2:4]]))
+            assert items[1][0] in str(error) and "twice" in str(error), error
+            assert not engine.state.weights_loaded
+            refused = _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+            assert "load session failed after writing 2 weight(s)" in str(refused), refused
+            _expect_raises(EngineStateError, session.commit)  # the failure ended it
+        assert self._version(engine) == old
+        self.assert_baseline(engine, baseline)
+
+    def test_load_session_failing_before_any_write_leaves_the_engine_whole(
+        self, engine: GenerationEngine, baseline: list[GenerationResult], other_weights: dict[str, Any]
+    ) -> None:
+        """A refused first bucket, an error in a ``with`` block and a session left uncommitted: nothing was
+        written, so the old weights serve on under the old version."""
+        sessions = self._sessions(engine)
+        name, tensor = next(iter(other_weights.items()))
+        old = self._version(engine)
+        session = sessions.begin_load(version=old + 1)
+        _expect_raises(WeightLoadError, lambda: session.write([(name, tensor.flatten()[:-1].clone())]))
+        assert engine.state.weights_loaded
+
+        def failing_block() -> None:
+            with sessions.begin_load(version=old + 1):
+                raise ConnectionError("the sender went away before the first bucket")
+
+        _expect_raises(ConnectionError, failing_block)
+        with sessions.begin_load(version=old + 1):
+            pass  # left without commit(): aborted
+        assert engine.state.weights_loaded and self._version(engine) == old
+        self.assert_baseline(engine, baseline)
+
+    def test_a_second_begin_load_while_one_is_open_is_refused(
+        self, engine: GenerationEngine, baseline: list[GenerationResult]
+    ) -> None:
+        sessions = self._sessions(engine)
+        old = self._version(engine)
+        session = sessions.begin_load(version=old + 2)
+        error = _expect_raises(EngineStateError, lambda: sessions.begin_load())
+        assert f"version {old + 2}" in str(error), error
+        self._assert_refused_while_open(engine, sessions)
+        session.abort()
+        assert engine.state.weights_loaded and self._version(engine) == old
         self.assert_baseline(engine, baseline)
