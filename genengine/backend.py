@@ -29,7 +29,7 @@ from genengine.aio import (
     StreamChunk,
     normalize_async_request,
 )
-from genengine.base import EngineBase
+from genengine.base import EngineBase, LoadSession
 from genengine.checkpoint import checkpoint_dtype, read_model_config, resolve_model_dir, vocab_size, weight_spec
 from genengine.config import EngineConfig, check_options, option_bool, option_int, option_number
 from genengine.engine_args import REFERENCE_DTYPES, check_reference_args
@@ -107,6 +107,7 @@ __all__ = [
     "InconsistentInputsError",
     "InvalidArgumentError",
     "LoadReport",
+    "LoadSession",
     "PauseMode",
     "RegisterBackend",
     "Request",

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from genengine.backend import DistributedSetupError, GenEngineError
 from genengine.distributed import (
@@ -21,7 +22,9 @@ from genengine_sglang._process import current_gpu
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.settings import SGLangSettings
 
-__all__ = ["collective_timeout", "make_group", "portable_error", "torch_dist"]
+__all__ = ["collective_timeout", "make_group", "on_leader", "portable_error", "torch_dist"]
+
+T = TypeVar("T")
 
 
 # ---- groups ------------------------------------------------------------------------------------------------
@@ -71,3 +74,23 @@ def portable_error(exc: BaseException, rank: int) -> BaseException:
         base: type[GenEngineError] = type(exc) if isinstance(exc, SGLangEngineError) else SGLangEngineError
         return base(f"on the TP leader (rank {rank}): {exc}")
     return SGLangEngineError(f"{type(exc).__name__} on the TP leader (rank {rank}): {exc}")
+
+
+def on_leader(g: EngineGroup, op: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on the leader; its result, or its error, reaches every rank of the group."""
+    if g.topology.tp_size == 1:
+        return fn()
+    payload: tuple[str, Any] | None = None
+    error: BaseException | None = None
+    if g.is_leader:
+        try:
+            payload = ("ok", fn())
+        except Exception as exc:
+            error = exc
+            payload = ("err", portable_error(exc, g.topology.rank))
+    kind, value = g.broadcast_object(payload, op=op)
+    if kind == "err":
+        if error is not None:
+            raise error
+        raise value
+    return value  # type: ignore[no-any-return]

@@ -41,7 +41,7 @@ from genengine.distributed import (
     check_port_free,
 )
 from genengine_sglang import _process, _weightsync
-from genengine_sglang._group import collective_timeout, make_group, portable_error
+from genengine_sglang._group import collective_timeout, make_group, on_leader
 from genengine_sglang._weightsync import LoadCall
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.mapping import build_entries, results_from_sglang
@@ -56,7 +56,7 @@ from genengine_sglang.settings import (
 if TYPE_CHECKING:
     import torch
 
-    from genengine.backend import AsyncRequest, ExitHandle, WeightInfo
+    from genengine.backend import AsyncRequest, ExitHandle, LoadSession, WeightInfo
     from genengine_sglang._async import AsyncDriver
     from genengine_sglang._loop import LoopThread
 
@@ -162,24 +162,7 @@ class SGLangEngine(AsyncEngineBase):
         return self._engine
 
     def _on_leader(self, op: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the leader; its result, or its error, reaches every rank of the group."""
-        g = self._group
-        if g.topology.tp_size == 1:
-            return fn()
-        payload: tuple[str, Any] | None = None
-        error: BaseException | None = None
-        if g.is_leader:
-            try:
-                payload = ("ok", fn())
-            except Exception as exc:
-                error = exc
-                payload = ("err", portable_error(exc, g.topology.rank))
-        kind, value = g.broadcast_object(payload, op=op)
-        if kind == "err":
-            if error is not None:
-                raise error
-            raise value
-        return value  # type: ignore[no-any-return]
+        return on_leader(self._group, op, fn)
 
     def _start(self, port: int) -> None:
         kwargs = server_kwargs(self._settings, base_gpu_id=self._base_gpu_id, port=port)
@@ -492,20 +475,36 @@ class SGLangEngine(AsyncEngineBase):
             raise
         finally:
             self._load_call = None
-            if self._unsynced and self._settings.weight_sync_barrier == "loader" and self._engine_up():
-                # The trainer may change its tensors once we return: wait for the scheduler's last copies.
-                self._unsynced = False
-                tp = self._group.topology.tp_size
-                try:
-                    self._on_leader(
-                        "load_weights barrier",
-                        lambda: self._sgl(
-                            lambda: _weightsync.barrier(self._engine, tp, flush=False), "the load_weights barrier"
-                        ),
-                    )
-                except Exception:
-                    if not failed:
-                        raise
+            self._loader_barrier(failed)
+
+    def _end_load(self, session: LoadSession, exc: BaseException | None) -> None:
+        """A load session's end (a transport receiver's, without ``_load`` around it) also waits for the
+        scheduler's last copies, as ``load_weights`` does: even when the KV cache is asleep and no flush runs."""
+        try:
+            super()._end_load(session, exc)
+        except BaseException as failed:
+            self._loader_barrier(True, failed)
+            raise
+        self._loader_barrier(exc is not None, exc)
+
+    def _loader_barrier(self, failed: bool, exc: BaseException | None = None) -> None:
+        """The trainer may change its tensors once a load returns: wait for the scheduler's last copies (unless
+        the group is out of step after a collective timeout); a barrier error is raised only after a success."""
+        if isinstance(exc, CollectiveTimeoutError):
+            self._unsynced = False
+        if self._unsynced and self._settings.weight_sync_barrier == "loader" and self._engine_up():
+            self._unsynced = False
+            tp = self._group.topology.tp_size
+            try:
+                self._on_leader(
+                    "load_weights barrier",
+                    lambda: self._sgl(
+                        lambda: _weightsync.barrier(self._engine, tp, flush=False), "the load_weights barrier"
+                    ),
+                )
+            except Exception:
+                if not failed:
+                    raise
 
     def _engine_up(self) -> bool:
         return not self.closed and (self._engine is not None or not self._group.is_leader)

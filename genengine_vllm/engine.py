@@ -53,7 +53,7 @@ from genengine_vllm.settings import WEIGHT_SYNC_MODES, VLLMSettings, build_llm_k
 if TYPE_CHECKING:
     import torch
 
-    from genengine.backend import AsyncRequest, Request, WeightInfo
+    from genengine.backend import AsyncRequest, LoadSession, Request, WeightInfo
     from genengine.distributed import EngineGroup, Topology
 
 __all__ = ["VLLMEngine"]
@@ -251,15 +251,21 @@ class VLLMEngine(AsyncEngineBase):
         version: int | None = None,
     ) -> LoadReport:
         self._check_open()
-        if self._tp_checked:
-            assert self._group is not None
-            self._group.check_consistent(
-                ("load_weights", bucket_bytes, check_finite, version, self.state),
-                what="load_weights arguments or engine state",
-            )
+        self._check_tp_consistent(("load_weights", bucket_bytes, check_finite, version, self.state))
         return super().load_weights(
             named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
         )
+
+    def begin_load(self, *, check_finite: bool = False, version: int | None = None) -> LoadSession:
+        self._check_open()
+        self._check_tp_consistent(("begin_load", check_finite, version, self.state))
+        return super().begin_load(check_finite=check_finite, version=version)
+
+    def _check_tp_consistent(self, call: tuple[Any, ...]) -> None:
+        """Every rank of a TP group makes the same load call in the same state (or each rank says which differs)."""
+        if self._tp_checked:
+            assert self._group is not None
+            self._group.check_consistent(call, what=f"{call[0]} arguments or engine state")
 
     def _drop_orphans(self) -> None:
         """Before ``LLM.generate``, with no request of ours in vLLM: forget requests its output processor still

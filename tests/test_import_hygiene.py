@@ -49,9 +49,10 @@ PLUGINS = ("genengine_sglang", "genengine_vllm")
 PLUGIN_CORE = {"genengine.backend", "genengine.distributed"}
 """What a backend plugin may import from the core: the one import for backend authors, and TP groups."""
 MAX_LINES = 600
-LONG_ALLOWED = {  # the conformance suite (genengine/testing/conformance/) is split already and needs no entry
+LONG_ALLOWED = {  # and the conformance suite (genengine/testing/conformance/), which the issue exempts
     "genengine/ray/pool.py",  # being split by the h-pool helper; the lead removes this exclusion after merging it
 }
+CONFORMANCE = "genengine/testing/conformance/"
 
 
 def _modules() -> dict[str, Path]:
@@ -171,7 +172,7 @@ def test_no_module_over_600_lines() -> None:
         for path in _modules().values()
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
-    assert not {p: n for p, n in long.items() if p not in LONG_ALLOWED}, long
+    assert not {p: n for p, n in long.items() if p not in LONG_ALLOWED and not p.startswith(CONFORMANCE)}, long
 
 
 def test_import_graph_has_no_cycle() -> None:

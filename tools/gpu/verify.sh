@@ -10,7 +10,8 @@
 # (verify_ENGINE.tar.gz) beside the summary table (verify_ENGINE.md), which is also printed.
 #
 # Env: VERIFY_BUDGET_S (540), VERIFY_PARTS (default "suite ray pool exit transport async trl": a subset, in that
-#      order of priority; "trl" costs nothing where TRL is not installed: one "skipped" row), EXIT_CASES (pytest
+#      order of priority; "trl" costs nothing where TRL is not installed: one "skipped" row; "trl_grpo" or "trl_sync"
+#      runs one of its two scripts), EXIT_CASES (pytest
 #      -k for the exit test; default: all four cases), VERIFY_TRL_BACKEND (the trl part's --backend, default
 #      ENGINE; "transformers" runs the same two scripts on the CPU, to check this script where there is no GPU),
 #      SITE_ENGINE (default /tmp/site-ENGINE, as for run_tests.sh), SITE_PROJ (default /tmp/site-proj).
@@ -125,8 +126,8 @@ EOF
   ROWS+=("| $name | $rc | $secs | $what |")
 }
 
-trl_parts() {  # TRL's GRPO example (tiny model, 3 steps) and the TRL sync benchmark (7B), where TRL is installed
-  local info
+trl_parts() {  # TRL's GRPO example (tiny model, 3 steps) and/or the TRL sync benchmark (7B), where TRL is installed
+  local which=${1:-trl_grpo trl_sync} info
   if ! info=$(PYTHONPATH="$SITE_ENGINE${PYTHONPATH:+:$PYTHONPATH}" python3 - 2>&1 <<'EOF'
 import importlib.metadata as md
 import datasets, trl  # noqa: F401  (the part needs both: an ImportError skips it)
@@ -155,8 +156,12 @@ EOF
     return
   fi
   ROWS+=("| trl | - | - | $(echo "$info" | tail -1 | tr '|' '/') |")
-  run_part trl_grpo 240 bash tools/gpu/run_tests.sh "$ENGINE" --script examples/trl_grpo.py --backend "$TRL_BACKEND" --steps 3
-  run_part trl_sync 330 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_trl_sync.py --backend "$TRL_BACKEND"
+  case " $which " in *" trl_grpo "*)
+    run_part trl_grpo 240 bash tools/gpu/run_tests.sh "$ENGINE" --script examples/trl_grpo.py --backend "$TRL_BACKEND" --steps 3 ;;
+  esac
+  case " $which " in *" trl_sync "*)
+    run_part trl_sync 330 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_trl_sync.py --backend "$TRL_BACKEND" ;;
+  esac
 }
 
 PYTEST_J() { echo "--junitxml $WORK/$1.xml"; }
@@ -170,7 +175,8 @@ for part in $PARTS; do
     transport) run_part transport 150 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_transport_gpu.py "$(PYTEST_J transport)" ;;
     async) run_part async 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_async.py "$ENGINE" ;;
     trl) trl_parts ;;
-    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool exit transport async trl) |") ;;
+    trl_grpo|trl_sync) trl_parts "$part" ;;
+    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool exit transport async trl trl_grpo trl_sync) |") ;;
   esac
 done
 
