@@ -331,7 +331,7 @@ def test_a_killed_replica_comes_back_with_the_current_weights(pool: EnginePool, 
 
     async def stream_through_a_kill() -> None:
         stream = pool.stream(PROMPTS[0], long, session_id="s")
-        index = stream._replica.index  # type: ignore[union-attr]
+        index = stream.replica_index
         await stream.__anext__()
         ray.kill(ray.get_actor(pool.replicas[index].name), no_restart=False)
         with pytest.raises(ReplicaDiedError, match=rf"replica {index} \(actor [0-9a-f]+, node .* died during stream"):
