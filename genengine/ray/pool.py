@@ -30,7 +30,7 @@ from genengine.ray.errors import ReplicaDiedError, ReplicaTimeoutError
 from genengine.ray.fleet import Fleet, ReplicaInfo
 from genengine.ray.options import PLACEMENTS, Placement, PoolOptions, check_bundles, ray_module
 from genengine.ray.router import Router
-from genengine.ray.stream import PoolStream
+from genengine.ray.stream import PoolStream, StreamRegistry
 from genengine.ray.sync import WeightSync
 from genengine.requests import normalize_requests
 
@@ -86,32 +86,13 @@ class EnginePool:
         runtime_env: Mapping[str, Any] | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        self._options = PoolOptions.check(
-            config,
-            engine_kwargs,
-            num_replicas=num_replicas,
-            placement=placement,
-            placement_group=placement_group,
-            bundle_indices=bundle_indices,
-            num_gpus=num_gpus,
-            num_cpus=num_cpus,
-            transport=transport,
-            transport_options=transport_options,
-            keep_weights=keep_weights,
-            weights_source=weights_source,
-            request_retries=request_retries,
-            timeout_s=timeout_s,
-            start_timeout_s=start_timeout_s,
-            request_timeout_s=request_timeout_s,
-            max_restarts=max_restarts,
-            prefix_tokens=prefix_tokens,
-            runtime_env=runtime_env,
-        )
+        arguments = {k: v for k, v in locals().items() if k not in ("self", "config", "engine_kwargs", "max_imbalance")}
+        self._options = PoolOptions.check(config, engine_kwargs, **arguments)
         self.router = Router(max_imbalance=max_imbalance)
         self._id = uuid.uuid4().hex[:8]
         self._fleet = Fleet(self._options, self.router, self._id)
         self._sync = WeightSync(self._fleet)
-        self._streams: dict[str, PoolStream] = {}
+        self._streams = StreamRegistry()
         self._fleet.start()
 
     # ---- replicas ---------------------------------------------------------------------------------------------
@@ -156,7 +137,7 @@ class EnginePool:
         timeout = fleet.timeout_s if drain_timeout_s is None else option_number("drain_timeout_s", drain_timeout_s)
         fleet.unroute(replica)
         deadline = time.monotonic() + timeout
-        while any(s.replica_index == index and not s.done for s in list(self._streams.values())):
+        while self._streams.by_replica().get(index):
             if time.monotonic() > deadline:
                 raise ReplicaTimeoutError(f"{replica.where} still has requests after {timeout:g} s of draining")
             time.sleep(0.05)
@@ -217,10 +198,7 @@ class EnginePool:
         fleet = self._fleet
         if fleet.closed:
             return 0
-        mine: dict[int, list[str]] = {}
-        for stream in list(self._streams.values()):
-            if not stream.done and stream.replica_index is not None:
-                mine.setdefault(stream.replica_index, []).append(stream.request_id)
+        mine = self._streams.by_replica()
         outcomes = fleet.call(
             "in_flight", lambda r: r.actor.in_flight.remote(mine.get(r.index, [])), fleet.active(), errors="return"
         )
@@ -323,15 +301,11 @@ class EnginePool:
         )
         if session_id is not None and not isinstance(session_id, str):
             raise InvalidArgumentError(f"session_id={session_id!r} must be a string or None")
-        known = self._streams.get(request_id)
-        if known is not None and not known.done:
-            raise InvalidArgumentError(f"request_id={request_id!r} is already in flight")
+        self._streams.check_new(request_id)
         self._fleet.check_can_generate()
         (key,) = self._fleet.keys([request], session_id)
         handle = PoolStream(self._fleet, request, request_id, key, self.abort)
-        for rid in [rid for rid, s in self._streams.items() if s.done]:
-            del self._streams[rid]
-        self._streams[request_id] = handle
+        self._streams.add(handle)
         handle.submit()
         return handle
 
@@ -373,16 +347,11 @@ class EnginePool:
             request_ids = [request_ids]
         elif request_ids is not None and not isinstance(request_ids, Sequence):
             raise InvalidArgumentError(f"request_ids={request_ids!r}: allowed are None, an id, or a list of ids")
-        targets: dict[int, list[str] | None] = {}
+        targets: Mapping[int, list[str] | None]
         if request_ids is None:
             targets = {r.index: None for r in fleet.active()}
         else:
-            for rid in request_ids:
-                handle = self._streams.get(str(rid))
-                if handle is not None and not handle.done and handle.replica_index is not None:
-                    ids = targets.setdefault(handle.replica_index, [])
-                    assert ids is not None
-                    ids.append(handle.request_id)
+            targets = self._streams.by_replica([str(rid) for rid in request_ids])
         replicas = [fleet.replicas[i] for i in targets if i in fleet.replicas]
         if not replicas:
             return []

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from genengine.aio import StreamChunk
 from genengine.aio.stream import StreamBase
+from genengine.errors import InvalidArgumentError
 from genengine.protocol import GenerationResult
 from genengine.ray.errors import ReplicaError, ReplicaTimeoutError, StaleReplicaError
 from genengine.ray.fleet import Fleet, Replica
 from genengine.requests import Request
 
-__all__ = ["PoolStream"]
+__all__ = ["PoolStream", "StreamRegistry"]
 
 
 class PoolStream(StreamBase):
@@ -139,3 +140,29 @@ class PoolStream(StreamBase):
         with contextlib.suppress(Exception):
             async for _ in self:
                 pass
+
+
+class StreamRegistry:
+    """The streams a pool submitted, by request id (finished ones are dropped as new ones come)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, PoolStream] = {}
+
+    def check_new(self, request_id: str) -> None:
+        known = self._streams.get(request_id)
+        if known is not None and not known.done:
+            raise InvalidArgumentError(f"request_id={request_id!r} is already in flight")
+
+    def add(self, stream: PoolStream) -> None:
+        for rid in [rid for rid, s in self._streams.items() if s.done]:
+            del self._streams[rid]
+        self._streams[stream.request_id] = stream
+
+    def by_replica(self, request_ids: Sequence[str] | None = None) -> dict[int, list[str]]:
+        """The ids of the streams not finished (of ``request_ids``, else all), by the replica serving each."""
+        chosen = list(self._streams.values()) if request_ids is None else [self._streams.get(r) for r in request_ids]
+        out: dict[int, list[str]] = {}
+        for stream in chosen:
+            if stream is not None and not stream.done and stream.replica_index is not None:
+                out.setdefault(stream.replica_index, []).append(stream.request_id)
+        return out
