@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from support.ray_cluster import local_cluster, pool_actors, pool_placement_groups
+from support.ray_cluster import pool_leftovers
 
 from genengine.protocol import GenerationEngine
 from genengine.ray import EnginePool
@@ -22,12 +22,11 @@ from genengine.testing.conformance import EngineConformance
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cluster() -> Iterator[Any]:
-    """One cluster for the module, up before the suite's class fixtures build their engines; every pool the
-    suite made is gone at the end."""
-    with local_cluster(num_cpus=2) as ray:
-        yield ray
-        assert pool_actors(ray) == [] and pool_placement_groups(ray) == []
+def _cluster_left_clean(cluster: Any) -> Iterator[None]:
+    """The shared cluster (support/ray_pool.py) is up before the suite's class fixtures build their engines;
+    every pool the suite made is gone at the end."""
+    yield
+    assert pool_leftovers(cluster) == ([], [])
 
 
 class TestPoolConformance(EngineConformance):

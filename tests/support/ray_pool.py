@@ -20,14 +20,16 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=12, logprobs=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=12, seed=7, logprobs=True, n=2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder of the replicas' fault switch (support/ray_faults.py)."""
     return tmp_path_factory.mktemp("ray-faults")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(faults: Path) -> Iterator[Any]:
+    """One cluster for every Ray file a pytest process runs (starting one costs seconds to tens of seconds on
+    a loaded 2-core machine); each file's fixtures check that their pools left nothing in it."""
     with local_cluster(num_cpus=2, faults_dir=str(faults)) as handle:
         yield handle
 
