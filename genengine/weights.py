@@ -25,6 +25,7 @@ __all__ = [
     "WeightValidator",
     "check_load_options",
     "check_named_tensors",
+    "check_storage",
     "iter_buckets",
     "tensor_nbytes",
 ]
@@ -94,6 +95,23 @@ def _storage_bytes_needed(tensor: torch.Tensor) -> int:
     return int(last + 1) * tensor.element_size()
 
 
+def check_storage(name: str, tensor: Any) -> None:
+    """A plain tensor whose storage is smaller than its shape needs (freed) is refused before anything reads
+    it: reading it can crash the process (torch does not always check), or pickle whatever memory follows."""
+    import torch
+
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) and not tensor.is_meta:  # DTensor: its own memory
+        if tensor.is_nested or tensor.layout != torch.strided:
+            return
+        have, need = tensor.untyped_storage().nbytes(), _storage_bytes_needed(tensor)
+        if have < need:
+            # FSDP frees unsharded parameters so.
+            raise WeightLoadError(
+                f"weight {name!r} has no data: its storage holds {have} bytes, its shape needs {need} "
+                f"(was it freed, e.g. by FSDP's reshard, before load_weights wrote it?); {_ALLOWED}"
+            )
+
+
 def _check_data(name: str, tensor: torch.Tensor, info: WeightInfo) -> None:
     """The metadata checks (no data is read): a kind with data, a floating dtype, the engine's shape."""
     import torch
@@ -103,14 +121,7 @@ def _check_data(name: str, tensor: torch.Tensor, info: WeightInfo) -> None:
     if tensor.is_nested or tensor.layout != torch.strided:
         kind = "nested" if tensor.is_nested else str(tensor.layout)
         raise WeightLoadError(f"weight {name!r} is a {kind} tensor; {_ALLOWED} (convert it with .to_dense())")
-    if type(tensor) in (torch.Tensor, torch.nn.Parameter):  # subclasses (DTensor) manage their own memory
-        have, need = tensor.untyped_storage().nbytes(), _storage_bytes_needed(tensor)
-        if have < need:
-            # Reading it can crash the process (torch does not always check): FSDP frees unsharded parameters so.
-            raise WeightLoadError(
-                f"weight {name!r} has no data: its storage holds {have} bytes, its shape needs {need} "
-                f"(was it freed, e.g. by FSDP's reshard, before load_weights wrote it?); {_ALLOWED}"
-            )
+    check_storage(name, tensor)
     if not tensor.is_floating_point():
         raise WeightLoadError(
             f"weight {name!r} has dtype {tensor.dtype}; a floating dtype is required "

@@ -1,9 +1,13 @@
 """``RequestStream``: what ``stream()`` returns to the caller, an async iterator of one request's chunks and
 then its result; closing it early (or cancelling ``collect``) aborts the request.
+
+``StreamBase`` is what every stream of genengine shares (this one, and the Ray pool's ``PoolStream``):
+``collect``, ``result`` and ``aclose`` over four hooks a stream fills in.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 from typing import TYPE_CHECKING
 
@@ -14,11 +18,73 @@ if TYPE_CHECKING:
     from genengine.aio.engine import AsyncEngineBase
     from genengine.aio.request import AsyncRequest, StreamChunk
 
-__all__ = ["RequestStream"]
+__all__ = ["RequestStream", "StreamBase"]
 
 
-class RequestStream:
+class StreamBase(abc.ABC):
     """One submitted request: an async iterator of its chunks, then its result."""
+
+    @property
+    @abc.abstractmethod
+    def request_id(self) -> str: ...
+
+    @property
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """The request ended (finished, aborted or failed): nothing is left to read but its end."""
+
+    @abc.abstractmethod
+    async def __anext__(self) -> StreamChunk: ...
+
+    @abc.abstractmethod
+    def _error(self) -> BaseException | None:
+        """What the request failed with, if it did."""
+
+    @abc.abstractmethod
+    def _result(self) -> GenerationResult | None:
+        """The result, once the request ended without an error (else None)."""
+
+    @abc.abstractmethod
+    async def _abort(self, *, cancelled: bool) -> None:
+        """Abort the request still running (``cancelled``: the caller of ``collect`` was cancelled)."""
+
+    @abc.abstractmethod
+    async def _close(self) -> None:
+        """After ``aclose`` aborted what was running: let go of the chunks."""
+
+    def __aiter__(self) -> StreamBase:
+        return self
+
+    async def collect(self) -> GenerationResult:
+        """Read the chunks not read yet and return the result; a caller cancelled meanwhile aborts the request."""
+        try:
+            async for _ in self:
+                pass
+        except asyncio.CancelledError:
+            if not self.done:
+                await self._abort(cancelled=True)
+            raise
+        return self.result()
+
+    def result(self) -> GenerationResult:
+        """Every completion with its tokens, logprobs and weight versions; only once the stream has ended."""
+        error = self._error()
+        if error is not None:
+            raise error
+        result = self._result()
+        if result is None:
+            raise EngineStateError(f"request {self.request_id!r} is still running: read its stream to the end first")
+        return result
+
+    async def aclose(self) -> None:
+        """Stop reading: a request still running is aborted (nobody wants its tokens any more)."""
+        if not self.done:
+            await self._abort(cancelled=False)
+        await self._close()
+
+
+class RequestStream(StreamBase):
+    """A request of an ``AsyncEngineBase``: its chunks as its scheduler makes them."""
 
     def __init__(self, engine: AsyncEngineBase, request: AsyncRequest) -> None:
         self._engine = engine
@@ -29,33 +95,27 @@ class RequestStream:
     def request_id(self) -> str:
         return self._request.request_id
 
+    @property
+    def done(self) -> bool:
+        return self._request.done
+
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> StreamChunk:
         return await self._chunks.__anext__()
 
-    async def collect(self) -> GenerationResult:
-        """Read the chunks not read yet and return the result; a caller cancelled meanwhile aborts the request."""
-        try:
-            async for _ in self:
-                pass
-        except asyncio.CancelledError:
-            if not self._request.done:
-                self._engine._async_abort([self._request])
-            raise
-        return self.result()
+    def _error(self) -> BaseException | None:
+        return self._request.error
 
-    def result(self) -> GenerationResult:
-        """Every completion with its tokens, logprobs and weight versions; only once the stream has ended."""
-        if self._request.error is not None:
-            raise self._request.error
-        if not self._request.done:
-            raise EngineStateError(f"request {self.request_id!r} is still running: read its stream to the end first")
-        return self._request.result()
+    def _result(self) -> GenerationResult | None:
+        return self._request.result() if self._request.done else None
 
-    async def aclose(self) -> None:
-        """Stop reading: a request still running is aborted (nobody wants its tokens any more)."""
-        if not self._request.done:
+    async def _abort(self, *, cancelled: bool) -> None:
+        if cancelled:
+            self._engine._async_abort([self._request])  # now, without awaiting: the caller is being cancelled
+        else:
             await self._engine.abort(self.request_id)
+
+    async def _close(self) -> None:
         await self._chunks.aclose()

@@ -17,15 +17,34 @@ import asyncio
 import os
 import uuid
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from genengine.protocol import is_async_engine
+from genengine.protocol import EngineState, GenerationEngine, is_async_engine
 from genengine.ray.errors import StaleReplicaError
 
-__all__ = ["CONTROL_CALLS", "EngineReplica"]
+__all__ = ["CONTROL_CALLS", "EngineReplica", "Reply"]
 
 CONTROL_CALLS = ("generate", "sleep", "wake", "flush_cache")
 """Synchronous engine calls ``EngineReplica.call`` runs (``load_weights`` has its own method)."""
+
+_REMEMBERED = 4096
+"""Stream ids a replica remembers having passed to its engine (``in_flight`` asks for the pool's newest)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What an engine call on a replica returns: the call's value and the engine's state and weight version
+    right after it (the pool keeps both per replica)."""
+
+    value: Any
+    state: EngineState
+    version: int
+
+
+def _version(engine: GenerationEngine) -> int:
+    """The engine's weight version: an async engine has one; a synchronous one labels nothing (0)."""
+    return engine.weight_version if is_async_engine(engine) else 0
 
 
 class EngineReplica:
@@ -34,9 +53,10 @@ class EngineReplica:
     def __init__(self, index: int) -> None:
         self.index = index
         self.incarnation = uuid.uuid4().hex
-        self.engine: Any = None
+        self.engine: GenerationEngine | None = None
         self._lock = asyncio.Lock()
         self._receiver: Any = None
+        self._submitted: dict[str, None] = {}  # ids of the last streams that reached the engine, oldest first
 
     async def start(self, expect: str, config: Any) -> None:
         """Build the engine (in a thread: the actor answers pings meanwhile). Not in ``__init__``: a bad option
@@ -77,29 +97,34 @@ class EngineReplica:
         }
         if engine is None:
             return where
-        vocab = getattr(engine, "_vocab_size", None)
         return {
             **where,
             "supported_tags": tuple(engine.supported_tags),
             "supports_async": is_async_engine(engine),
-            "supports_images": bool(getattr(engine, "supports_images", False)),
-            "vocab_size": vocab() if callable(vocab) else None,
             "state": engine.state,
-            "weight_version": getattr(engine, "weight_version", 0),
+            "weight_version": _version(engine),
         }
 
+    def _engine(self) -> Any:
+        assert self.engine is not None, "checked by _check"
+        return self.engine
+
     def _status(self) -> tuple[Any, int]:
-        return self.engine.state, getattr(self.engine, "weight_version", 0)
+        engine = self._engine()
+        return engine.state, _version(engine)
+
+    def _reply(self, value: Any) -> Reply:
+        return Reply(value, *self._status())
 
     # ---- synchronous engine calls ---------------------------------------------------------------------------
-    async def call(self, expect: str | None, method: str, *args: Any, **kwargs: Any) -> tuple[Any, Any, int]:
-        """``engine.<method>(*args, **kwargs)`` in a worker thread; returns (its value, the state, the version)."""
+    async def call(self, expect: str | None, method: str, *args: Any, **kwargs: Any) -> Reply:
+        """``engine.<method>(*args, **kwargs)`` in a worker thread."""
         self._check(expect)
         if method not in CONTROL_CALLS:
             raise ValueError(f"method {method!r} is not a replica call; allowed: {', '.join(CONTROL_CALLS)}")
         async with self._lock:
-            value = await asyncio.to_thread(getattr(self.engine, method), *args, **kwargs)
-            return (value, *self._status())
+            value = await asyncio.to_thread(getattr(self._engine(), method), *args, **kwargs)
+            return self._reply(value)
 
     async def load_weights(
         self,
@@ -109,7 +134,7 @@ class EngineReplica:
         version: int | None,
         bucket_bytes: int | None,
         check_finite: bool,
-    ) -> tuple[Any, Any, int]:
+    ) -> Reply:
         """Load tensors the pool put in Ray's object store, one ``ray.get`` a tensor as the buckets need them."""
         import ray
 
@@ -117,13 +142,13 @@ class EngineReplica:
 
         def load() -> Any:
             pairs = ((name, ray.get(ref)) for name, ref in zip(names, refs, strict=True))
-            return self.engine.load_weights(
+            return self._engine().load_weights(
                 pairs, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
             )
 
         async with self._lock:
             report = await asyncio.to_thread(load)
-            return (report, *self._status())
+            return self._reply(report)
 
     # ---- the async capability -------------------------------------------------------------------------------
     async def stream(
@@ -138,7 +163,10 @@ class EngineReplica:
         """The engine's ``stream``: yields its ``StreamChunk``s, then its ``GenerationResult`` (a Ray
         streaming generator: the pool reads each item as it is yielded)."""
         self._check(expect)
-        stream = self.engine.stream(
+        self._submitted[request_id] = None
+        while len(self._submitted) > _REMEMBERED:
+            del self._submitted[next(iter(self._submitted))]
+        stream = self._async().stream(
             prompt, sampling_params, prompt_token_ids=prompt_token_ids, image_data=image_data, request_id=request_id
         )
         try:
@@ -148,17 +176,31 @@ class EngineReplica:
         finally:
             await stream.aclose()  # aborts the request if the pool stopped reading before its end
 
+    def _async(self) -> Any:
+        engine = self._engine()
+        if not is_async_engine(engine):
+            raise TypeError(f"replica {self.index}: its engine {type(engine).__name__} has no async calls")
+        return engine
+
+    async def in_flight(self, request_ids: Sequence[str] = ()) -> int:
+        """The engine's requests submitted and not finished, plus those of ``request_ids`` (streams the pool
+        submitted here) whose call has not reached the engine yet: Ray starts an async actor's calls in no set
+        order. Answered at once."""
+        engine = self.engine
+        count = engine.in_flight if engine is not None and is_async_engine(engine) else 0
+        return count + sum(1 for rid in request_ids if rid not in self._submitted)
+
     async def abort(self, expect: str | None, request_ids: Sequence[str] | None) -> list[str]:
         self._check(expect)
-        return list(await self.engine.abort(request_ids))
+        return list(await self._async().abort(request_ids))
 
     async def pause_generation(self, expect: str | None, mode: str, clear_cache: bool) -> None:
         self._check(expect)
-        await self.engine.pause_generation(mode, clear_cache=clear_cache)
+        await self._async().pause_generation(mode, clear_cache=clear_cache)  # type: ignore[arg-type]
 
     async def resume_generation(self, expect: str | None) -> None:
         self._check(expect)
-        await self.engine.resume_generation()
+        await self._async().resume_generation()
 
     # ---- weight transports (genengine.transport) ------------------------------------------------------------
     async def transport_join(self, expect: str | None, spec: Any, rank: int) -> None:

@@ -50,3 +50,16 @@ def pool_placement_groups(ray: Any) -> list[str]:
     return sorted(
         pg["name"] for pg in table.values() if pg["name"].startswith("genengine-pool-") and pg["state"] != "REMOVED"
     )
+
+
+def pool_leftovers(ray: Any, timeout_s: float = 60.0) -> tuple[list[str], list[str]]:
+    """``pool_actors`` and ``pool_placement_groups`` once both are empty, or what is left after ``timeout_s``:
+    ``ray.kill`` returns before the cluster lists the actor as dead."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = (pool_actors(ray), pool_placement_groups(ray))
+        if left == ([], []) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)

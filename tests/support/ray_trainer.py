@@ -47,7 +47,7 @@ class ColocatedTrainer:
             "after_versions": [r.outputs[0].weight_versions for r in after],
             "asleep": asleep,
             "replica_versions": [i["weight_version"] for i in infos],
-            "replica_bundles": [r.bundle_index for r in self.pool._replicas.values()],
+            "replica_bundles": [r.bundle_index for r in self.pool._fleet.replicas.values()],
             "trainer_pg": ray.get_runtime_context().current_placement_group_id,
             "trainer_pid": os.getpid(),
             "replica_pids": [i["pid"] for i in infos],

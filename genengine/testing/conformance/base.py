@@ -114,6 +114,9 @@ class ConformanceBase:
     bf16-vs-float32 gap on the same tokens: no bf16 engine can beat that floor (``genengine.testing.parity``)."""
     model_kwargs: ClassVar[dict[str, Any]] = {}
     """Arguments for ``build_tiny_model``."""
+    reads_tensors_before_writing: ClassVar[bool] = False
+    """The engine reads every tensor of a ``load_weights`` call before it writes any (an ``EnginePool`` puts
+    each in Ray's object store first): a tensor that fails on read fails the call with nothing changed."""
     prefix_cache_survives_sleep: ClassVar[bool] = False
     """The engine keeps its prefix cache over a level-1 sleep (as SGLang) and offers ``prefix_cache_hits``, an
     int that grows whenever a ``generate`` reuses a cached prefix (read by ``_prefix_cache_hits``). Then the
