@@ -26,25 +26,9 @@ from typing import Any
 
 import yaml
 
+from genengine.demo import PROMPTS  # the demo's prompts: the same toy task
+
 CONFIGS = Path(__file__).resolve().parent / "configs"
-PROMPTS = [
-    "The quick brown fox",
-    "Once upon a time",
-    "Hello",
-    "the answer is",
-    "write a story about",
-    "one two three",
-    "my name is",
-    "what time is it",
-    "In a distant galaxy far away",
-    "where did the old man go",
-    "people say that",
-    "a little water",
-    "every day we",
-    "think about the number",
-    "before the end of the day",
-    "she said that the dog",
-]
 
 
 def engine_config(backend: str, mem_util: float | None) -> dict[str, Any]:

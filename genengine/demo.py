@@ -21,9 +21,18 @@ from genengine.environ import malloc_trim
 from genengine.errors import InvalidArgumentError
 from genengine.protocol import SamplingParams
 
-__all__ = ["DemoConfig", "DemoResult", "StepStats", "pick_target", "rewards_and_advantages", "run_demo", "train_step"]
+__all__ = [
+    "PROMPTS",
+    "DemoConfig",
+    "DemoResult",
+    "StepStats",
+    "pick_target",
+    "rewards_and_advantages",
+    "run_demo",
+    "train_step",
+]
 
-_PROMPTS = [
+PROMPTS = [
     "The quick brown fox",
     "Once upon a time",
     "In a distant galaxy far away",
@@ -41,6 +50,7 @@ _PROMPTS = [
     "she said that the dog",
     "what time is it",
 ]
+"""The demo's 16 prompts (each step samples ``prompts_per_step`` of them); TRL's example and tests train on them too."""
 
 
 @dataclass
@@ -190,7 +200,7 @@ def _run(cfg: DemoConfig, echo: Callable[[str], None] | None) -> DemoResult:
         write(header)
         stats: list[StepStats] = []
         for step in range(cfg.steps):
-            prompts = rng.sample(_PROMPTS, k=min(cfg.prompts_per_step, len(_PROMPTS)))
+            prompts = rng.sample(PROMPTS, k=min(cfg.prompts_per_step, len(PROMPTS)))
             params = SamplingParams(
                 temperature=1.0,
                 max_new_tokens=cfg.max_new_tokens,
@@ -289,7 +299,7 @@ def rewards_and_advantages(samples: list[tuple[list[int], list[int], list[float]
 def pick_target(engine: Any, tokenizer: Any, max_new_tokens: int) -> tuple[int, str]:
     """The reward's token: the one the untrained model samples most often (a readable, non-special one)."""
     special = set(tokenizer.all_special_ids)
-    warm = engine.generate(_PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=0))
+    warm = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=0))
     counts: dict[int, int] = {}
     for r in warm:
         for t in r.outputs[0].token_ids:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from genengine.demo import (
-    _PROMPTS,
+    PROMPTS,
     DemoConfig,
     DemoResult,
     StepStats,
@@ -113,7 +113,7 @@ async def _run(cfg: DemoConfig, say: Callable[[str], None]) -> tuple[DemoResult,
                     ignore_eos=True,
                 )
                 counter += 1
-                pool.append((asyncio.ensure_future(engine.generate_async(rng.choice(_PROMPTS), params)), version))
+                pool.append((asyncio.ensure_future(engine.generate_async(rng.choice(PROMPTS), params)), version))
 
         version = 0
         top_up(version)

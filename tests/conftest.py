@@ -13,15 +13,15 @@ for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENI
 
 # The files that take a minute or more, longest first. Under pytest-xdist (`make test` runs two workers, one file per
 # worker at a time) they are handed out first, so that no worker is left running one of them alone at the end.
-_LONG_FILES = (  # measured in a clean-clone run (2026-12-02): about 150, 95, 80, 70, 55, 50, 40, 33 s; the Ray files
-    # (split so that the two workers share them) measured on a loaded machine, see docs/ray.md's layout paragraph
-    "test_template_plugin.py",
+_LONG_FILES = (  # estimates (2-core machine, 2026-12-02): the four Ray files 130, 115, 100, 77 s (split so that the two
+    # workers share them), the conformance suite ~110 s, the template's fresh venv ~90 s, fuzz ~65 s, soak ~60 s
     "test_ray_conformance.py",
-    "test_ray_colocated.py",
-    "test_ray_pool_sync.py",
-    "test_fuzz.py",
     "test_ray_pool.py",
     "test_conformance_transformers.py",
+    "test_ray_pool_sync.py",
+    "test_template_plugin.py",
+    "test_ray_colocated.py",
+    "test_fuzz.py",
     "test_soak.py",
     "test_demo.py",
     "test_bench.py",

@@ -3,6 +3,7 @@ really runs on the CPU (and really learns, which it can only do if ``load_weight
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -51,11 +52,14 @@ def test_each_backend_has_a_script() -> None:
 
 
 def test_rl_loop_runs_on_cpu_and_learns() -> None:
+    # One intra-op thread, as the demo runs: the tiny model gains nothing from two, and two spinning OpenMP
+    # threads made this run take 19-49 s on the busy 2-core CI machine.
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "rl_loop_transformers.py"), "--steps", "8"],
         capture_output=True,
         text=True,
         timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = re.findall(r"step (\d+): reward ([\d.]+)\s+\|engine-trainer logprob\| ([\d.e+-]+)", proc.stdout)

@@ -17,8 +17,9 @@ Four properties, one shared engine per module (the session's default tiny model)
   a hand-written table of boundary cases (``BOUNDARIES``) and a per-field predicate of the contract
   (``CONTRACT``) that ``SamplingParams`` must agree with.
 
-``GENENGINE_FUZZ_SCALE`` multiplies the example counts (benchmarks/fuzz_nightly.py runs with a large scale and a
-random seed; CI runs derandomized, so a failure here reproduces).
+``GENENGINE_FUZZ_SCALE`` multiplies the example counts written at each property. CI runs them at half
+(``CI_SCALE``), derandomized, so a failure here reproduces: 3,650 generated cases and 45 state-machine runs of 25
+steps; benchmarks/fuzz_nightly.py runs a large scale (20: 146,000 cases) with a random seed.
 """
 
 from __future__ import annotations
@@ -47,8 +48,11 @@ from genengine.errors import (  # noqa: E402
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, GenerationResult, SamplingParams  # noqa: E402
 from genengine.requests import normalize_requests  # noqa: E402
 
-SCALE = float(os.environ.get("GENENGINE_FUZZ_SCALE", "1"))
-NIGHTLY = SCALE != 1 or os.environ.get("GENENGINE_FUZZ_RANDOM") == "1"
+CI_SCALE = 0.5
+"""Half the written counts in CI: the derandomized cases are the same on every run, so more of them buys less
+than the nightly's fresh ones; half keeps each property's outcomes all reached (``--hypothesis-show-statistics``)."""
+SCALE = float(os.environ.get("GENENGINE_FUZZ_SCALE", str(CI_SCALE)))
+NIGHTLY = SCALE != CI_SCALE or os.environ.get("GENENGINE_FUZZ_RANDOM") == "1"
 PROBE = ["The quick brown fox", "Hello"]
 GREEDY2 = {"temperature": 0.0, "max_new_tokens": 2, "logprobs": True}
 CHEAP_TOKENS = 4  # a valid request runs for real only when it is this cheap (or is bound to fail the context check)

@@ -87,7 +87,7 @@ def test_soak_under_torchrun_judges_each_rank(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SOAK), "--backend",
-         "transformers", "--dtype", "float32", "--cycles", "400", "--max-seconds", "4", "--warmup", "2",
+         "transformers", "--dtype", "float32", "--cycles", "400", "--max-seconds", "2", "--warmup", "2",
          "--max-new-tokens", "4", "--json", str(out)],
         capture_output=True, text=True, timeout=200, env=env, cwd=tmp_path,
     )  # fmt: skip

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from genengine.demo import PROMPTS
 from genengine.testing.tiny_model import tiny_model_dir
 
 HAVE_TRL = find_spec("trl") is not None
@@ -27,24 +28,6 @@ needs_trl = pytest.mark.skipif(
     not HAVE_TRL, reason="trl is not installed: pip install 'genengine[trl]' (the dev extra installs it)"
 )
 
-PROMPTS = [
-    "The quick brown fox",
-    "Once upon a time",
-    "Hello",
-    "the answer is",
-    "write a story about",
-    "one two three",
-    "my name is",
-    "what time is it",
-    "In a distant galaxy far away",
-    "where did the old man go",
-    "people say that",
-    "a little water",
-    "every day we",
-    "think about the number",
-    "before the end of the day",
-    "she said that the dog",
-]
 STEPS = 8
 LR = 1e-2
 """Both paths go from ~0.005 to 0.2-1.0 of the target token in 8 steps at this rate (seeds 0-2, measured)."""
