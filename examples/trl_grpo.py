@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from genengine.demo import PROMPTS  # the demo's prompts: the same toy task
+from genengine.demo import TRL_PROMPTS as PROMPTS  # the demo's prompts: the same toy task
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 

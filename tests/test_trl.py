@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from genengine.demo import PROMPTS
+from genengine.demo import TRL_PROMPTS as PROMPTS
 from genengine.testing.tiny_model import tiny_model_dir
 
 HAVE_TRL = find_spec("trl") is not None
