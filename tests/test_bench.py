@@ -17,6 +17,14 @@ from genengine.cli import main
 from genengine.errors import ConfigError, InvalidArgumentError
 
 
+def _recording(calls: list[str], name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return real(*args, **kwargs)
+
+    return recorded
+
+
 def _spy_on_work(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record (and still do) the bench's work: building the tiny model, reading the checkpoint, creating engines.
 
@@ -271,10 +279,20 @@ def test_async_bench_bad_arguments_fail_before_any_work(
 def test_pool_bench_bad_arguments_fail_before_any_work(
     args: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import importlib
+    import sys
+
+    import ray
+
+    ray_pg = importlib.import_module("ray.util.placement_group")  # the module (ray.util's attribute is the function)
+
     work = _spy_on_work(monkeypatch)
+    # Ray may be up already: the Ray test files share one cluster per pytest process. So the calls that would
+    # start or use it are watched, whatever state it is in.
+    ray_up = ray.is_initialized()
+    for module, name in ((ray, "init"), (ray_pg, "placement_group")):
+        monkeypatch.setattr(module, name, _recording(work, f"ray.{name}", getattr(module, name)))
     assert main(["bench", "--pool", "--quiet", *args]) == 2
     assert message in capsys.readouterr().err
     assert work == []
-    import sys
-
-    assert "ray" not in sys.modules or sys.modules["ray"].is_initialized() is False  # no Ray started for it
+    assert ray_up or not sys.modules["ray"].is_initialized()  # no Ray started for it
