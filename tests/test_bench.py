@@ -18,6 +18,8 @@ from genengine.errors import ConfigError, InvalidArgumentError
 
 
 def _recording(calls: list[str], name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+    """``real``, recording ``name`` in ``calls`` at each call."""
+
     def recorded(*args: Any, **kwargs: Any) -> Any:
         calls.append(name)
         return real(*args, **kwargs)
@@ -36,20 +38,12 @@ def _spy_on_work(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     import genengine.testing.tiny_model
 
     calls: list[str] = []
-
-    def spy(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
-        def recorded(*args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return real(*args, **kwargs)
-
-        return recorded
-
     for module, name in (
         (genengine.testing.tiny_model, "build_tiny_model"),
         (genengine.bench.measure, "_trainer_weights"),
         (genengine.registry, "create_engine"),
     ):
-        monkeypatch.setattr(module, name, spy(name, getattr(module, name)))
+        monkeypatch.setattr(module, name, _recording(calls, name, getattr(module, name)))
     return calls
 
 
