@@ -282,10 +282,12 @@ class EngineBase(abc.ABC):
     def begin_load(self, *, check_finite: bool = False, version: int | None = None) -> LoadSession:
         """Open a load session: ``write`` buckets as they arrive, then ``commit`` once (one cache flush, and
         ``version`` set) or ``abort``. Until then generate, sleep, wake and other loads are refused."""
-        return self._begin_load(check_finite=check_finite, version=version, what="a load session")
+        return self._begin_load(bucket_bytes=None, check_finite=check_finite, version=version, what="a load session")
 
-    def _begin_load(self, *, check_finite: bool, version: int | None, what: str) -> LoadSession:
-        self._check_load(bucket_bytes=None, check_finite=check_finite, version=version)
+    def _begin_load(
+        self, *, bucket_bytes: int | None, check_finite: bool, version: int | None, what: str
+    ) -> LoadSession:
+        self._check_load(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
         self._check_weights_may_change()
         session = LoadSession(self, WeightValidator(self._weight_spec(), check_finite=check_finite), version, what)
         self.__session = session
@@ -342,8 +344,9 @@ class EngineBase(abc.ABC):
         (``weight_version`` and each later output's ``weight_versions``); None keeps the current label.
 
         One load session: a bucket written per bucket of ``named_tensors``, then one commit."""
-        self._check_load(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
-        session = self._begin_load(check_finite=check_finite, version=version, what="a load_weights call")
+        session = self._begin_load(
+            bucket_bytes=bucket_bytes, check_finite=check_finite, version=version, what="a load_weights call"
+        )
         with session:
             check_named_tensors(named_tensors)
             buckets = iter_buckets(
