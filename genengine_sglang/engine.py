@@ -459,37 +459,31 @@ class SGLangEngine(AsyncEngineBase):
         check_finite: bool = False,
         version: int | None = None,
     ) -> LoadReport:
-        """``EngineBase.load_weights`` with ``call``'s way of handing tensors over; ends with the loader
-        barrier, so the trainer may change its tensors once this returns."""
+        """``EngineBase.load_weights`` with ``call``'s way of handing tensors over; its session's end
+        (``_end_load``) runs the loader barrier, so the trainer may change its tensors once this returns."""
         self._load_call = call
         self._unsynced = False
-        failed = True
         try:
-            report = super().load_weights(
+            return super().load_weights(
                 named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
             )
-            failed = False
-            return report
-        except CollectiveTimeoutError:
-            self._unsynced = False  # the group is out of step: no further collective
-            raise
         finally:
             self._load_call = None
-            self._loader_barrier(failed)
 
     def _end_load(self, session: LoadSession, exc: BaseException | None) -> None:
-        """A load session's end (a transport receiver's, without ``_load`` around it) also waits for the
-        scheduler's last copies, as ``load_weights`` does: even when the KV cache is asleep and no flush runs."""
+        """Every load's end (``load_weights``' and a transport receiver's session) waits for the scheduler's last
+        copies, so the trainer may change its tensors once it returns: also when the KV cache is asleep and no
+        flush runs."""
         try:
             super()._end_load(session, exc)
         except BaseException as failed:
-            self._loader_barrier(True, failed)
+            self._loader_barrier(failed)
             raise
-        self._loader_barrier(exc is not None, exc)
+        self._loader_barrier(exc)
 
-    def _loader_barrier(self, failed: bool, exc: BaseException | None = None) -> None:
-        """The trainer may change its tensors once a load returns: wait for the scheduler's last copies (unless
-        the group is out of step after a collective timeout); a barrier error is raised only after a success."""
+    def _loader_barrier(self, exc: BaseException | None) -> None:
+        """The barrier after tensors were handed over unsynced, unless the group is out of step after a
+        collective timeout; its own error is raised only when the load (``exc`` None) succeeded."""
         if isinstance(exc, CollectiveTimeoutError):
             self._unsynced = False
         if self._unsynced and self._settings.weight_sync_barrier == "loader" and self._engine_up():
@@ -503,7 +497,7 @@ class SGLangEngine(AsyncEngineBase):
                     ),
                 )
             except Exception:
-                if not failed:
+                if exc is None:
                     raise
 
     def _engine_up(self) -> bool:
