@@ -2,7 +2,8 @@
 
     bash tools/gpu/run_tests.sh ENGINE --script benchmarks/bench_pool.py ENGINE [--json PATH]
 
-Model: Qwen2-7B shapes with ``load_format="dummy"``, the engine options of bench_sglang.py / bench_vllm.py.
+Model: Qwen2-7B shapes with ``load_format="dummy"``, the engine options of bench_sglang.py / bench_vllm.py with
+CUDA graphs on (``GRAPHS``; ``--eager`` for none).
 A Ray trainer actor holds the trainer's 339 bf16 CUDA tensors (15.2 GB), an in-process engine and a
 one-replica colocated ``EnginePool`` in its placement-group bundle (genengine/bench/pool.py says how they
 are measured): generate tokens/s both ways, 5 interleaved repeats of >= 3 s each (64 prompts x 128 ids ->
@@ -31,14 +32,22 @@ MEM_UTILS = {"sglang": (0.3, 0.6), "vllm": (0.3, 0.3)}
 when it starts, so the replica, which starts second, asks for more to get about as much."""
 
 
-def engine_options(engine: str) -> dict[str, Any]:
+GRAPHS = {"sglang": {"cuda_graph_max_bs_decode": 64}, "vllm": {"max_num_seqs": 64}}
+"""With CUDA graphs (``--eager`` turns them off), captured up to the batch of 64: eager decode at 7B is bound by the
+host's CPU, and on the shared H200 host one 3 s repeat differed from the next by up to 2x (2026-12-02), which
+no ratio of medians survives."""
+
+
+def engine_options(engine: str, eager: bool = False) -> dict[str, Any]:
+    """bench_sglang.py's / bench_vllm.py's options (dummy 7B weights, no prefix cache), CUDA graphs unless eager."""
     if engine == "vllm":
-        from bench_vllm import OPTIONS as VLLM_OPTIONS
-
-        return dict(VLLM_OPTIONS)
-    from bench_sglang import OPTIONS as SGLANG_OPTIONS
-
-    return dict(SGLANG_OPTIONS)
+        from bench_vllm import OPTIONS
+    else:
+        from bench_sglang import OPTIONS
+    options = dict(OPTIONS)
+    if not eager:
+        options.update(disable_cuda_graph=False, **GRAPHS[engine])
+    return options
 
 
 def main() -> int:
@@ -48,6 +57,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-seconds", type=float, default=3.0)
     ap.add_argument("--syncs", type=int, default=4)
+    ap.add_argument("--bucket-mib", type=int, default=None, help="the transport's bucket size (default: its own)")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs on either side (the settings before 12-02)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     t0 = time.time()
@@ -61,7 +72,7 @@ def main() -> int:
     settings = PoolBenchSettings(
         backend=a.engine,
         model=model,
-        options=engine_options(a.engine),
+        options=engine_options(a.engine, a.eager),
         dtype="bfloat16",
         mem_util=in_process,
         pool_mem_util=replica,
@@ -72,6 +83,7 @@ def main() -> int:
         min_seconds=a.min_seconds,
         syncs=a.syncs,
         transport="cuda_ipc",
+        bucket_bytes=None if a.bucket_mib is None else a.bucket_mib << 20,
         sleep=False,  # the suite's and the Ray test's: at 7B only speed is measured here
     )
     report: dict[str, Any] = {"model": "Qwen2-7B shape (dummy weights)"}

@@ -230,6 +230,10 @@ def test_async_bench_collects_the_samples_with_partial_rollouts(capsys: pytest.C
     assert sync["samples"] == asy["samples"] == 12
     assert len(sync["load_seconds"]) == len(asy["pause_load_resume_seconds"]) == 3
     assert all(g > 0 for g in asy["pause_load_resume_seconds"])
+    # The gap's three parts add up to it, step by step.
+    parts = asy["pause_load_resume_parts"]
+    for k, gap in enumerate(asy["pause_load_resume_seconds"]):
+        assert sum(parts[name][k] for name in ("pause", "load", "resume")) == pytest.approx(gap, abs=1e-3)
     assert asy["in_flight"] == 6 and asy["aborted_at_end"] >= 1
     # Samples carried over an update say so in their weight_versions, and their older tokens are counted.
     assert asy["carried_samples"] >= 1 and 0 < asy["off_policy_tokens"] < asy["tokens"]

@@ -43,6 +43,9 @@ def test_pool_bench_compares_a_colocated_replica_with_the_same_engine_in_process
     medians = report["tokens_per_s"]["median"]
     assert medians["pool"] > 0 and medians["in_process"] > 0
     assert report["ratio"] == medians["pool"] / medians["in_process"]
+    # One repeat: its pair is the whole run, and neither side spread.
+    assert report["paired_ratio"] == pytest.approx(report["ratio"])
+    assert report["tokens_per_s"]["spread"] == {"in_process": 0.0, "pool": 0.0}
     assert "pool / in-process" in format_pool_report(report)
 
 

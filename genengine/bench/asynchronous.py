@@ -241,6 +241,7 @@ async def _async_run(engine: Any, s: AsyncBenchSettings, vocab: int, weights: We
     collected: list[GenerationResult] = []
     finished: list[GenerationResult] = []
     gaps: list[float] = []
+    parts: dict[str, list[float]] = {"pause": [], "load": [], "resume": []}
     steps: list[float] = []
     start = time.perf_counter()
     for _ in range(in_flight):
@@ -257,9 +258,14 @@ async def _async_run(engine: Any, s: AsyncBenchSettings, vocab: int, weights: We
         del finished[: s.batch_size]
         t_pause = time.perf_counter()
         await engine.pause_generation("keep")
+        t_load = time.perf_counter()
         engine.load_weights(weights(), version=version + step + 1)
+        t_resume = time.perf_counter()
         await engine.resume_generation()
-        gaps.append(time.perf_counter() - t_pause)
+        t_end = time.perf_counter()
+        gaps.append(t_end - t_pause)
+        for name, secs in (("pause", t_load - t_pause), ("load", t_resume - t_load), ("resume", t_end - t_resume)):
+            parts[name].append(secs)
         steps.append(time.perf_counter() - t)
     seconds = time.perf_counter() - start
     await engine.abort()
@@ -272,6 +278,7 @@ async def _async_run(engine: Any, s: AsyncBenchSettings, vocab: int, weights: We
         "pause_load_resume_seconds": gaps,
         "pause_load_resume_median": statistics.median(gaps),
         "pause_load_resume_max": max(gaps),
+        "pause_load_resume_parts": parts,  # where a gap over the goal goes: the pause, the load or the resume
         "samples": len(collected),
         "tokens": tokens,
         "off_policy_tokens": off_policy,
@@ -304,7 +311,10 @@ def format_async_report(report: Mapping[str, Any]) -> str:
         ("async / sync", f"{report['ratio']:.3f} (goal <= 0.7)"),
         (
             "pause -> load -> resume",
-            f"median {asy['pause_load_resume_median']:.4f} s, max {asy['pause_load_resume_max']:.4f} s",
+            f"median {asy['pause_load_resume_median']:.4f} s, max {asy['pause_load_resume_max']:.4f} s "
+            "(medians: "
+            + ", ".join(f"{k} {statistics.median(v):.4f} s" for k, v in asy["pause_load_resume_parts"].items())
+            + ")",
         ),
         (
             "carried over an update",

@@ -236,8 +236,13 @@ class PoolBenchTrainer:
                 for which in ("in_process", "pool") if i % 2 == 0 else ("pool", "in_process"):
                     rates[which].append(rate(targets[which]))
             medians = {k: statistics.median(v) for k, v in rates.items()}
-            report["tokens_per_s"] = {"all": rates, "median": medians}
+            # How far the machine moved during the run: each side's (max - min) / median, and the median of the
+            # ratios of repeat i's two runs, which ran back to back (a drift shared by both cancels in it).
+            spread = {k: (max(v) - min(v)) / medians[k] for k, v in rates.items()}
+            paired = statistics.median(p / q for p, q in zip(rates["pool"], rates["in_process"], strict=True))
+            report["tokens_per_s"] = {"all": rates, "median": medians, "spread": spread}
             report["ratio"] = medians["pool"] / medians["in_process"]
+            report["paired_ratio"] = paired
             report["sync"] = self._syncs(targets, held, make, model, device)
             if s.sleep:
                 report["sleep"] = {}
@@ -376,7 +381,11 @@ def format_pool_report(report: Mapping[str, Any]) -> str:
             f"median {t['median']['in_process']:.0f} (all {[round(x) for x in t['all']['in_process']]})",
         ),
         ("pool tokens/s", f"median {t['median']['pool']:.0f} (all {[round(x) for x in t['all']['pool']]})"),
-        ("pool / in-process", f"{report['ratio']:.3f} (goal >= {GOALS['ratio']})"),
+        (
+            "pool / in-process",
+            f"{report['ratio']:.3f} (goal >= {GOALS['ratio']}); paired {report['paired_ratio']:.3f}; spread "
+            f"in-process {t['spread']['in_process']:.0%}, pool {t['spread']['pool']:.0%}",
+        ),
         (
             "weight sync",
             f"{sync['num_tensors']} tensors, {sync['num_bytes'] / gib:.2f} GiB: in-process median "

@@ -86,7 +86,9 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 if "error" in r: print("error: " + r["error"][:200]); raise SystemExit
 s = r["sync"]
-print(f"pool/in-process {r['ratio']:.3f} (tok/s {r['tokens_per_s']['median']['pool']:.0f} / {r['tokens_per_s']['median']['in_process']:.0f}); "
+t = r["tokens_per_s"]; sp = t.get("spread", {})
+print(f"pool/in-process {r['ratio']:.3f}, paired {r.get('paired_ratio', float('nan')):.3f} (tok/s {t['median']['pool']:.0f} / {t['median']['in_process']:.0f}; "
+      f"spread {sp.get('pool', float('nan')):.0%} / {sp.get('in_process', float('nan')):.0%}); "
       f"sync pool {s['pool_median_s']:.3f} s vs in-process {s['in_process_median_s']:.3f} s; outputs equal: {r['verdicts']['outputs_equal']}")
 EOF
 ) ;;
@@ -115,7 +117,9 @@ EOF
 import json, sys
 r = json.load(open(sys.argv[1]))
 if "error" in r: print("error: " + r["error"][:200]); raise SystemExit
-print(f"async/sync {r['ratio']:.3f}; pause-load-resume max {r['async']['pause_load_resume_max']:.3f} s")
+a = r["async"]; parts = a.get("pause_load_resume_parts", {})
+split = ", ".join(f"{k} {sorted(v)[len(v) // 2]:.3f}" for k, v in parts.items())
+print(f"async/sync {r['ratio']:.3f}; pause-load-resume max {a['pause_load_resume_max']:.3f} s" + (f" (medians: {split} s)" if split else ""))
 EOF
 ) ;;
   esac
@@ -169,7 +173,7 @@ for part in $PARTS; do
   case "$part" in
     suite) run_part suite 330 bash tools/gpu/run_tests.sh "$ENGINE" "$(PYTEST_J suite)" ;;
     ray) run_part ray 240 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_ray_gpu.py "$(PYTEST_J ray)" ;;
-    pool) run_part pool 300 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_pool.py "$ENGINE" ;;
+    pool) run_part pool 330 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_pool.py "$ENGINE" ;;
     exit) run_part exit 330 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_exit_gpu.py "$(PYTEST_J exit)" \
             ${EXIT_CASES:+-k "'$EXIT_CASES'"} ;;
     transport) run_part transport 150 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_transport_gpu.py "$(PYTEST_J transport)" ;;
