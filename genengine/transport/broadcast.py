@@ -102,6 +102,17 @@ def begin_load(engine: GenerationEngine, version: int, check_finite: bool) -> We
     return _PerBucketLoads(engine, check_finite, version)
 
 
+def open_session(
+    engine: GenerationEngine, version: int, check_finite: bool
+) -> tuple[WeightLoadSession | None, tuple[int, int, BaseException] | None]:
+    """A receiver's first step: the sync's load session, or the failure to report for bucket 0 (the receiver
+    then drains the sync in step with the sender and loads nothing)."""
+    try:
+        return begin_load(engine, version, check_finite), None
+    except Exception as exc:
+        return None, (LOAD_FAILED, 0, exc)
+
+
 def finish_load(
     session: WeightLoadSession | None, failure: tuple[int, int, BaseException] | None, num_buckets: int
 ) -> tuple[int, int, BaseException] | None:
@@ -193,7 +204,9 @@ def raise_for_status(group: Group, plan: layout.Plan, statuses: dict[int, list[i
         raise TransportError(
             f"{group.describe(f'sync of version {plan.version}')}: not every replica loaded it; "
             + "; ".join(problems)
-            + " (each replica's own error says more); the weights of those replicas are a mix: sync again"
+            + " (each replica's own error says more); those replicas keep their old version, and one that had a"
+            " bucket written refuses to generate until a sync lands whole (an engine without load sessions may"
+            " hold a mix): sync again"
         )
 
 
@@ -234,8 +247,8 @@ def raise_failure(failure: tuple[int, int, BaseException], loaded: int) -> NoRet
     raise failure[2]
 
 
-class BroadcastSender:
-    """Rank 0's end of a broadcast group."""
+class SenderBase:
+    """What every bucketed sender holds (its group, two bucket buffers, a sync counter) and how a sync starts."""
 
     def __init__(self, group: Group) -> None:
         self.group = group
@@ -243,13 +256,37 @@ class BroadcastSender:
         self._buffers = _Buffers(self._device)
         self._seq = 0
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> SyncReport:
-        g = self.group
-        g.check_usable()
+    def _plan(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> tuple[layout.Plan, float]:
+        """The sync's plan (refused on every rank in step when the tensors are bad) and its start time."""
+        self.group.check_usable()
         check_version(version)
         start = time.perf_counter()
         self._seq += 1
-        plan = plan_or_refuse(g, named_tensors, version, self._seq)
+        return plan_or_refuse(self.group, named_tensors, version, self._seq), start
+
+    def close(self) -> None:
+        self._buffers.clear()
+        self.group.close()
+
+
+class ReceiverBase:
+    """What every bucketed receiver holds: its group and two bucket buffers."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+        self._buffers = _Buffers(device_of(group.spec))
+
+    def close(self) -> None:
+        self._buffers.clear()
+        self.group.close()
+
+
+class BroadcastSender(SenderBase):
+    """Rank 0's end of a broadcast group."""
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> SyncReport:
+        g = self.group
+        plan, start = self._plan(named_tensors, version)
         receivers = list(range(1, g.spec.world_size))
         g.broadcast_bytes(plan.metadata(seq=self._seq), "sending the sync's metadata")
         bufs = self._buffers.get(plan.buffer_bytes)
@@ -281,17 +318,9 @@ class BroadcastSender:
         raise_for_status(g, plan, statuses, self._seq)
         return SyncReport(version, plan.num_tensors, plan.num_bytes, len(plan.buckets), time.perf_counter() - start)
 
-    def close(self) -> None:
-        self._buffers.clear()
-        self.group.close()
 
-
-class BroadcastReceiver:
+class BroadcastReceiver(ReceiverBase):
     """A replica's end of a broadcast group."""
-
-    def __init__(self, group: Group) -> None:
-        self.group = group
-        self._buffers = _Buffers(device_of(group.spec))
 
     def receive(self, engine: GenerationEngine, *, check_finite: bool = False) -> SyncReport:
         g = self.group
@@ -305,13 +334,8 @@ class BroadcastReceiver:
         works: dict[int, Work] = {}
         if buckets:
             works[0] = g.broadcast(slices[0], data=True)
-        failure: tuple[int, int, BaseException] | None = None
         tensors = nbytes = loaded = 0
-        session: WeightLoadSession | None = None
-        try:
-            session = begin_load(engine, version, check_finite)
-        except Exception as exc:
-            failure = (LOAD_FAILED, 0, exc)
+        session, failure = open_session(engine, version, check_finite)
         try:
             for k, bucket in enumerate(buckets):
                 g.wait(works.pop(k), f"receiving {bucket.describe(k)} of {len(buckets)}", [0])
@@ -346,10 +370,6 @@ class BroadcastReceiver:
         if failure is not None:
             raise_failure(failure, loaded)
         return SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
-
-    def close(self) -> None:
-        self._buffers.clear()
-        self.group.close()
 
 
 class _BroadcastTransport:

@@ -27,16 +27,14 @@ from genengine.transport.broadcast import (
     LOAD_FAILED,
     OK,
     STATUS_WIDTH,
-    _Buffers,
+    ReceiverBase,
+    SenderBase,
     aborted_error,
-    begin_load,
     check_rank,
     check_spec,
-    check_version,
     checksum_error,
-    device_of,
     finish_load,
-    plan_or_refuse,
+    open_session,
     raise_failure,
     raise_for_status,
     read_metadata,
@@ -48,7 +46,7 @@ from genengine.transport.spec import SyncReport, TransportSpec
 if TYPE_CHECKING:
     import torch
 
-    from genengine.protocol import GenerationEngine, WeightLoadSession
+    from genengine.protocol import GenerationEngine
 
 __all__ = ["CudaIpcTransport"]
 
@@ -88,22 +86,12 @@ def _open(shared: str, group: Group) -> list[torch.Tensor]:
     return out
 
 
-class CudaIpcSender:
-    def __init__(self, group: Group) -> None:
-        self.group = group
-        self._device = device_of(group.spec)
-        self._buffers = _Buffers(self._device)
-        self._seq = 0
-
+class CudaIpcSender(SenderBase):
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> SyncReport:
         import torch
 
         g = self.group
-        g.check_usable()
-        check_version(version)
-        start = time.perf_counter()
-        self._seq += 1
-        plan = plan_or_refuse(g, named_tensors, version, self._seq)
+        plan, start = self._plan(named_tensors, version)
         bufs = self._buffers.get(plan.buffer_bytes)
         g.broadcast_bytes(plan.metadata(seq=self._seq, shared=_share(bufs)), "sending the sync's metadata")
         stream = side_stream(self._device)
@@ -151,16 +139,11 @@ class CudaIpcSender:
     def close(self) -> None:
         import torch
 
-        self._buffers.clear()
-        self.group.close()
+        super().close()
         torch.cuda.ipc_collect()  # our buffers' memory, once the receivers dropped their handles
 
 
-class CudaIpcReceiver:
-    def __init__(self, group: Group) -> None:
-        self.group = group
-        self._buffers = _Buffers(device_of(group.spec))
-
+class CudaIpcReceiver(ReceiverBase):
     def receive(self, engine: GenerationEngine, *, check_finite: bool = False) -> SyncReport:
         import torch
 
@@ -173,13 +156,8 @@ class CudaIpcReceiver:
         buckets: list[layout.Bucket] = meta["buckets"]
         shared: list[Any] = _open(meta["shared"], g) if buckets else []
         local = self._buffers.get(int(meta["buffer_bytes"])) if buckets else []
-        failure: tuple[int, int, BaseException] | None = None
         tensors = nbytes = loaded = 0
-        session: WeightLoadSession | None = None
-        try:
-            session = begin_load(engine, version, check_finite)
-        except Exception as exc:
-            failure = (LOAD_FAILED, 0, exc)
+        session, failure = open_session(engine, version, check_finite)
         try:
             for k, bucket in enumerate(buckets):
                 notice = torch.zeros(1, dtype=torch.int64)
@@ -229,10 +207,6 @@ class CudaIpcReceiver:
         if failure is not None:
             raise_failure(failure, loaded)
         return SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
-
-    def close(self) -> None:
-        self._buffers.clear()
-        self.group.close()
 
 
 class CudaIpcTransport:
