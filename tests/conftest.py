@@ -8,7 +8,12 @@ import pytest
 
 pytest_plugins = ("support.ray_pool",)  # the Ray pool files' module-scoped fixtures (cluster, model, ...)
 
-for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
+# OMP_NUM_THREADS=1, before anything imports torch, here and in every process a test starts (trainer children,
+# torchrun ranks, the Ray cluster's workers inherit it): the tiny models gain nothing from intra-op threads, and
+# on the 2-core CI machine, whose other core runs the other pytest worker, spinning OpenMP threads only burn CPU
+# (the transformers conformance file: 91 s of user CPU with torch's default threads, 55 s with one).
+_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+for _key, _value in _ENV.items():
     os.environ.setdefault(_key, _value)
 
 # The files that take a minute or more, longest first. Under pytest-xdist (`make test` runs two workers, one file per
