@@ -35,6 +35,13 @@ _LONG_FILES = (  # estimates (2-core machine, 2026-12-02): the four Ray files 13
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the order below under ``--dist loadfile``: pytest-xdist otherwise hands files out by their number of
+    tests, most first, which left the fresh-venv file (3 tests, 1.5 min) to start last and run alone."""
+    if hasattr(config.option, "loadscopereorder") and "--loadscope-reorder" not in config.invocation_params.args:
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         rank = {name: i for i, name in enumerate(_LONG_FILES)}
