@@ -2,10 +2,10 @@
 
     python benchmarks/fuzz_nightly.py [--scale 20] [--seed N] [--junit FILE] [-- extra pytest args]
 
-CI runs the same properties derandomized at scale 0.5 (about 3,650 generated cases and 45 state-machine runs
-of 25 steps), so a failure there reproduces on any machine; this run explores new inputs instead. A failure
-prints hypothesis' falsifying example and a ``@reproduce_failure`` blob; rerun with the printed ``--seed`` to get
-it back. Exit status is pytest's.
+CI runs the same properties derandomized at scale 0.25, the cheap ones at 0.5 (about 2,100 generated cases and
+22 state-machine runs of 25 steps), so a failure there reproduces on any machine; this run explores new inputs
+instead. A failure prints hypothesis' falsifying example and a ``@reproduce_failure`` blob; rerun with the printed
+``--seed`` to get it back. Exit status is pytest's.
 """
 
 from __future__ import annotations

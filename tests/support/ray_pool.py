@@ -3,6 +3,7 @@ weights, an in-process engine as the reference) and small helpers. Each file imp
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,32 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ray-faults")
 
 
-@pytest.fixture(scope="session")
+_running: list[tuple[contextlib.ExitStack, Any]] = []
+"""The cluster up in this process, if any: its exit stack and its ``ray`` handle."""
+_next_item: list[pytest.Item | None] = [None]
+"""The test that runs after the one being torn down (None: the last of the session)."""
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Before the runner tears down fixtures: say whether the next test needs the cluster."""
+    _next_item[0] = nextitem
+
+
+@pytest.fixture(scope="module")
 def cluster(faults: Path) -> Iterator[Any]:
-    """One cluster for every Ray file a pytest process runs (starting one costs seconds to tens of seconds on
-    a loaded 2-core machine); each file's fixtures check that their pools left nothing in it."""
-    with local_cluster(num_cpus=2, faults_dir=str(faults)) as handle:
-        yield handle
+    """One cluster for a run of consecutive Ray files (starting one costs seconds to tens of seconds on a loaded
+    2-core machine); each file's fixtures check that their pools left nothing in it. It is stopped as soon as
+    the next test needs none (conftest runs the Ray files first), instead of idling through the rest of the
+    session: a live cluster's processes take about 5% of a core doing nothing."""
+    if not _running:
+        stack = contextlib.ExitStack()
+        _running.append((stack, stack.enter_context(local_cluster(num_cpus=2, faults_dir=str(faults)))))
+    yield _running[0][1]
+    following = _next_item[0]
+    if following is None or "cluster" not in following.fixturenames:
+        stack, _ = _running.pop()
+        stack.close()
 
 
 @pytest.fixture(scope="module")
