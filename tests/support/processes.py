@@ -213,6 +213,12 @@ def rss_bytes(pid: int | None = None) -> int:
 MARK_ENV = "GENENGINE_TEST_PROCESS_MARK"
 """Environment variable carrying a run's marker: every process the child starts inherits it."""
 
+
+def _default_sigint() -> None:
+    """In the child, before it runs: SIGINT's default disposition."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 SIGNAL_ENDINGS = {"sigterm": signal.SIGTERM, "sigint": signal.SIGINT, "sigkill": signal.SIGKILL}
 
 
@@ -265,6 +271,10 @@ class TrainerRun:
         self._lines: list[str] = []
         self._ready = threading.Event()
         self._ready_line = ""
+        # A suite started in the background by a shell (``cmd &``) inherits SIGINT ignored, and so would the
+        # child: Python then installs no KeyboardInterrupt handler and the SIGINT ending tests nothing. A trainer
+        # run from a terminal has SIGINT's default; give the child that.
+        inherited_ignore = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
         self.proc = subprocess.Popen(
             argv,
             env=full_env,
@@ -273,6 +283,7 @@ class TrainerRun:
             stderr=subprocess.STDOUT,
             text=True,
             errors="replace",
+            preexec_fn=_default_sigint if inherited_ignore else None,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
