@@ -247,13 +247,24 @@ def raise_failure(failure: tuple[int, int, BaseException], loaded: int) -> NoRet
     raise failure[2]
 
 
-class SenderBase:
-    """What every bucketed sender holds (its group, two bucket buffers, a sync counter) and how a sync starts."""
+class Endpoint:
+    """What either end of a bucketed sync holds: its group and two bucket buffers on the spec's device."""
 
     def __init__(self, group: Group) -> None:
         self.group = group
         self._device = device_of(group.spec)
         self._buffers = _Buffers(self._device)
+
+    def close(self) -> None:
+        self._buffers.clear()
+        self.group.close()
+
+
+class SenderBase(Endpoint):
+    """A sender: an endpoint that numbers its syncs and starts each one the same way."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__(group)
         self._seq = 0
 
     def _plan(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> tuple[layout.Plan, float]:
@@ -263,22 +274,6 @@ class SenderBase:
         start = time.perf_counter()
         self._seq += 1
         return plan_or_refuse(self.group, named_tensors, version, self._seq), start
-
-    def close(self) -> None:
-        self._buffers.clear()
-        self.group.close()
-
-
-class ReceiverBase:
-    """What every bucketed receiver holds: its group and two bucket buffers."""
-
-    def __init__(self, group: Group) -> None:
-        self.group = group
-        self._buffers = _Buffers(device_of(group.spec))
-
-    def close(self) -> None:
-        self._buffers.clear()
-        self.group.close()
 
 
 class BroadcastSender(SenderBase):
@@ -319,7 +314,7 @@ class BroadcastSender(SenderBase):
         return SyncReport(version, plan.num_tensors, plan.num_bytes, len(plan.buckets), time.perf_counter() - start)
 
 
-class BroadcastReceiver(ReceiverBase):
+class BroadcastReceiver(Endpoint):
     """A replica's end of a broadcast group."""
 
     def receive(self, engine: GenerationEngine, *, check_finite: bool = False) -> SyncReport:

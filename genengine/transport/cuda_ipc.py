@@ -27,7 +27,7 @@ from genengine.transport.broadcast import (
     LOAD_FAILED,
     OK,
     STATUS_WIDTH,
-    ReceiverBase,
+    Endpoint,
     SenderBase,
     aborted_error,
     check_rank,
@@ -143,7 +143,7 @@ class CudaIpcSender(SenderBase):
         torch.cuda.ipc_collect()  # our buffers' memory, once the receivers dropped their handles
 
 
-class CudaIpcReceiver(ReceiverBase):
+class CudaIpcReceiver(Endpoint):
     def receive(self, engine: GenerationEngine, *, check_finite: bool = False) -> SyncReport:
         import torch
 

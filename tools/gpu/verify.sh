@@ -114,11 +114,11 @@ print(f"{r.get('shape', '?')}: genengine {s('genengine')}; TRL's per-parameter l
 EOF
 ) ;;
     async) what=$(python3 - "$WORK/bench_async_$ENGINE.json" <<'EOF' 2>/dev/null || echo "no report"
-import json, sys
+import json, statistics, sys
 r = json.load(open(sys.argv[1]))
 if "error" in r: print("error: " + r["error"][:200]); raise SystemExit
 a = r["async"]; parts = a.get("pause_load_resume_parts", {})
-split = ", ".join(f"{k} {sorted(v)[len(v) // 2]:.3f}" for k, v in parts.items())
+split = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in parts.items())
 print(f"async/sync {r['ratio']:.3f}; pause-load-resume max {a['pause_load_resume_max']:.3f} s" + (f" (medians: {split} s)" if split else ""))
 EOF
 ) ;;
