@@ -44,8 +44,31 @@ if [ -n "$missing" ]; then
   [ "${1:-}" = --final ] && die "cannot install $ENGINE: parts missing (did the machine go cold between calls? send those chunks again)"
   exit 0
 fi
+# The image sets PYTHONDONTWRITEBYTECODE=1 and ships no bytecode, neither for its own site-packages (torch, numpy,
+# sympy, ...) nor does the kit's site carry any: every process would compile its imports from source. Measured on
+# the H200 (2026-12-02): importing SGLang's scheduler 35 s, `import torch` 6.8 s; with the bytecode written once
+# (~17 s on 16 cores, both sites) 18 s and 2.3 s. Python reads bytecode under PYTHONDONTWRITEBYTECODE, it only
+# never writes it. Once per machine and site (NO_BYTECODE=1 skips it).
+write_bytecode() {
+  [ "${NO_BYTECODE:-0}" = 1 ] && return 0
+  local dirs=() d t0 t1
+  [ -f "$SITE/.bytecode" ] || dirs+=("$SITE")
+  for d in $(python3 -c 'import site; print(" ".join(site.getsitepackages()))'); do
+    [ -d "$d" ] && [ -w "$d" ] && [ ! -f "/tmp/gpu-parts/.bytecode-$(echo "$d" | tr / _)" ] && dirs+=("$d")
+  done
+  [ ${#dirs[@]} -gt 0 ] || return 0
+  t0=$(date +%s.%N)
+  python3 -m compileall -q -j 0 "${dirs[@]}" > /tmp/gpu-parts/compileall.log 2>&1 \
+    || echo "install.sh: compileall reported errors (modules that do not compile on this Python; see /tmp/gpu-parts/compileall.log)"
+  t1=$(date +%s.%N)
+  for d in "${dirs[@]}"; do
+    if [ "$d" = "$SITE" ]; then touch "$SITE/.bytecode"; else touch "/tmp/gpu-parts/.bytecode-$(echo "$d" | tr / _)"; fi
+  done
+  echo "install.sh: bytecode written for ${dirs[*]} in $(python3 -c "print(f'{$t1 - $t0:.1f}')") s"
+}
+
 if [ -f "$SITE/.installed" ] && cmp -s "$SITE/.installed" "$STORE/SHA256SUMS"; then
-  echo "install.sh: $ENGINE already installed in $SITE"; exit 0
+  echo "install.sh: $ENGINE already installed in $SITE"; write_bytecode; exit 0
 fi
 
 t0=$(date +%s.%N)
@@ -60,4 +83,5 @@ cp "$STORE/SHA256SUMS" "$SITE.tmp/.installed"
 rm -rf "$SITE"; mv "$SITE.tmp" "$SITE"
 t1=$(date +%s.%N)
 echo "install.sh: $ENGINE installed in $SITE ($(du -sm "$SITE" | cut -f1) MiB) in $(python3 -c "print(f'{$t1 - $t0:.1f}')") s"
+write_bytecode
 echo "install.sh: use it with PYTHONPATH=$SITE"
