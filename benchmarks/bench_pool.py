@@ -32,10 +32,14 @@ MEM_UTILS = {"sglang": (0.3, 0.6), "vllm": (0.3, 0.3)}
 when it starts, so the replica, which starts second, asks for more to get about as much."""
 
 
-GRAPHS = {"sglang": {"cuda_graph_max_bs_decode": 64}, "vllm": {"max_num_seqs": 64}}
+GRAPHS = {
+    "sglang": {"cuda_graph_max_bs_decode": 64, "disable_prefill_cuda_graph": True},
+    "vllm": {"max_num_seqs": 64},
+}
 """With CUDA graphs (``--eager`` turns them off), captured up to the batch of 64: eager decode at 7B is bound by the
 host's CPU, and on the shared H200 host one 3 s repeat differed from the next by up to 2x (2026-12-02), which
-no ratio of medians survives."""
+no ratio of medians survives. Decode only on SGLang: its prefill graphs (58 token counts up to 8192) would cost
+each start more capture than the bench's 128-id prompts spend in prefill."""
 
 
 def engine_options(engine: str, eager: bool = False) -> dict[str, Any]:
@@ -50,6 +54,54 @@ def engine_options(engine: str, eager: bool = False) -> dict[str, Any]:
     return options
 
 
+def bench_settings(
+    engine: str,
+    *,
+    model: str | None = None,
+    repeats: int = 5,
+    min_seconds: float = 3.0,
+    syncs: int = 4,
+    bucket_mib: int | None = None,
+    eager: bool = False,
+    sleep: bool = False,
+) -> Any:
+    """The benchmark's ``PoolBenchSettings`` (the 7B-shaped folder made when missing). tests/gpu/test_ray_gpu.py
+    runs its checks on these too (``GENENGINE_RAY_GPU_SCALE=7b``, verify.sh's default), so that one run gives
+    both the Ray test's verdicts and this benchmark's figures."""
+    from genengine.bench.pool import PoolBenchSettings
+
+    model = model or os.path.join(tempfile.gettempdir(), f"genengine-qwen2-7b-shape-{engine}")
+    make_model_dir(model, tokenizer=engine == "sglang")
+    in_process, replica = MEM_UTILS[engine]
+    assert in_process <= MEM_UTIL
+    return PoolBenchSettings(
+        backend=engine,
+        model=model,
+        options=engine_options(engine, eager),
+        dtype="bfloat16",
+        mem_util=in_process,
+        pool_mem_util=replica,
+        batch_size=N_PROMPTS,
+        prompt_len=PROMPT_LEN,
+        max_new_tokens=NEW_TOKENS,
+        repeats=repeats,
+        min_seconds=min_seconds,
+        syncs=syncs,
+        transport="cuda_ipc",
+        bucket_bytes=None if bucket_mib is None else bucket_mib << 20,
+        sleep=sleep,
+    )
+
+
+def write_report(report: dict[str, Any], engine: str, path: str | None = None) -> None:
+    """``BENCH_POOL_RESULT {json}`` on stdout, and the JSON in ``path`` (default ``$OUT/bench_pool_ENGINE.json``)."""
+    print("BENCH_POOL_RESULT " + json.dumps(report, default=str), flush=True)
+    out = path or (os.path.join(os.environ["OUT"], f"bench_pool_{engine}.json") if os.environ.get("OUT") else None)
+    if out:
+        with open(out, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(report, indent=1, default=str))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("engine", choices=("sglang", "vllm"))
@@ -59,32 +111,22 @@ def main() -> int:
     ap.add_argument("--syncs", type=int, default=4)
     ap.add_argument("--bucket-mib", type=int, default=None, help="the transport's bucket size (default: its own)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs on either side (the settings before 12-02)")
+    ap.add_argument("--sleep", action="store_true", help="also sleep(1) both ways and compare the memory freed")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     t0 = time.time()
 
-    from genengine.bench.pool import PoolBenchSettings, format_pool_report, run_pool_bench
+    from genengine.bench.pool import format_pool_report, run_pool_bench
 
-    model = a.model or os.path.join(tempfile.gettempdir(), f"genengine-qwen2-7b-shape-{a.engine}")
-    make_model_dir(model, tokenizer=a.engine == "sglang")
-    in_process, replica = MEM_UTILS[a.engine]
-    assert in_process <= MEM_UTIL
-    settings = PoolBenchSettings(
-        backend=a.engine,
-        model=model,
-        options=engine_options(a.engine, a.eager),
-        dtype="bfloat16",
-        mem_util=in_process,
-        pool_mem_util=replica,
-        batch_size=N_PROMPTS,
-        prompt_len=PROMPT_LEN,
-        max_new_tokens=NEW_TOKENS,
+    settings = bench_settings(
+        a.engine,
+        model=a.model,
         repeats=a.repeats,
         min_seconds=a.min_seconds,
         syncs=a.syncs,
-        transport="cuda_ipc",
-        bucket_bytes=None if a.bucket_mib is None else a.bucket_mib << 20,
-        sleep=False,  # the suite's and the Ray test's: at 7B only speed is measured here
+        bucket_mib=a.bucket_mib,
+        eager=a.eager,
+        sleep=a.sleep,
     )
     report: dict[str, Any] = {"model": "Qwen2-7B shape (dummy weights)"}
     try:
@@ -95,11 +137,7 @@ def main() -> int:
         report["traceback"] = traceback.format_exc()[-3000:]
         print(report["traceback"], flush=True)
     report["elapsed_s"] = round(time.time() - t0, 1)
-    print("BENCH_POOL_RESULT " + json.dumps(report, default=str), flush=True)
-    out = a.json or (os.path.join(os.environ["OUT"], f"bench_pool_{a.engine}.json") if os.environ.get("OUT") else None)
-    if out:
-        with open(out, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(report, indent=1, default=str))
+    write_report(report, a.engine, a.json)
     sys.stdout.flush()
     return 1 if "error" in report else 0
 

@@ -8,7 +8,13 @@ engine's on the same weights and differ from the previous version's, labelled wi
 sleep through the pool frees about what the in-process sleep frees; generate through the pool is not far
 off in-process speed (a loose sanity bound: the figure itself is ``benchmarks/bench_pool.py``'s, at 7B).
 
+With ``GENENGINE_RAY_GPU_SCALE=7b`` (verify.sh's default) the same checks run on the pool benchmark's settings
+(benchmarks/bench_pool.py: 7B shapes, CUDA graphs, 5 interleaved repeats, 4 syncs of 339 tensors in 30 buckets)
+and the report is also the benchmark's (``$OUT/bench_pool_ENGINE.json``): one run, one Ray cluster and two
+engine starts fewer than the test and the benchmark apart.
+
     bash tools/gpu/run_tests.sh ENGINE tests/gpu/test_ray_gpu.py
+    GENENGINE_RAY_GPU_SCALE=7b bash tools/gpu/run_tests.sh ENGINE tests/gpu/test_ray_gpu.py
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,33 +46,54 @@ OPTIONS: dict[str, dict[str, Any]] = {
 compiling and capturing save half a minute of the one-call GPU check (the figures are bench_pool.py's, at 7B)."""
 
 
+SCALE = os.environ.get("GENENGINE_RAY_GPU_SCALE", "tiny")
+"""``tiny`` (the test alone) or ``7b`` (the pool benchmark's settings and report)."""
+
+
+def _settings(backend: str) -> Any:
+    from genengine.bench.pool import PoolBenchSettings
+
+    if SCALE == "7b":
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+        from bench_pool import bench_settings
+
+        return bench_settings(backend, sleep=True)
+    if SCALE != "tiny":
+        raise ValueError(f"GENENGINE_RAY_GPU_SCALE={SCALE!r}: allowed are 'tiny' and '7b'")
+    in_process, replica = MEM_UTILS[backend]
+    return PoolBenchSettings(
+        backend=backend,
+        options=OPTIONS[backend],
+        dtype="bfloat16",
+        mem_util=in_process,
+        pool_mem_util=replica,
+        batch_size=32,
+        prompt_len=64,
+        max_new_tokens=64,
+        repeats=2,
+        min_seconds=1.0,
+        syncs=3,
+        transport="cuda_ipc",
+        bucket_bytes=256 << 10,
+        checksum=True,
+    )
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_colocated_replica_synced_over_cuda_ipc_serves_the_trainers_weights(backend: str) -> None:
-    from genengine.bench.pool import PoolBenchSettings, format_pool_report, run_pool_bench
+    from genengine.bench.pool import format_pool_report, run_pool_bench
 
-    in_process, replica = MEM_UTILS[backend]
-    report = run_pool_bench(
-        PoolBenchSettings(
-            backend=backend,
-            options=OPTIONS[backend],
-            dtype="bfloat16",
-            mem_util=in_process,
-            pool_mem_util=replica,
-            batch_size=32,
-            prompt_len=64,
-            max_new_tokens=64,
-            repeats=2,
-            min_seconds=1.0,
-            syncs=3,
-            transport="cuda_ipc",
-            bucket_bytes=256 << 10,
-            checksum=True,
-        )
-    )
+    settings = _settings(backend)
+    assert settings.checksum and settings.syncs >= 3 and settings.sleep
+    report = run_pool_bench(settings)
+    if SCALE == "7b":
+        from bench_pool import write_report
+
+        write_report({"model": "Qwen2-7B shape (dummy weights)", **report}, backend)
     print(format_pool_report(report))
     print("RAY_GPU_REPORT " + json.dumps(report, default=str))
     rows = report["sync"]["rows"]
-    assert len(rows) == 3 and report["transport"] == "cuda_ipc"
+    assert len(rows) == settings.syncs and report["transport"] == "cuda_ipc"
     for row in rows:
         assert row["outputs_equal"], f"after sync v{row['version']} the replica's outputs differ from in-process"
         assert row["changed"], f"sync v{row['version']} left the replica's outputs as they were"

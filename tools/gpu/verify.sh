@@ -1,20 +1,22 @@
 #!/bin/bash
 # tools/gpu/verify.sh ENGINE        (ENGINE = sglang | vllm; on the GPU machine, after the kit's last chunk)
 #
-# One call checks an engine: its GPU suite, the Ray and transport GPU tests, the pool benchmark (P7), the exit
-# test, bench_async and (with the kit's WITH_TRL=1) TRL's GRPO example and the TRL sync benchmark, each part
-# under its own timeout and inside one overall budget (VERIFY_BUDGET_S,
-# default 540 s: a part that no longer fits is reported "skipped (budget)"). Every part runs in a session of
+# One call checks an engine: its GPU suite, the Ray GPU test run at the pool benchmark's 7B settings (so that
+# it also gives P7), the exit test, the transport GPU test and bench_async (and on request the pool benchmark
+# alone, TRL's GRPO example and the TRL sync benchmark), each part under its own timeout and inside one overall
+# budget (VERIFY_BUDGET_S, default 540 s: a part that no longer fits is reported "skipped (budget)"). Every part runs in a session of
 # its own with its output in a file (no pipe a leftover process could hold open); whatever it leaves running
 # is killed before the next part starts. Logs, junit XML and JSON go to one tarball in $OUT
 # (verify_ENGINE.tar.gz) beside the summary table (verify_ENGINE.md), which is also printed.
 #
-# Env: VERIFY_BUDGET_S (540), VERIFY_PARTS (default "suite ray pool exit transport async trl": a subset, in that
-#      order of priority; "trl" costs nothing where TRL is not installed: one "skipped" row; "trl_grpo" or "trl_sync"
-#      runs one of its two scripts), EXIT_CASES (pytest
+# Env: VERIFY_BUDGET_S (540), VERIFY_PARTS (default "suite ray exit transport async", in that order of priority;
+#      also "pool": benchmarks/bench_pool.py by itself, "trl": where TRL is installed its two scripts, else one
+#      "skipped" row at no cost, "trl_grpo" or "trl_sync": one of them), VERIFY_RAY_SCALE (7b, the default, or
+#      tiny: the Ray test alone, no P7 figures), EXIT_CASES (pytest
 #      -k for the exit test; default: all four cases), VERIFY_TRL_BACKEND (the trl part's --backend, default
 #      ENGINE; "transformers" runs the same two scripts on the CPU, to check this script where there is no GPU),
-#      SITE_ENGINE (default /tmp/site-ENGINE, as for run_tests.sh), SITE_PROJ (default /tmp/site-proj).
+#      SITE_ENGINE (default /tmp/site-ENGINE, as for run_tests.sh), SITE_PROJ (default /tmp/site-proj),
+#      SAVE_JIT=1 (the kernels and vLLM's torch.compile artifacts all parts made, in $OUT/jit-cache-ENGINE.tar.xz).
 set -uo pipefail
 ENGINE=${1:?usage: tools/gpu/verify.sh sglang|vllm}
 case "$ENGINE" in sglang|vllm) ;; *) echo "verify.sh: ENGINE must be sglang or vllm, not '$ENGINE'" >&2; exit 3 ;; esac
@@ -22,13 +24,17 @@ cd "$(dirname "$0")/../.."
 REAL_OUT=${OUT:-/tmp/verify-out}; mkdir -p "$REAL_OUT"
 WORK=$(mktemp -d /tmp/verify-$ENGINE-XXXX)
 BUDGET=${VERIFY_BUDGET_S:-540}
-PARTS=${VERIFY_PARTS:-suite ray pool exit transport async trl}
+PARTS=${VERIFY_PARTS:-suite ray exit transport async}
+RAY_SCALE=${VERIFY_RAY_SCALE:-7b}
+case "$RAY_SCALE" in 7b) RAY_TIMEOUT=330 ;; tiny) RAY_TIMEOUT=240 ;;
+  *) echo "verify.sh: VERIFY_RAY_SCALE must be 7b or tiny, not '$RAY_SCALE'" >&2; exit 3 ;; esac
 SITE_ENGINE=${SITE_ENGINE:-/tmp/site-$ENGINE}
 TRL_BACKEND=${VERIFY_TRL_BACKEND:-$ENGINE}
 T0=$(date +%s)
 SUMMARY="$REAL_OUT/verify_$ENGINE.md"
 ROWS=()
 export GENENGINE_EXIT_DUMP_S=15 PYTHONUNBUFFERED=1
+SAVE_JIT_AT_END=${SAVE_JIT:-0}; export SAVE_JIT=0  # once, after the last part (not after every part)
 # The project installed once for every part (run_tests.sh reuses it with KEEP_SITE_PROJ=1).
 rm -rf "${SITE_PROJ:-/tmp/site-proj}"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target "${SITE_PROJ:-/tmp/site-proj}" . \
@@ -64,6 +70,19 @@ exit_gap() {  # seconds from the suite's GENENGINE_EXIT_WATCH line to the part's
   [ -n "$t" ] && python3 -c "print(f'{$2 - $t:.1f} s')" || echo "-"
 }
 
+pool_figures() {  # P7 from the pool benchmark's report (written by bench_pool.py, or by the Ray test at 7B)
+  python3 - "$WORK/bench_pool_$ENGINE.json" <<'EOF' 2>/dev/null || echo "no report"
+import json, sys
+r = json.load(open(sys.argv[1]))
+if "error" in r: print("error: " + r["error"][:200]); raise SystemExit
+s = r["sync"]
+t = r["tokens_per_s"]; sp = t.get("spread", {})
+print(f"pool/in-process {r['ratio']:.3f}, paired {r.get('paired_ratio', float('nan')):.3f} (tok/s {t['median']['pool']:.0f} / {t['median']['in_process']:.0f}; "
+      f"spread {sp.get('pool', float('nan')):.0%} / {sp.get('in_process', float('nan')):.0%}); "
+      f"sync pool {s['pool_median_s']:.3f} s vs in-process {s['in_process_median_s']:.3f} s; outputs equal: {r['verdicts']['outputs_equal']}")
+EOF
+}
+
 run_part() {  # name timeout command...
   local name=$1 limit=$2; shift 2
   local left=$(( BUDGET - $(elapsed) ))
@@ -81,17 +100,7 @@ run_part() {  # name timeout command...
   local what
   case "$name" in
     suite|ray|transport|exit) what="$(junit_counts "$WORK/$name.xml")" ;;
-    pool) what=$(python3 - "$WORK/bench_pool_$ENGINE.json" <<'EOF' 2>/dev/null || echo "no report"
-import json, sys
-r = json.load(open(sys.argv[1]))
-if "error" in r: print("error: " + r["error"][:200]); raise SystemExit
-s = r["sync"]
-t = r["tokens_per_s"]; sp = t.get("spread", {})
-print(f"pool/in-process {r['ratio']:.3f}, paired {r.get('paired_ratio', float('nan')):.3f} (tok/s {t['median']['pool']:.0f} / {t['median']['in_process']:.0f}; "
-      f"spread {sp.get('pool', float('nan')):.0%} / {sp.get('in_process', float('nan')):.0%}); "
-      f"sync pool {s['pool_median_s']:.3f} s vs in-process {s['in_process_median_s']:.3f} s; outputs equal: {r['verdicts']['outputs_equal']}")
-EOF
-) ;;
+    pool) what=$(pool_figures) ;;
     trl_grpo) what=$(python3 - "$WORK/trl_grpo_$TRL_BACKEND.json" <<'EOF' 2>/dev/null || echo "no report"
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -128,6 +137,9 @@ EOF
   if [ "$name" = suite ]; then what="$what; exit after summary: $(exit_gap "$log" "$end")"; fi
   grep -q 'Timeout (0:00:' "$log" && what="$what; EXIT HELD (stacks in $name.log)"
   ROWS+=("| $name | $rc | $secs | $what |")
+  if [ "$name" = ray ] && [ "$RAY_SCALE" = 7b ]; then  # the same run gave the pool benchmark's figures
+    ROWS+=("| pool | (ray) | - | $(pool_figures | tr '\n|' ' /') |")
+  fi
 }
 
 trl_parts() {  # TRL's GRPO example (tiny model, 3 steps) and/or the TRL sync benchmark (7B), where TRL is installed
@@ -172,7 +184,8 @@ PYTEST_J() { echo "--junitxml $WORK/$1.xml"; }
 for part in $PARTS; do
   case "$part" in
     suite) run_part suite 330 bash tools/gpu/run_tests.sh "$ENGINE" "$(PYTEST_J suite)" ;;
-    ray) run_part ray 240 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_ray_gpu.py "$(PYTEST_J ray)" ;;
+    ray) run_part ray "$RAY_TIMEOUT" env GENENGINE_RAY_GPU_SCALE="$RAY_SCALE" GPU_TEST_HANG_S=300 \
+           bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_ray_gpu.py "$(PYTEST_J ray)" ;;
     pool) run_part pool 330 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_pool.py "$ENGINE" ;;
     exit) run_part exit 330 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_exit_gpu.py "$(PYTEST_J exit)" \
             ${EXIT_CASES:+-k "'$EXIT_CASES'"} ;;
@@ -193,3 +206,7 @@ done
 } > "$SUMMARY"
 cat "$SUMMARY"
 tar -C "$WORK" -czf "$REAL_OUT/verify_$ENGINE.tar.gz" . 2>/dev/null
+if [ "$SAVE_JIT_AT_END" = 1 ]; then  # what every part compiled, for the kit's next chunks (README.md)
+  tar -C ~ --ignore-failed-read -cJf "$REAL_OUT/jit-cache-$ENGINE.tar.xz" .cache/tvm-ffi .triton/cache .cache/flashinfer .cache/vllm 2>/dev/null
+  echo "verify.sh: kernel and compile caches in jit-cache-$ENGINE.tar.xz ($(du -m "$REAL_OUT/jit-cache-$ENGINE.tar.xz" | cut -f1) MiB)"
+fi
