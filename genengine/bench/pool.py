@@ -165,9 +165,13 @@ class PoolBenchTrainer:
             raise ConfigError(f"weights={s.weights!r} is not callable")
 
         def free() -> int | None:
+            """Device-wide free bytes, the trainer's own cached blocks returned first: vLLM's in-process sleep
+            empties this process's cache, so without it the old weight versions' blocks (22 GB at 7B on the
+            H200) counted as freed by the engine."""
             if not gpu:
                 return None
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             return int(torch.cuda.mem_get_info()[0])
 
         def diff(a: int | None, b: int | None) -> int | None:
