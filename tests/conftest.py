@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -18,10 +19,11 @@ for _key, _value in _ENV.items():
 
 # The files that take half a minute or more, the Ray files first, then longest first. Under pytest-xdist (`make test`
 # runs two workers, one file per worker at a time) they are handed out first, so that no worker is left running one
-# of them alone at the end; the Ray files one after another, so that each worker starts its Ray cluster once and
-# stops it when they are done (support/ray_pool.py). Estimates (2-core machine, both workers busy, 2026-12-02):
-# the Ray files 80, 70, 55, 50 s; the template's fresh venv 70, soak 68, demo 64, bench 56, the conformance suite
-# 52, cleanup 47, fuzz 40, distributed 36 s.
+# of them alone at the end. The Ray files go to one worker as one unit (pytest_xdist_make_scheduler below), one after
+# another, so that the suite starts one Ray cluster (support/ray_pool.py), not one per worker: a cluster's start
+# costs 7-8 s of CPU (seven Python and C++ daemons), and the suite is CPU-bound on the 2-core machine. Estimates
+# (2-core machine, both workers busy, 2026-12-02): the Ray files 80, 70, 55, 50 s; the template's fresh venv 70,
+# soak 68, demo 64, bench 56, the conformance suite 52, cleanup 47, fuzz 40, distributed 36 s.
 _LONG_FILES = (
     "test_ray_conformance.py",
     "test_ray_pool_sync.py",
@@ -36,6 +38,7 @@ _LONG_FILES = (
     "test_fuzz.py",
     "test_distributed.py",
 )
+_RAY_FILES = frozenset(name for name in _LONG_FILES if name.startswith("test_ray_"))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -43,6 +46,22 @@ def pytest_configure(config: pytest.Config) -> None:
     tests, most first, which left the fresh-venv file (3 tests, 1.5 min) to start last and run alone."""
     if hasattr(config.option, "loadscopereorder") and "--loadscope-reorder" not in config.invocation_params.args:
         config.option.loadscopereorder = False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadfile`` with the Ray files as one work unit (one worker runs them all, in ``_LONG_FILES``
+    order); every other file is its own unit, as loadfile makes them."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class RayFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "the Ray files" if os.path.basename(scope) in _RAY_FILES else scope
+
+    return RayFilesTogether(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -7,11 +7,15 @@ set); pip uses the machine's own configuration (index, find-links, cache). If th
 (an offline machine whose local index lacks one of those versions), the install is retried with only torch
 pinned.
 
-torch alone is not installed by pip: its files, as its RECORD lists them, are hard-linked from this
-interpreter's installation (the CPU build the suite runs, not a multi-GB CUDA one), which pip then finds
-installed. That takes seconds where pip unpacking and byte-compiling its 750 MB took minutes (266 s against
-7-10 s for the links, side by side on a loaded 2-core machine); every other dependency, torch's own included,
-is still installed fresh by pip.
+The requirements are not downloaded and unpacked by pip: the distributions they need, followed through each
+one's declared requirements (markers evaluated for this interpreter, extras only where a requirement asks for
+them), are hard-linked from this interpreter's installation, file by file as each RECORD lists them (compiled
+bytecode included), and pip then finds them installed. Pinned to this interpreter's versions, pip would install
+the same files: linking gives the same environment without unpacking and byte-compiling thousands of files
+(torch alone: 266 s against 7-10 s for the links, side by side on a loaded 2-core machine; the rest, transformers
+and sympy the largest, 25-30 s of CPU). What the closure leaves out (anything the template declares beyond
+genengine's requirements) pip still installs from the index, so a dependency the template forgets to declare
+still fails here.
 
 The two distributions are built into wheels once, by this interpreter's pip without build isolation (its
 setuptools), and the venv is made without pip: the venv's installs and ``pip check`` are this interpreter's
@@ -72,15 +76,42 @@ def _pins(names: list[str]) -> list[str]:
     return pins
 
 
+def _requirement_closure(names: list[str]) -> list[str]:
+    """``names`` and every installed distribution they need, following declared requirements: a requirement's
+    marker is evaluated for this interpreter with the extras the requirer was asked for (none for ``names``)."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found: dict[str, None] = {}
+    seen: set[tuple[str, str]] = set()
+    todo: list[tuple[str, str]] = [(name, "") for name in names]
+    while todo:
+        name, extra = todo.pop()
+        key = canonicalize_name(name)
+        if (key, extra) in seen:
+            continue
+        seen.add((key, extra))
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue  # pip installs it (or says it cannot)
+        found[key] = None
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": extra}):
+                todo += [(req.name, "")] + [(req.name, e) for e in sorted(req.extras)]
+    return sorted(found)
+
+
 def _link_installed(name: str, venv: Path) -> None:
     """Install distribution ``name`` into ``venv`` as pip would, from this interpreter's copy of it.
 
     Every file its RECORD lists is hard-linked (copied where links fail) to the same place under the venv's
     site-packages; its console scripts are rewritten for the venv's interpreter. Nothing is linked for a
-    distribution that has no RECORD: pip installs it then.
+    distribution that has no RECORD or is an editable install (this checkout's own): pip installs it then.
     """
     dist = md.distribution(name)
-    if not dist.files:
+    if not dist.files or '"editable": true' in (dist.read_text("direct_url.json") or ""):
         return
     source = Path(str(dist.locate_file("")))
     (target,) = venv.glob("lib/python*/site-packages")
@@ -143,10 +174,11 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> FreshVenv:
     fresh.timings["wheels"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    _link_installed("torch", venv)
-    fresh.timings["link torch"] = time.perf_counter() - start
-    start = time.perf_counter()
     names = _requirement_names()
+    for name in _requirement_closure(names):
+        _link_installed(name, venv)
+    fresh.timings["link requirements"] = time.perf_counter() - start
+    start = time.perf_counter()
     constraints = tmp / "constraints.txt"
     # --no-compile: Python byte-compiles what it imports (a few hundred of transformers' thousands of modules).
     install = fresh.pip(
