@@ -93,6 +93,9 @@ def bench_settings(
     )
 
 
+MODEL_LABEL = "Qwen2-7B shape (dummy weights)"
+
+
 def write_report(report: dict[str, Any], engine: str, path: str | None = None) -> None:
     """``BENCH_POOL_RESULT {json}`` on stdout, and the JSON in ``path`` (default ``$OUT/bench_pool_ENGINE.json``)."""
     print("BENCH_POOL_RESULT " + json.dumps(report, default=str), flush=True)
@@ -128,7 +131,7 @@ def main() -> int:
         eager=a.eager,
         sleep=a.sleep,
     )
-    report: dict[str, Any] = {"model": "Qwen2-7B shape (dummy weights)"}
+    report: dict[str, Any] = {"model": MODEL_LABEL}
     try:
         report.update(run_pool_bench(settings))
         print(format_pool_report(report), flush=True)
