@@ -12,7 +12,8 @@
 # Env: VERIFY_BUDGET_S (540), VERIFY_PARTS (default "suite ray exit transport async", in that order of priority;
 #      also "pool": benchmarks/bench_pool.py by itself, "trl": where TRL is installed its two scripts, else one
 #      "skipped" row at no cost, "trl_grpo" or "trl_sync": one of them), VERIFY_RAY_SCALE (7b, the default, or
-#      tiny: the Ray test alone, no P7 figures), EXIT_CASES (pytest
+#      tiny: the Ray test alone, no P7 figures), GENENGINE_EXIT_PARALLEL (1: the exit cases side by side, then
+#      one at a time only if that failed, as the row exit_seq; 0: one at a time), EXIT_CASES (pytest
 #      -k for the exit test; default: all four cases), VERIFY_TRL_BACKEND (the trl part's --backend, default
 #      ENGINE; "transformers" runs the same two scripts on the CPU, to check this script where there is no GPU),
 #      SITE_ENGINE (default /tmp/site-ENGINE, as for run_tests.sh), SITE_PROJ (default /tmp/site-proj),
@@ -33,6 +34,7 @@ TRL_BACKEND=${VERIFY_TRL_BACKEND:-$ENGINE}
 T0=$(date +%s)
 SUMMARY="$REAL_OUT/verify_$ENGINE.md"
 ROWS=()
+LAST_RC=skipped  # the last part's exit status (or "skipped")
 export GENENGINE_EXIT_DUMP_S=15 PYTHONUNBUFFERED=1
 SAVE_JIT_AT_END=${SAVE_JIT:-0}; export SAVE_JIT=0  # once, after the last part (not after every part)
 # The project installed once for every part (run_tests.sh reuses it with KEEP_SITE_PROJ=1).
@@ -86,20 +88,20 @@ EOF
 run_part() {  # name timeout command...
   local name=$1 limit=$2; shift 2
   local left=$(( BUDGET - $(elapsed) ))
-  if [ "$left" -lt 60 ]; then ROWS+=("| $name | - | - | skipped (budget: ${left} s left) |"); return; fi
+  if [ "$left" -lt 60 ]; then ROWS+=("| $name | - | - | skipped (budget: ${left} s left) |"); LAST_RC=skipped; return; fi
   [ "$limit" -gt $(( left - 5 )) ] && limit=$(( left - 5 ))
   local log="$WORK/$name.log" start end rc
   start=$(date +%s.%N)
   echo "verify.sh: [$(elapsed) s] $name (timeout $limit s)"
   local mark="$name-$$-$RANDOM"
   GENENGINE_VERIFY_MARK=$mark OUT=$WORK setsid -w bash -c "timeout -k 10 $limit $* > '$log' 2>&1 < /dev/null"
-  rc=$?
+  rc=$?; LAST_RC=$rc
   end=$(date +%s.%N)
   reap "$mark"
   local secs; secs=$(python3 -c "print(f'{$end - $start:.0f}')")
   local what
   case "$name" in
-    suite|ray|transport|exit) what="$(junit_counts "$WORK/$name.xml")" ;;
+    suite|ray|transport|exit|exit_seq) what="$(junit_counts "$WORK/$name.xml")" ;;
     pool) what=$(pool_figures) ;;
     trl_grpo) what=$(python3 - "$WORK/trl_grpo_$TRL_BACKEND.json" <<'EOF' 2>/dev/null || echo "no report"
 import json, sys
@@ -188,7 +190,12 @@ for part in $PARTS; do
            bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_ray_gpu.py "$(PYTEST_J ray)" ;;
     pool) run_part pool 330 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_pool.py "$ENGINE" ;;
     exit) run_part exit 330 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_exit_gpu.py "$(PYTEST_J exit)" \
-            ${EXIT_CASES:+-k "'$EXIT_CASES'"} ;;
+            ${EXIT_CASES:+-k "'$EXIT_CASES'"}
+          # The cases run side by side; if that failed, once more one at a time (is it the sharing, or the exit?)
+          if [ "$LAST_RC" != 0 ] && [ "$LAST_RC" != skipped ] && [ "${GENENGINE_EXIT_PARALLEL:-1}" != 0 ]; then
+            run_part exit_seq 330 env GENENGINE_EXIT_PARALLEL=0 bash tools/gpu/run_tests.sh "$ENGINE" \
+              tests/gpu/test_exit_gpu.py "$(PYTEST_J exit_seq)" ${EXIT_CASES:+-k "'$EXIT_CASES'"}
+          fi ;;
     transport) run_part transport 150 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_transport_gpu.py "$(PYTEST_J transport)" ;;
     async) run_part async 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_async.py "$ENGINE" ;;
     trl) trl_parts ;;
