@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from genengine.transport import _layout as layout
 from genengine.transport._group import Group
+from genengine.transport._trace import Trace
 from genengine.transport.broadcast import (
     ABORTED,
     CHECKSUM,
@@ -91,9 +92,11 @@ class CudaIpcSender(SenderBase):
         import torch
 
         g = self.group
+        trace = Trace("sender")
         plan, start = self._plan(named_tensors, version)
         bufs = self._buffers.get(plan.buffer_bytes)
         g.broadcast_bytes(plan.metadata(seq=self._seq, shared=_share(bufs)), "sending the sync's metadata")
+        trace.mark("plan_and_metadata")
         stream = side_stream(self._device)
         assert stream is not None
         statuses: dict[int, list[int]] = {}
@@ -118,12 +121,17 @@ class CudaIpcSender(SenderBase):
             pack(0)
         for k, bucket in enumerate(plan.buckets):
             failed_here = error is not None
+            trace.next_bucket()
             stream.synchronize()  # the receivers read through IPC, with no stream ordering against ours
+            trace.mark("pack_wait")
             notice = torch.tensor([k], dtype=torch.int64)
             g.wait(g.broadcast(notice, data=False), f"announcing {bucket.describe(k)}", range(1, g.spec.world_size))
+            trace.mark("announce")
             if not failed_here and k + 1 < len(plan.buckets):
                 pack(k + 1)
+            trace.mark("pack_issue")
             got = g.gather_status(STATUS_WIDTH, f"waiting for every replica to load {bucket.describe(k)}")
+            trace.mark("ack_wait")
             for rank, row in got.items():
                 if rank not in statuses or (statuses[rank][0] == OK and row[0] != OK):
                     statuses[rank] = row  # a replica's first failure is the one to report
@@ -134,7 +142,9 @@ class CudaIpcSender(SenderBase):
         if error is not None:
             raise error
         raise_for_status(g, plan, statuses, self._seq)
-        return SyncReport(version, plan.num_tensors, plan.num_bytes, len(plan.buckets), time.perf_counter() - start)
+        report = SyncReport(version, plan.num_tensors, plan.num_bytes, len(plan.buckets), time.perf_counter() - start)
+        trace.write(self._seq, report)
+        return report
 
     def close(self) -> None:
         import torch
@@ -150,6 +160,7 @@ class CudaIpcReceiver(Endpoint):
         g = self.group
         g.check_usable()
         start = time.perf_counter()
+        trace = Trace("receiver")
         meta = read_metadata(g)
         version: int = meta["version"]
         seq = int(meta["seq"])
@@ -158,15 +169,19 @@ class CudaIpcReceiver(Endpoint):
         local = self._buffers.get(int(meta["buffer_bytes"])) if buckets else []
         tensors = nbytes = loaded = 0
         session, failure = open_session(engine, version, check_finite)
+        trace.mark("metadata_open_session")
         try:
             for k, bucket in enumerate(buckets):
+                trace.next_bucket()
                 notice = torch.zeros(1, dtype=torch.int64)
                 g.wait(g.broadcast(notice, data=False), f"waiting for {bucket.describe(k)}", [0])
+                trace.mark("notice_wait")
                 # One device copy into this process's memory: the engine may hand its tensors on through CUDA
                 # IPC (SGLang's load does), which torch refuses for memory opened from another process.
                 buf = local[k % 2][: bucket.nbytes + layout.TRAILER]
                 buf.copy_(shared[k % 2][: bucket.nbytes + layout.TRAILER])
                 flag, expected = layout.read_trailer(buf, bucket)
+                trace.mark("copy")
                 if flag == layout.FLAG_ABORT:
                     failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, loaded))
                     g.send_status([ABORTED, k, seq], "acknowledging the abort")
@@ -177,10 +192,13 @@ class CudaIpcReceiver(Endpoint):
                     and int(layout.checksum_of(buf, bucket.nbytes).item()) != expected
                 ):
                     failure = (CHECKSUM, k, checksum_error(g, version, bucket, k, loaded))
+                trace.mark("checksum")
                 if failure is None and session is not None:
                     try:
                         session.write(bucket.views(buf))
+                        trace.mark("write")
                         torch.cuda.synchronize()  # the engine's copies have read the buffer before we ack
+                        trace.mark("write_sync")
                         loaded += 1
                         tensors += len(bucket.entries)
                         nbytes += sum(e.nbytes for e in bucket.entries)
@@ -191,8 +209,10 @@ class CudaIpcReceiver(Endpoint):
                     # once every replica acknowledged, with the sync in force everywhere.
                     failure = finish_load(session, None, len(buckets))
                     session = None
+                    trace.mark("commit")
                 code, at = (failure[0], failure[1]) if failure else (OK, k)
                 g.send_status([code, at, seq], f"acknowledging {bucket.describe(k)}")
+                trace.mark("ack")
             if session is not None:
                 failure = finish_load(session, failure, len(buckets))
             if not buckets:
@@ -206,7 +226,9 @@ class CudaIpcReceiver(Endpoint):
             del shared  # drop our references to the sender's memory
         if failure is not None:
             raise_failure(failure, loaded)
-        return SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
+        report = SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
+        trace.write(seq, report)
+        return report
 
 
 class CudaIpcTransport:
