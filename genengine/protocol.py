@@ -19,9 +19,8 @@ if TYPE_CHECKING:
 
     import torch
 
-    from genengine.aio import PauseMode, StreamChunk
-
 __all__ = [
+    "PAUSE_MODES",
     "TAG_KV_CACHE",
     "TAG_WEIGHTS",
     "AsyncGenerationEngine",
@@ -32,7 +31,9 @@ __all__ = [
     "GenerationResult",
     "GenerationStream",
     "LoadReport",
+    "PauseMode",
     "SamplingParams",
+    "StreamChunk",
     "SupportsLoadSessions",
     "WeightLoadSession",
     "is_async_engine",
@@ -42,6 +43,9 @@ TAG_WEIGHTS = "weights"
 TAG_KV_CACHE = "kv_cache"
 
 FinishReason = Literal["stop", "length", "abort"]
+PauseMode = Literal["abort", "wait", "keep"]
+"""What ``pause_generation`` does with requests in flight (docs/async.md)."""
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 
 
 def _show(value: Any) -> str:
@@ -299,6 +303,21 @@ class GenerationResult:
 
     prompt_token_ids: list[int]
     outputs: list[GenerationOutput]
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """New tokens of one completion of one request, as the engine produced them."""
+
+    request_id: str
+    index: int
+    """Which of the request's ``n`` completions."""
+    token_ids: list[int]
+    logprobs: list[float] | None
+    weight_version: int
+    """The weight version these tokens were sampled with."""
+    finish_reason: FinishReason | None = None
+    """Set on the completion's last chunk (which may carry no tokens)."""
 
 
 @dataclass(frozen=True)

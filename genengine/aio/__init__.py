@@ -1,14 +1,15 @@
 """The async capability, written once: streamed requests, abort, pause for a weight update, resume.
 
-``engine`` holds what a backend subclasses, ``request`` the request a backend reports into and the chunks its
-caller reads, ``stream`` the caller's handle on one request, ``lock`` the lock a driver thread shares with
-callers. Every name is re-exported here: ``from genengine.aio import X`` is the import to use.
+``engine`` holds what a backend subclasses and the caller's handle on one of its requests (``RequestStream``),
+``request`` the request a backend reports into, ``stream`` the base every stream shares, ``lock`` the lock a
+driver thread shares with callers; the contract's types (``StreamChunk``, ``PauseMode``) are
+``genengine.protocol``'s. Every name is re-exported here: ``from genengine.aio import X`` is the import to use.
 """
 
-from genengine.aio.engine import PAUSE_MODES, AsyncEngineBase, PauseMode
+from genengine.aio.engine import AsyncEngineBase, RequestStream
 from genengine.aio.lock import DriverLock
-from genengine.aio.request import AsyncRequest, StreamChunk, normalize_async_request
-from genengine.aio.stream import RequestStream
+from genengine.aio.request import AsyncRequest, normalize_async_request
+from genengine.protocol import PAUSE_MODES, PauseMode, StreamChunk
 
 __all__ = [
     "PAUSE_MODES",

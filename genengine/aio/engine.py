@@ -1,4 +1,5 @@
-"""``AsyncEngineBase``: an ``EngineBase`` that serves the async calls too, over a backend's scheduler.
+"""``AsyncEngineBase``: an ``EngineBase`` that serves the async calls too, over a backend's scheduler; and
+``RequestStream``, the caller's handle on one of its requests.
 
 The request registry, the pause modes, the queue of requests that arrive while paused, weight versions per
 output and the errors trainers see are written here once, so that every backend has the same semantics and
@@ -16,18 +17,15 @@ import asyncio
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 from genengine.aio.request import AsyncRequest, normalize_async_request
-from genengine.aio.stream import RequestStream
+from genengine.aio.stream import StreamBase
 from genengine.base import EngineBase
 from genengine.errors import EngineStateError, InvalidArgumentError
-from genengine.protocol import GenerationResult
+from genengine.protocol import PAUSE_MODES, GenerationResult, PauseMode, StreamChunk
 
-__all__ = ["PAUSE_MODES", "AsyncEngineBase", "PauseMode"]
-
-PauseMode = Literal["abort", "wait", "keep"]
-PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
+__all__ = ["PAUSE_MODES", "AsyncEngineBase", "PauseMode", "RequestStream"]
 
 
 class AsyncEngineBase(EngineBase):
@@ -342,3 +340,41 @@ class _AsyncState:
     queued: list[AsyncRequest] = field(default_factory=list)
     paused: PauseMode | None = None
     held: bool = False
+
+
+class RequestStream(StreamBase):
+    """A request of an ``AsyncEngineBase``: its chunks as its scheduler makes them."""
+
+    def __init__(self, engine: AsyncEngineBase, request: AsyncRequest) -> None:
+        self._engine = engine
+        self._request = request
+        self._chunks = request.chunks()
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
+
+    @property
+    def done(self) -> bool:
+        return self._request.done
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        return await self._chunks.__anext__()
+
+    def _error(self) -> BaseException | None:
+        return self._request.error
+
+    def _result(self) -> GenerationResult | None:
+        return self._request.result() if self._request.done else None
+
+    async def _abort(self, *, cancelled: bool) -> None:
+        if cancelled:
+            self._engine._async_abort([self._request])  # now, without awaiting: the caller is being cancelled
+        else:
+            await self._engine.abort(self.request_id)
+
+    async def _close(self) -> None:
+        await self._chunks.aclose()

@@ -1,5 +1,6 @@
-"""What one async request is made of: the ``AsyncRequest`` a backend reports tokens into, the ``StreamChunk``s
-its caller reads, and the argument checks every async call makes before it submits anything.
+"""What one async request is made of: the ``AsyncRequest`` a backend reports tokens into (its caller reads
+them as ``genengine.protocol.StreamChunk``s), and the argument checks every async call makes before it
+submits anything.
 
 Kept apart from the engine base so that code that only carries requests (the Ray pool, a backend's driver)
 imports no engine.
@@ -16,25 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from genengine.errors import InvalidArgumentError
-from genengine.protocol import FinishReason, GenerationOutput, GenerationResult, SamplingParams
+from genengine.protocol import FinishReason, GenerationOutput, GenerationResult, SamplingParams, StreamChunk
 from genengine.requests import Request, normalize_requests
 
-__all__ = ["AsyncRequest", "StreamChunk", "normalize_async_request"]
-
-
-@dataclass(frozen=True)
-class StreamChunk:
-    """New tokens of one completion of one request, as the engine produced them."""
-
-    request_id: str
-    index: int
-    """Which of the request's ``n`` completions."""
-    token_ids: list[int]
-    logprobs: list[float] | None
-    weight_version: int
-    """The weight version these tokens were sampled with."""
-    finish_reason: FinishReason | None = None
-    """Set on the completion's last chunk (which may carry no tokens)."""
+__all__ = ["AsyncRequest", "normalize_async_request"]
 
 
 @dataclass

@@ -1,8 +1,6 @@
-"""``RequestStream``: what ``stream()`` returns to the caller, an async iterator of one request's chunks and
-then its result; closing it early (or cancelling ``collect``) aborts the request.
-
-``StreamBase`` is what every stream of genengine shares (this one, and the Ray pool's ``PoolStream``):
-``collect``, ``result`` and ``aclose`` over four hooks a stream fills in.
+"""``StreamBase``: what every stream of genengine shares (an engine's ``RequestStream`` and the Ray pool's
+``PoolStream``): an async iterator of one request's chunks and then its result, ``collect``, ``result`` and
+``aclose`` over four hooks a stream fills in; closing it early (or cancelling ``collect``) aborts the request.
 """
 
 from __future__ import annotations
@@ -15,10 +13,9 @@ from genengine.errors import EngineStateError
 from genengine.protocol import GenerationResult
 
 if TYPE_CHECKING:
-    from genengine.aio.engine import AsyncEngineBase
-    from genengine.aio.request import AsyncRequest, StreamChunk
+    from genengine.protocol import StreamChunk
 
-__all__ = ["RequestStream", "StreamBase"]
+__all__ = ["StreamBase"]
 
 
 class StreamBase(abc.ABC):
@@ -81,41 +78,3 @@ class StreamBase(abc.ABC):
         if not self.done:
             await self._abort(cancelled=False)
         await self._close()
-
-
-class RequestStream(StreamBase):
-    """A request of an ``AsyncEngineBase``: its chunks as its scheduler makes them."""
-
-    def __init__(self, engine: AsyncEngineBase, request: AsyncRequest) -> None:
-        self._engine = engine
-        self._request = request
-        self._chunks = request.chunks()
-
-    @property
-    def request_id(self) -> str:
-        return self._request.request_id
-
-    @property
-    def done(self) -> bool:
-        return self._request.done
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> StreamChunk:
-        return await self._chunks.__anext__()
-
-    def _error(self) -> BaseException | None:
-        return self._request.error
-
-    def _result(self) -> GenerationResult | None:
-        return self._request.result() if self._request.done else None
-
-    async def _abort(self, *, cancelled: bool) -> None:
-        if cancelled:
-            self._engine._async_abort([self._request])  # now, without awaiting: the caller is being cancelled
-        else:
-            await self._engine.abort(self.request_id)
-
-    async def _close(self) -> None:
-        await self._chunks.aclose()
