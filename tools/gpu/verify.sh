@@ -73,8 +73,8 @@ exit_gap() {  # seconds from the suite's GENENGINE_EXIT_WATCH line to the part's
 }
 
 pool_figures() {  # P7 from the pool benchmark's report (written by bench_pool.py, or by the Ray test at 7B)
-  python3 - "$WORK/bench_pool_$ENGINE.json" <<'EOF' 2>/dev/null || echo "no report"
-import json, sys
+  python3 - "$WORK/bench_pool_$ENGINE.json" "$WORK/trace" <<'EOF' 2>/dev/null || echo "no report"
+import glob, json, statistics, sys
 r = json.load(open(sys.argv[1]))
 if "error" in r: print("error: " + r["error"][:200]); raise SystemExit
 s = r["sync"]
@@ -82,6 +82,12 @@ t = r["tokens_per_s"]; sp = t.get("spread", {})
 print(f"pool/in-process {r['ratio']:.3f}, paired {r.get('paired_ratio', float('nan')):.3f} (tok/s {t['median']['pool']:.0f} / {t['median']['in_process']:.0f}; "
       f"spread {sp.get('pool', float('nan')):.0%} / {sp.get('in_process', float('nan')):.0%}); "
       f"sync pool {s['pool_median_s']:.3f} s vs in-process {s['in_process_median_s']:.3f} s; outputs equal: {r['verdicts']['outputs_equal']}")
+# The replica's side of each sync after the first ($GENENGINE_SYNC_TRACE): where the pool's sync time goes.
+rows = [json.load(open(f)) for f in glob.glob(sys.argv[2] + "/sync-*-receiver-*.json")]
+rows = [x for x in rows if x["seq"] > 1]
+if rows:
+    phases = sorted({k for x in rows for k in x["totals"]}, key=lambda k: -statistics.median(x["totals"].get(k, 0) for x in rows))
+    print("; replica per sync (ms, medians): " + ", ".join(f"{k} {1000 * statistics.median(x['totals'].get(k, 0) for x in rows):.0f}" for k in phases))
 EOF
 }
 
@@ -186,7 +192,7 @@ PYTEST_J() { echo "--junitxml $WORK/$1.xml"; }
 for part in $PARTS; do
   case "$part" in
     suite) run_part suite 330 bash tools/gpu/run_tests.sh "$ENGINE" "$(PYTEST_J suite)" ;;
-    ray) run_part ray "$RAY_TIMEOUT" env GENENGINE_RAY_GPU_SCALE="$RAY_SCALE" GPU_TEST_HANG_S=300 \
+    ray) run_part ray "$RAY_TIMEOUT" env GENENGINE_RAY_GPU_SCALE="$RAY_SCALE" GPU_TEST_HANG_S=300 GENENGINE_SYNC_TRACE="$WORK/trace" \
            bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_ray_gpu.py "$(PYTEST_J ray)" ;;
     pool) run_part pool 330 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_pool.py "$ENGINE" ;;
     exit) run_part exit 330 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_exit_gpu.py "$(PYTEST_J exit)" \
