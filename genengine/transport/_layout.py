@@ -193,9 +193,9 @@ def mark_aborted(buf: torch.Tensor, bucket: Bucket | None) -> None:
 def checksum_of(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
     """The sum of ``buf[:nbytes]`` as int64 words (wrapping): a 0-d tensor on ``buf``'s device (no sync).
 
-    Summed in the words' own dtype: asking int32 words for an int64 sum made torch cast the whole bucket to
-    int64 first (a copy twice the bucket's size; 30-50x slower on the CPU, about 1.8 ms per 512 MiB on the
-    H200). ``nbytes`` is a multiple of ``ALIGN``, and any one changed byte changes the sum.
+    Summed in the words' own dtype: an int64 sum of int32 words makes torch cast the whole bucket to int64
+    first, a copy twice its size (docs/benchmarks.md has the figures). ``nbytes`` is a multiple of ``ALIGN``,
+    and any one changed byte changes the sum.
     """
     import torch
 
