@@ -51,6 +51,7 @@ from genengine.errors import (
     closest,
 )
 from genengine.hookspecs import RegisterBackend, hookimpl
+from genengine.ipc import dumps as ipc_dumps
 from genengine.lifecycle import ExitHandle, at_exit, live_engines, track_engine, untrack_engine
 from genengine.protocol import (
     TAG_KV_CACHE,
@@ -126,6 +127,7 @@ __all__ = [
     "closest",
     "complete",
     "hookimpl",
+    "ipc_dumps",
     "is_async_engine",
     "live_engines",
     "module_weight_spec",

@@ -12,10 +12,10 @@ synchronising loader (``_scheduler_hooks.load_weights_and_sync``) before it answ
 from __future__ import annotations
 
 import dataclasses
-import io
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from genengine.backend import ipc_dumps
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.settings import SYNC_LOADER
 
@@ -37,14 +37,11 @@ class LoadCall:
 
 def serialize(obj: Any) -> bytes:
     """What ``sglang.srt.utils.MultiprocessingSerializer.serialize`` does (ForkingPickler: CUDA tensors travel
-    as IPC handles), without importing SGLang on every trainer rank."""
-    from multiprocessing.reduction import ForkingPickler
-
+    as IPC handles), without importing SGLang on every trainer rank; a tensor this process opened from the
+    trainer's memory (a colocated replica's ``cuda_ipc`` sync) travels under the trainer's own handle."""
     import torch.multiprocessing  # noqa: F401  registers torch's tensor reductions with ForkingPickler
 
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
-    return buf.getvalue()
+    return ipc_dumps(obj)
 
 
 def _materialize(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:

@@ -317,3 +317,59 @@ def test_importing_the_transport_package_imports_no_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['cuda_ipc', 'gloo', 'nccl'] False"
+
+
+def test_shared_entries_take_no_room_in_a_bucket_and_travel_in_the_metadata() -> None:
+    """What ``cuda_ipc`` plans for tensors its receivers read in place (layout.plan's ``share``): entries marked
+    shared, no bytes in the buffer and no cost towards ``bucket_bytes`` (a whole model of them is one bucket),
+    packed ones laid out as before; the receiver's metadata says which is which, and packing leaves the shared
+    ones out of the buffer."""
+    import torch
+
+    from genengine.transport import _layout
+
+    big = 1 << 16
+    stream = [(f"w{i}", torch.full((big,), float(i))) for i in range(6)]
+    odd = {"w1", "w4"}  # packed; the rest shared
+
+    def share(tensor: Any) -> bool:
+        return not any(tensor is t for n, t in stream if n in odd)
+
+    plan = _layout.plan(stream, version=3, bucket_bytes=4 * big, checksum=True, share=share)
+    assert [[e.name for e in b.entries] for b in plan.buckets] == [["w0", "w1", "w2", "w3"], ["w4", "w5"]]
+    assert [b.nbytes for b in plan.buckets] == [4 * big, 4 * big]  # one packed tensor each
+    assert plan.num_bytes == 6 * 4 * big and plan.num_tensors == 6
+    whole = _layout.plan(stream, version=3, bucket_bytes=4 * big, checksum=True, share=lambda t: True)
+    assert len(whole.buckets) == 1 and whole.buckets[0].nbytes == 0 and whole.buffer_bytes == _layout.TRAILER
+
+    meta = _layout.Plan.parse(plan.metadata(seq=1))
+    assert meta["buckets"] == plan.buckets
+    assert [e.shared for e in meta["buckets"][0].entries] == [True, False, True, True]
+
+    buf = torch.zeros(plan.buffer_bytes, dtype=torch.uint8)
+    _layout.pack(plan, 0, buf)
+    assert int(_layout.checksum_of(buf, plan.buckets[0].nbytes)) == _layout.read_trailer(buf, plan.buckets[0])[1]
+    lent = {n: t for n, t in stream if n not in odd}
+    views = dict(plan.buckets[0].views(buf, lent))
+    assert all(views[n] is lent[n] for n in ("w0", "w2", "w3"))
+    assert torch.equal(views["w1"], stream[1][1])  # the packed one, from the buffer
+    with pytest.raises(ValueError, match="'w0' is shared by the sender, and its handle did not arrive"):
+        plan.buckets[0].views(buf)
+
+
+def test_ipc_dumps_pickles_as_torch_does_for_memory_this_process_owns() -> None:
+    """``genengine.ipc.dumps`` (SGLang's payloads) is torch's ForkingPickler for everything but memory opened from
+    another process (passed on under the trainer's spare share, checked on the GPU): the same bytes here."""
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch
+
+    from genengine import ipc
+
+    obj = [("w", 1), {"meta": (2, 3.5)}, [torch.dtype, "x"]]
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    assert ipc.dumps(obj) == buf.getvalue()
+    assert pickle.loads(ipc.dumps(obj)) == obj

@@ -4,14 +4,17 @@ A sync is a JSON metadata record (version, names, dtypes, shapes, each tensor's 
 bucket), then one flat ``uint8`` buffer per bucket: each tensor's bytes at a 64-byte aligned offset
 (so that the receiver's ``view(dtype)`` is legal and bf16 travels bit for bit), then a 16-byte trailer
 of two int64 words: the checksum (the sum of the data viewed as int64 words, wrapping, computed where the
-buffer lives) and a flag (1: the sender aborted the sync here).
+buffer lives) and a flag (1: the sender aborted the sync here). A transport that lets the receivers read
+some tensors where they are (``cuda_ipc``: the trainer's own memory) marks those entries ``shared``: they
+take no room in the buffer and cost nothing towards the bucket's size, so they load with the bucket they
+fall in, the checksum covering the copied bytes alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,26 +44,34 @@ class Entry:
     """torch's name without the ``torch.`` prefix, e.g. ``bfloat16``."""
     shape: tuple[int, ...]
     offset: int
+    """Byte offset in the bucket's buffer (-1 for a shared entry, which has none)."""
     nbytes: int
+    shared: bool = False
+    """Read by the receivers where the sender holds it (the transport hands them the tensor), not copied."""
 
 
 @dataclass(frozen=True)
 class Bucket:
     entries: tuple[Entry, ...]
     nbytes: int
-    """Data bytes (aligned); the trailer follows."""
+    """Data bytes in the buffer (aligned; shared entries have none); the trailer follows."""
 
     def describe(self, index: int) -> str:
         names = [e.name for e in self.entries]
         shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         return f"bucket {index} ({len(names)} tensor(s): {shown})"
 
-    def views(self, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """The bucket's tensors as views of ``buf``: no copy."""
+    def views(self, buf: torch.Tensor, shared: dict[str, torch.Tensor] | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The bucket's tensors in order: views of ``buf``, and the shared entries from ``shared``. No copy."""
         import torch
 
         out = []
         for e in self.entries:
+            if e.shared:
+                if shared is None or e.name not in shared:
+                    raise ValueError(f"tensor {e.name!r} is shared by the sender, and its handle did not arrive")
+                out.append((e.name, shared[e.name]))
+                continue
             dtype = getattr(torch, e.dtype, None)
             if not isinstance(dtype, torch.dtype):
                 raise ValueError(f"tensor {e.name!r} arrived with dtype {e.dtype!r}, which is not a torch dtype")
@@ -98,7 +109,7 @@ class Plan:
             "buckets": [
                 {
                     "nbytes": b.nbytes,
-                    "entries": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in b.entries],
+                    "entries": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes, e.shared] for e in b.entries],
                 }
                 for b in self.buckets
             ],
@@ -112,7 +123,7 @@ class Plan:
         if "buckets" in record:
             record["buckets"] = [
                 Bucket(
-                    tuple(Entry(n, d, tuple(s), int(o), int(nb)) for n, d, s, o, nb in b["entries"]),
+                    tuple(Entry(n, d, tuple(s), int(o), int(nb), bool(sh)) for n, d, s, o, nb, sh in b["entries"]),
                     int(b["nbytes"]),
                 )
                 for b in record["buckets"]
@@ -120,8 +131,18 @@ class Plan:
         return record
 
 
-def plan(named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, bucket_bytes: int, checksum: bool) -> Plan:
+def plan(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    bucket_bytes: int,
+    checksum: bool,
+    share: Callable[[Any], bool] | None = None,
+) -> Plan:
     """Check the trainer's stream and lay it out in buckets, reading no tensor data.
+
+    ``share`` (a transport's) says which tensors the receivers read where they are: those are ``shared``
+    entries, with no bytes in the buffer and no cost towards ``bucket_bytes``.
 
     The stream's pairs are pulled first (references only; DTensors are gathered later, one bucket at a time),
     because the receivers get the whole layout before the first bucket. The checks are ``load_weights``'
@@ -140,9 +161,14 @@ def plan(named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, buc
             shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else ()
             spec.setdefault(item[0], WeightInfo(shape, str(getattr(tensor, "dtype", ""))))
     validator = WeightValidator(spec)
+    shared = share or (lambda _: False)
     groups = list(
         iter_buckets(
-            pulled, validator, bucket_bytes, validate_all_first=True, cost=lambda t: _aligned(tensor_nbytes(t))
+            pulled,
+            validator,
+            bucket_bytes,
+            validate_all_first=True,
+            cost=lambda t: 0 if shared(t) else _aligned(tensor_nbytes(t)),
         )
     )
     buckets = []
@@ -150,7 +176,11 @@ def plan(named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, buc
         entries, offset = [], 0
         for name, tensor in group:
             nbytes = tensor_nbytes(tensor)
-            entries.append(Entry(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if shared(tensor):
+                entries.append(Entry(name, dtype, tuple(tensor.shape), -1, nbytes, True))
+                continue
+            entries.append(Entry(name, dtype, tuple(tensor.shape), offset, nbytes))
             offset += _aligned(nbytes)
         buckets.append(Bucket(tuple(entries), offset))
     return Plan(version, checksum, buckets, groups, validator)
@@ -170,7 +200,7 @@ def pack(plan_: Plan, index: int, buf: torch.Tensor) -> None:
     with torch.no_grad():
         ready = plan_.validator.prepare(plan_.tensors[index])  # DTensors gathered, views made contiguous
         for (_, tensor), entry in zip(ready, bucket.entries, strict=True):
-            if entry.nbytes:
+            if entry.nbytes and not entry.shared:
                 src = tensor.reshape(-1).view(torch.uint8)
                 buf[entry.offset : entry.offset + entry.nbytes].copy_(src, non_blocking=True)
         trailer = buf[bucket.nbytes : bucket.nbytes + TRAILER].view(torch.int64)

@@ -14,7 +14,7 @@ import contextlib
 import json
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from genengine.errors import InvalidArgumentError
@@ -180,12 +180,18 @@ def on_stream(stream: Any) -> Iterator[None]:
 
 
 def plan_or_refuse(
-    group: Group, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, seq: int
+    group: Group,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    version: int,
+    seq: int,
+    share: Callable[[Any], bool] | None = None,
 ) -> layout.Plan:
     """The sync's plan; a stream the checks refuse is refused on every rank (receivers raise at once)."""
     spec = group.spec
     try:
-        return layout.plan(named_tensors, version=version, bucket_bytes=spec.bucket_bytes, checksum=spec.checksum)
+        return layout.plan(
+            named_tensors, version=version, bucket_bytes=spec.bucket_bytes, checksum=spec.checksum, share=share
+        )
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
         group.broadcast_bytes(json.dumps({"error": reason, "seq": seq}).encode(), "refusing the sync")
@@ -267,13 +273,19 @@ class SenderBase(Endpoint):
         super().__init__(group)
         self._seq = 0
 
-    def _plan(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> tuple[layout.Plan, float]:
-        """The sync's plan (refused on every rank in step when the tensors are bad) and its start time."""
+    def _plan(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        share: Callable[[Any], bool] | None = None,
+    ) -> tuple[layout.Plan, float]:
+        """The sync's plan (refused on every rank in step when the tensors are bad) and its start time; ``share``
+        picks the tensors the receivers read in place (``layout.plan``)."""
         self.group.check_usable()
         check_version(version)
         start = time.perf_counter()
         self._seq += 1
-        return plan_or_refuse(self.group, named_tensors, version, self._seq), start
+        return plan_or_refuse(self.group, named_tensors, version, self._seq, share), start
 
 
 class BroadcastSender(SenderBase):

@@ -1,14 +1,17 @@
-"""CUDA IPC: the trainer and its replicas on one GPU share the sender's bucket buffers (no broadcast).
+"""CUDA IPC: the trainer and its replicas on one GPU read the trainer's memory (no broadcast).
 
-The sender packs each bucket into one of two CUDA buffers whose IPC handles went out once with the
-sync's metadata (over the gloo control group, keyed by the GPU's UUID so that a receiver with another
-``CUDA_VISIBLE_DEVICES`` finds the same GPU); then it tells the receivers "bucket k is ready". Each
-receiver copies bucket k from the shared buffer into one of its own (one device copy: an engine may pass
-the tensors on through CUDA IPC, which torch refuses for memory another process shared), verifies and
-loads it, waits for its engine's copies, and acknowledges. The sender reuses a buffer only once every
-receiver acknowledged the bucket in it (slime's rule: never overwrite a buffer the engine may still be
-reading), packing bucket k+1 in the other buffer meanwhile. The same bucket layout, checksum and abort flag
-as the broadcast transports.
+A tensor already dense on the trainer's GPU is read where it is: the sender shares it by its IPC handle
+(twice: once for the replica to open, once for its engine to pass on, ``genengine.ipc``) and it takes no
+room in a bucket, so a trainer's whole model is one bucket and one engine load, as an in-process load of
+the same tensors is. The rest (host tensors, DTensors, views that are not dense) is packed into one of two
+CUDA buffers whose handles went out once with the sync's metadata (over the gloo control group, keyed by the
+GPU's UUID so that a receiver with another ``CUDA_VISIBLE_DEVICES`` finds the same GPU); then the sender
+tells the receivers "bucket k is ready". Each receiver copies bucket k's packed bytes into a buffer of its
+own (one device copy), verifies them, loads the bucket, waits for its engine's copies, and acknowledges. The
+sender reuses a buffer, and the trainer its tensors, only once every receiver acknowledged (slime's rule:
+never overwrite memory the engine may still be reading), packing bucket k+1 in the other buffer meanwhile.
+The same bucket layout, checksum (of the packed bytes: shared tensors are not copied) and abort flag as the
+broadcast transports.
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from __future__ import annotations
 import base64
 import pickle
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from genengine import ipc
 from genengine.transport import _layout as layout
 from genengine.transport._group import Group
 from genengine.transport._trace import Trace
@@ -58,20 +62,39 @@ def _uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def _share(bufs: list[torch.Tensor]) -> str:
-    """The buffers' IPC handles and their GPU's UUID, as text for the JSON metadata."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    args = [reduce_tensor(b)[1] for b in bufs]
-    return base64.b64encode(pickle.dumps((_uuid(bufs[0].device.index), args))).decode()
-
-
-def _open(shared: str, group: Group) -> list[torch.Tensor]:
-    """The sender's buffers in this process, on the local index of the sender's GPU."""
+def shareable(device: torch.device) -> Callable[[Any], bool]:
+    """Which of the trainer's tensors the receivers read in place: dense tensors with data on ``device``
+    (plain tensors and parameters; a DTensor's local shard is not the whole tensor)."""
     import torch
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    uuid, args = pickle.loads(base64.b64decode(shared))  # from our own sender, over the group's channel
+    def share(tensor: Any) -> bool:
+        return (
+            type(tensor) in (torch.Tensor, torch.nn.Parameter)
+            and tensor.device == device
+            and tensor.numel() > 0
+            and tensor.is_contiguous()
+        )
+
+    return share
+
+
+def _share(bufs: list[torch.Tensor], plan: layout.Plan) -> str:
+    """The GPU's UUID, the buffers' IPC handles and two shares of each shared tensor, as text for the metadata."""
+    tensors = {
+        entry.name: (ipc.share(tensor), ipc.share(tensor))
+        for bucket, group in zip(plan.buckets, plan.tensors, strict=True)
+        for entry, (_, tensor) in zip(bucket.entries, group, strict=True)
+        if entry.shared
+    }
+    device = bufs[0].device.index
+    return base64.b64encode(pickle.dumps((_uuid(device), [ipc.share(b) for b in bufs], tensors))).decode()
+
+
+def _open(shared: str, group: Group) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """The sender's buffers and shared tensors in this process, on the local index of the sender's GPU."""
+    import torch
+
+    uuid, bufs, tensors = pickle.loads(base64.b64decode(shared))  # from our own sender, over the group's channel
     local = [i for i in range(torch.cuda.device_count()) if _uuid(i) == uuid]
     if not local:
         seen = [_uuid(i) for i in range(torch.cuda.device_count())]
@@ -79,12 +102,8 @@ def _open(shared: str, group: Group) -> list[torch.Tensor]:
             f"{group.describe('opening the shared buffers')}: cuda_ipc needs the sender and the replica on one "
             f"GPU; the sender's GPU {uuid} is not visible here (visible: {seen}); use the nccl transport"
         )
-    out = []
-    for a in args:
-        a = list(a)
-        a[6] = local[0]  # storage_device
-        out.append(rebuild_cuda_tensor(*a))
-    return out
+    opened = {name: ipc.open_shared(own, local[0], spare) for name, (own, spare) in tensors.items()}
+    return [ipc.open_shared(b, local[0]) for b in bufs], opened
 
 
 class CudaIpcSender(SenderBase):
@@ -93,9 +112,10 @@ class CudaIpcSender(SenderBase):
 
         g = self.group
         trace = Trace("sender")
-        plan, start = self._plan(named_tensors, version)
+        plan, start = self._plan(named_tensors, version, share=shareable(self._device))
         bufs = self._buffers.get(plan.buffer_bytes)
-        g.broadcast_bytes(plan.metadata(seq=self._seq, shared=_share(bufs)), "sending the sync's metadata")
+        shared = _share(bufs, plan) if plan.buckets else ""  # a share nobody opens would hold its memory for good
+        g.broadcast_bytes(plan.metadata(seq=self._seq, shared=shared), "sending the sync's metadata")
         trace.mark("plan_and_metadata")
         stream = side_stream(self._device)
         assert stream is not None
@@ -165,7 +185,7 @@ class CudaIpcReceiver(Endpoint):
         version: int = meta["version"]
         seq = int(meta["seq"])
         buckets: list[layout.Bucket] = meta["buckets"]
-        shared: list[Any] = _open(meta["shared"], g) if buckets else []
+        shared, lent = _open(meta["shared"], g) if buckets else ([], {})
         local = self._buffers.get(int(meta["buffer_bytes"])) if buckets else []
         tensors = nbytes = loaded = 0
         session, failure = open_session(engine, version, check_finite)
@@ -176,8 +196,8 @@ class CudaIpcReceiver(Endpoint):
                 notice = torch.zeros(1, dtype=torch.int64)
                 g.wait(g.broadcast(notice, data=False), f"waiting for {bucket.describe(k)}", [0])
                 trace.mark("notice_wait")
-                # One device copy into this process's memory: the engine may hand its tensors on through CUDA
-                # IPC (SGLang's load does), which torch refuses for memory opened from another process.
+                # The packed bytes copied into this process's memory (one device copy: the sender packs the next
+                # bucket into the other buffer meanwhile); the shared tensors are read where the trainer has them.
                 buf = local[k % 2][: bucket.nbytes + layout.TRAILER]
                 buf.copy_(shared[k % 2][: bucket.nbytes + layout.TRAILER])
                 flag, expected = layout.read_trailer(buf, bucket)
@@ -195,7 +215,7 @@ class CudaIpcReceiver(Endpoint):
                 trace.mark("checksum")
                 if failure is None and session is not None:
                     try:
-                        session.write(bucket.views(buf))
+                        session.write(bucket.views(buf, lent))
                         trace.mark("write")
                         torch.cuda.synchronize()  # the engine's copies have read the buffer before we ack
                         trace.mark("write_sync")
@@ -210,6 +230,7 @@ class CudaIpcReceiver(Endpoint):
                     failure = finish_load(session, None, len(buckets))
                     session = None
                     trace.mark("commit")
+                ipc.settle(lent.pop(e.name) for e in bucket.entries if e.shared)  # spare shares not passed on
                 code, at = (failure[0], failure[1]) if failure else (OK, k)
                 g.send_status([code, at, seq], f"acknowledging {bucket.describe(k)}")
                 trace.mark("ack")
@@ -223,7 +244,8 @@ class CudaIpcReceiver(Endpoint):
                 session.abort(exc)
             raise
         finally:
-            del shared  # drop our references to the sender's memory
+            ipc.settle(lent.values())
+            del shared, lent  # drop our references to the sender's memory
         if failure is not None:
             raise_failure(failure, loaded)
         report = SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)

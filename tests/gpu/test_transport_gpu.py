@@ -52,28 +52,33 @@ def model() -> str:
     return str(tiny_model_dir())
 
 
-def _run(transport: str, model: str, replica_device: str) -> dict[str, Any]:
-    """``TransportConformance``'s run: the test process sends from cuda:0 to one replica on ``replica_device``."""
-    from genengine.transport import _layout
-
-    tw.configure(model, "cuda:0")
+def _run(
+    transport: str,
+    model: str,
+    replica_device: str,
+    trainer_device: str | None = None,
+    syncs: list[dict[str, Any]] = TRANSPORT_SYNCS,
+) -> dict[str, Any]:
+    """``TransportConformance``'s run: the test process sends from cuda:0 (its tensors on ``trainer_device``,
+    default cuda:0) to one replica on ``replica_device``."""
+    tw.configure(model, "cuda:0", trainer_device)
     expected = {"A": tw.reference("A"), "B": tw.reference("B")}
     pool = tw.Pool([1], model, {1: replica_device})
     try:
         assert pool.run({1: ("warm", {})}, timeout_s=300)[1].status == "ok"
         spec = _spec(transport)
-        jobs = {"spec": spec, "rank": 1, "syncs": len(TRANSPORT_SYNCS), "check_finite": True}
+        jobs = {"spec": spec, "rank": 1, "syncs": len(syncs), "check_finite": True}
         pool.submit({1: ("receive", jobs)})
         sender = get_transport(transport).sender(TransportSpec(**spec))
         try:
-            sent = [tw.send_one(sender, sync) for sync in TRANSPORT_SYNCS]
+            sent = [tw.send_one(sender, sync) for sync in syncs]
         finally:
             sender.close()
         got = pool.collect([1], timeout_s=300)[1]
         assert got.status == "ok", got.message
+        plan = tw.plan(tw.trainer_stream("A"), TransportSpec(**spec))
     finally:
         pool.close()
-    plan = _layout.plan(tw.trainer_stream("A"), version=0, bucket_bytes=BUCKET, checksum=True)
     return {"sender": sent, "replicas": {1: got.value}, "plan": plan, "expected": expected}
 
 
@@ -90,7 +95,9 @@ class TestNcclTransport(TransportConformance):
 
 
 class TestCudaIpcTransport(TransportConformance):
-    """CUDA IPC to a replica on the same GPU."""
+    """CUDA IPC to a replica on the same GPU, the trainer's tensors in host memory: every one is packed into the
+    shared buffers (the buckets, checksums and faults the suite checks). Tensors dense on the GPU are read in
+    place instead: ``test_cuda_ipc_reads_dense_gpu_tensors_in_place``."""
 
     replica_ranks = (1,)
 
@@ -98,7 +105,41 @@ class TestCudaIpcTransport(TransportConformance):
     @classmethod
     def transport_run(cls, model: str) -> dict[str, Any]:
         _need_gpus(1)
-        return _run("cuda_ipc", model, "cuda:0")
+        return _run("cuda_ipc", model, "cuda:0", trainer_device="cpu")
+
+
+IN_PLACE_SYNCS: list[dict[str, Any]] = [
+    {"weights": "B", "version": 5},  # every tensor dense on the GPU: one bucket, nothing packed
+    {"weights": "A", "version": 6, "host_every": 2},  # half from host memory: packed beside the shared ones
+    {"weights": "B", "version": 7, "nan_bucket": 0},  # a NaN in a shared tensor: check_finite refuses the sync
+    {"weights": "B", "version": 8},  # a whole sync after it
+]
+
+
+def test_cuda_ipc_reads_dense_gpu_tensors_in_place(model: str) -> None:
+    """The trainer's tensors dense on its GPU travel as their own IPC handles (no bucket room, no copy): a whole
+    model is one bucket, one load and one flush; mixed with host tensors both land; the replica's
+    ``check_finite`` sees a NaN in the trainer's memory (and, nothing written, keeps serving); every sync leaves
+    what a direct load leaves."""
+    _need_gpus(1)
+    run = _run("cuda_ipc", model, "cuda:0", syncs=IN_PLACE_SYNCS)
+    expected = run["expected"]
+    rows = run["replicas"][1]["syncs"]
+    stream = tw.trainer_stream("B")
+    assert run["sender"][0]["report"] == [5, len(stream), sum(t.numel() * t.element_size() for _, t in stream), 1]
+    assert rows[0]["report"] == run["sender"][0]["report"], rows[0]
+    assert rows[0]["probe"] == {"flushes": 1, "writes": 1, "versions_at_writes": [0]}, rows[0]["probe"]
+    for i, which, version in ((0, "B", 5), (1, "A", 6), (3, "B", 8)):
+        after = rows[i]["after"]
+        assert "report" in run["sender"][i] and after["version"] == version, (i, run["sender"][i], rows[i])
+        assert after["digests"] == expected[which]["digests"], i
+        assert [o[:2] for o in after["outputs"]] == [o[:2] for o in expected[which]["outputs"]], i
+    assert run["sender"][1]["report"][3] >= 2, run["sender"][1]  # the host half filled buckets of its own
+    text = rows[2]["message"]
+    assert "WeightLoadError" in rows[2]["mro"] and "NaN or infinite" in text, rows[2]
+    # refused before anything was written (the whole model is one bucket): it still serves version 6
+    after = rows[2]["after"]
+    assert after["version"] == 6 and after["digests"] == expected["A"]["digests"] and "outputs" in after, after
 
 
 def test_a_dead_nccl_sender_makes_the_replica_raise_and_survive(model: str) -> None:
@@ -132,3 +173,22 @@ def test_a_dead_nccl_sender_makes_the_replica_raise_and_survive(model: str) -> N
         assert row["after"]["version"] == 0 and "incomplete weights" in row["after"]["refused"], row["after"]
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("forward", [True, False], ids=["passed-on", "settled"])
+def test_memory_opened_from_the_trainer_passes_on_to_a_third_process(forward: bool) -> None:
+    """The colocated SGLang replica's path (``genengine.ipc``): the replica opens the trainer's tensors and its
+    engine process reads them under the trainer's spare share, bit for bit; a second pass-on is refused; and
+    every share is released once (passed on, or settled unused), so the trainer's memory goes back when it
+    lets go: a share left counted holds it for good."""
+    _need_gpus(1)
+    from support import ipc_relay
+
+    got = ipc_relay.run(forward)
+    assert "error" not in got and got["exitcode"] == 0, got
+    assert got["replica"] == got["expected"], got
+    if forward:
+        assert got["engine"] == got["expected"], got
+        assert "GenEngineError" in got["second"] and "passed on more often" in got["second"], got["second"]
+    assert got["held"] - got["base"] >= 2 * 1024 * 1536 * 2, got
+    assert got["after"] - got["base"] < 1 << 20, f"the trainer's memory stayed held after every process let go: {got}"

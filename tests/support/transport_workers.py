@@ -44,11 +44,13 @@ __all__ = [
 _STATE: dict[str, Any] = {}
 
 
-def configure(model_dir: str, device: str = "cpu") -> None:
+def configure(model_dir: str, device: str = "cpu", trainer_device: str | None = None) -> None:
     """Where the tiny model is (built once, by the test process) and where this process's engine and
-    trainer tensors live (``cuda:N`` becomes the current CUDA device: NCCL needs a GPU per rank)."""
+    trainer tensors live (``cuda:N`` becomes the current CUDA device: NCCL needs a GPU per rank; the trainer's
+    tensors on ``trainer_device`` when given: host tensors make ``cuda_ipc`` pack every one)."""
     _STATE["model"] = model_dir
     _STATE["device"] = device
+    _STATE["trainer_device"] = trainer_device or device
     if device.startswith("cuda"):
         import torch
 
@@ -94,7 +96,7 @@ def trainer_stream(which: str) -> list[tuple[str, Any]]:
     stored, fp32 copies, transposed (non-contiguous) views and views at an odd offset into a larger storage."""
     import torch
 
-    device = torch.device(_STATE["device"])
+    device = torch.device(_STATE.get("trainer_device", _STATE["device"]))
     out: list[tuple[str, Any]] = []
     for i, (name, stored) in enumerate(sorted(checkpoint(which).items())):
         tensor = stored.to(device)
@@ -201,14 +203,30 @@ class _DiesInLoad:
         return getattr(self._inner, name)
 
 
+def plan(stream: list[tuple[str, Any]], spec: Any, version: int = 0) -> Any:
+    """The layout ``spec``'s sender gives ``stream`` (``cuda_ipc`` reads dense tensors on its GPU in place)."""
+    import torch
+
+    from genengine.transport import _layout
+    from genengine.transport.cuda_ipc import shareable
+
+    share = None
+    if spec.transport == "cuda_ipc":
+        share = shareable(torch.device("cuda", torch.cuda.current_device()))
+    return _layout.plan(stream, version=version, bucket_bytes=spec.bucket_bytes, checksum=spec.checksum, share=share)
+
+
 def send_one(sender: Any, sync: dict[str, Any]) -> dict[str, Any]:
     """One sync on rank 0: ``weights`` ("A"/"B", or None: an empty sync), ``version``, and optionally ``corrupt``
     (flip a byte of that bucket after its checksum), ``nan_bucket`` (a NaN in that bucket's first tensor: a
     receiver's ``check_finite`` refuses it), ``bad`` (a stream the checks refuse), ``bomb`` (die packing
-    that tensor index), ``fail_pack`` (raise :class:`PackFault` packing that tensor index)."""
+    that tensor index), ``fail_pack`` (raise :class:`PackFault` packing that tensor index), ``host_every``
+    (every n-th tensor handed over from host memory)."""
     import torch
 
     stream = trainer_stream(sync["weights"]) if sync["weights"] is not None else []
+    if sync.get("host_every"):
+        stream = [(n, t.cpu() if i % sync["host_every"] == 0 else t) for i, (n, t) in enumerate(stream)]
     if sync.get("bad"):
         stream[3] = (stream[3][0], torch.zeros(stream[3][1].shape, dtype=torch.int32))
     for key, fatal in (("bomb", True), ("fail_pack", False)):
@@ -216,13 +234,12 @@ def send_one(sender: Any, sync: dict[str, Any]) -> dict[str, Any]:
             name, tensor = stream[sync[key]]
             stream[sync[key]] = (name, _bomb(tensor, fatal=fatal))
     if sync.get("nan_bucket") is not None:
-        from genengine.transport import _layout
-
-        plan = _layout.plan(stream, version=0, bucket_bytes=sender.group.spec.bucket_bytes, checksum=False)
-        at = [name for name, _ in stream].index(plan.buckets[sync["nan_bucket"]].entries[0].name)
+        layout = plan(stream, sender.group.spec)
+        at = [name for name, _ in stream].index(layout.buckets[sync["nan_bucket"]].entries[0].name)
         name, tensor = stream[at]
-        poisoned = tensor.contiguous().clone()
-        poisoned.view(-1)[poisoned.numel() // 2] = float("nan")
+        poisoned = tensor.clone()  # the same strides: the same layout
+        index = torch.unravel_index(torch.tensor(poisoned.numel() // 2), poisoned.shape)
+        poisoned[tuple(int(i) for i in index)] = float("nan")
         stream[at] = (name, poisoned)
     if sync.get("corrupt") is not None:
         os.environ[CORRUPT_ENV] = str(sync["corrupt"])
