@@ -9,7 +9,13 @@ travels under its spare share: the third process opens the trainer's memory itse
 
 torch counts every share until a consumer releases it (the producer keeps the memory until the count is
 back to zero), so each spare share is used once, and :func:`settle` releases the ones not used (an engine
-that loads in its own process, as vLLM here, never passes anything on).
+that loads in its own process, as vLLM here, never passes anything on). A tensor passed on with no spare
+share left (or none sent: the sender skips them for receivers that passed nothing on last time) travels as a
+copy in this process's memory, as any tensor of its own does. :func:`passes` counts the pass-ons, so that a
+receiver can tell its sender whether spares are worth sharing.
+
+Opened tensors wait on no CUDA event of the trainer's: a sender makes its writes finish before the receivers
+read (``cuda_ipc`` synchronises before it announces a bucket), and each event costs a handle to open.
 """
 
 from __future__ import annotations
@@ -18,19 +24,22 @@ import io
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from genengine.errors import GenEngineError
-
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["dumps", "open_shared", "settle", "share"]
+__all__ = ["dumps", "open_shared", "passes", "settle", "share"]
 
-_DEVICE = 6
-"""The index of ``storage_device`` in ``rebuild_cuda_tensor``'s arguments (stable across torch 2.x)."""
+# Indices into ``rebuild_cuda_tensor``'s arguments (stable across torch 2.x): (tensor_cls, size, stride,
+# offset, storage_cls, dtype, device, handle, storage bytes, storage offset, requires_grad, ref counter
+# handle and offset, event handle, event sync).
+_DEVICE, _REF_COUNTER, _EVENT_SYNC = 6, 11, 14
 
 _SPARE: dict[int, tuple[Any, list[tuple[Any, ...]]]] = {}
 """StorageImpl address of an opened storage → (a weak reference, which keeps that address from reuse while
 it is here; the spare shares of that storage not passed on yet)."""
+
+_PASSES = [0]
+"""Tensors on opened memory passed on by :func:`dumps` in this process (under a spare share or as a copy)."""
 
 
 def share(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -47,18 +56,26 @@ def open_shared(args: Sequence[Any], device_index: int, spare: Sequence[Any] | N
     its local index here). ``spare``, a second share of the same tensor, lets :func:`dumps` pass it on once."""
     from torch.multiprocessing import reductions
 
-    opened = list(args)
-    opened[_DEVICE] = device_index
-    tensor: torch.Tensor = reductions.rebuild_cuda_tensor(*opened)
+    tensor: torch.Tensor = reductions.rebuild_cuda_tensor(*_here(args, device_index))
+    storage = tensor.untyped_storage()
+    entry = _SPARE.get(storage._cdata)
+    if entry is None or entry[0].expired():
+        entry = _SPARE[storage._cdata] = (reductions.StorageWeakRef(storage), [])
     if spare is not None:
-        storage = tensor.untyped_storage()
-        entry = _SPARE.get(storage._cdata)
-        if entry is None or entry[0].expired():
-            entry = _SPARE[storage._cdata] = (reductions.StorageWeakRef(storage), [])
-        forward = list(spare)
-        forward[_DEVICE] = device_index
-        entry[1].append(tuple(forward))
+        entry[1].append(_here(spare, device_index))
     return tensor
+
+
+def _here(args: Sequence[Any], device_index: int) -> tuple[Any, ...]:
+    out = list(args)
+    out[_DEVICE] = device_index
+    out[_EVENT_SYNC] = False
+    return tuple(out)
+
+
+def passes() -> int:
+    """How many tensors on opened memory :func:`dumps` has passed on in this process so far."""
+    return _PASSES[0]
 
 
 def settle(tensors: Iterable[torch.Tensor]) -> None:
@@ -68,40 +85,39 @@ def settle(tensors: Iterable[torch.Tensor]) -> None:
     for tensor in tensors:
         entry = _SPARE.pop(tensor.untyped_storage()._cdata, None)
         for args in entry[1] if entry is not None else ():
-            torch.UntypedStorage._release_ipc_counter_cuda(args[11], args[12])
+            torch.UntypedStorage._release_ipc_counter_cuda(args[_REF_COUNTER], args[_REF_COUNTER + 1])
 
 
-def _passed_on(tensor: torch.Tensor) -> tuple[Any, ...] | None:
-    """Rebuild arguments for ``tensor`` (a view of an opened storage) under one of its spare shares, or None."""
+def _passed_on(tensor: torch.Tensor) -> Any:
+    """How ``tensor`` travels if it lies on opened memory: torch's reduction of a spare share (the view's
+    geometry, the share's storage) or of a copy; None for memory of this process's own."""
+    from torch.multiprocessing import reductions
+
     entry = _SPARE.get(tensor.untyped_storage()._cdata)
     if entry is None or entry[0].expired():
         return None
+    _PASSES[0] += 1
     if not entry[1]:
-        raise GenEngineError(
-            "a tensor opened from another process's memory was passed on more often than it was shared for "
-            "(each spare share is opened once); load it once per sync, or copy it first"
-        )
+        # torch keeps the copy's memory until the consumer releases it, though our reference ends here.
+        return reductions.reduce_tensor(tensor.detach().clone())
     a = entry[1].pop()
-    # (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage bytes, storage offset,
-    #  requires_grad, ref counter handle and offset, event handle, event sync): the view's geometry, the share's
-    # storage.
-    return (a[0], tensor.size(), tensor.stride(), tensor.storage_offset(), a[4], tensor.dtype, *a[6:10], False, *a[11:])
+    geometry = (a[0], tensor.size(), tensor.stride(), tensor.storage_offset())
+    return reductions.rebuild_cuda_tensor, (*geometry, a[4], tensor.dtype, *a[6:10], False, *a[11:])
 
 
 def dumps(obj: Any) -> bytes:
     """``obj`` pickled for another process with torch's reductions (CUDA tensors travel as IPC handles); a tensor
-    opened by :func:`open_shared` with a spare share travels under that share."""
+    opened by :func:`open_shared` travels under a spare share, or as a copy when none is left."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch
-    from torch.multiprocessing import reductions
 
     class _Pickler(ForkingPickler):  # type: ignore[misc, valid-type]
         def reducer_override(self, o: Any) -> Any:
             if _SPARE and isinstance(o, torch.Tensor) and o.is_cuda:
-                args = _passed_on(o)
-                if args is not None:
-                    return reductions.rebuild_cuda_tensor, args
+                reduced = _passed_on(o)
+                if reduced is not None:
+                    return reduced
             return NotImplemented
 
     buf = io.BytesIO()

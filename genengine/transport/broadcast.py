@@ -200,7 +200,8 @@ def plan_or_refuse(
 
 def raise_for_status(group: Group, plan: layout.Plan, statuses: dict[int, list[int]], seq: int) -> None:
     problems = []
-    for rank, (code, bucket, their_seq) in sorted(statuses.items()):
+    for rank, row in sorted(statuses.items()):
+        code, bucket, their_seq = row[:STATUS_WIDTH]
         if their_seq != seq:
             problems.append(f"rank {rank} answered for sync {their_seq}, not this one ({seq}): out of step")
         elif code != OK:

@@ -78,10 +78,11 @@ def shareable(device: torch.device) -> Callable[[Any], bool]:
     return share
 
 
-def _share(bufs: list[torch.Tensor], plan: layout.Plan) -> str:
-    """The GPU's UUID, the buffers' IPC handles and two shares of each shared tensor, as text for the metadata."""
+def _share(bufs: list[torch.Tensor], plan: layout.Plan, spares: bool) -> str:
+    """The GPU's UUID, the buffers' IPC handles and a share of each shared tensor (two with ``spares``: one for
+    the receiver, one its engine passes on), as text for the metadata."""
     tensors = {
-        entry.name: (ipc.share(tensor), ipc.share(tensor))
+        entry.name: (ipc.share(tensor), ipc.share(tensor) if spares else None)
         for bucket, group in zip(plan.buckets, plan.tensors, strict=True)
         for entry, (_, tensor) in zip(bucket.entries, group, strict=True)
         if entry.shared
@@ -106,7 +107,19 @@ def _open(shared: str, group: Group) -> tuple[list[torch.Tensor], dict[str, torc
     return [ipc.open_shared(b, local[0]) for b in bufs], opened
 
 
+# A receiver's acknowledgement: the broadcast transports' (code, bucket, sync number), then how many of the
+# sync's tensors its engine passed on to another process so far (genengine.ipc.passes).
+IPC_STATUS_WIDTH = STATUS_WIDTH + 1
+
+
 class CudaIpcSender(SenderBase):
+    def __init__(self, group: Group) -> None:
+        super().__init__(group)
+        self._spares = True
+        """Share each tensor a second time, for the receivers' engines to pass on: until a sync shows that no
+        receiver passes anything on (vLLM loads in the replica's own process), and again once one does (it
+        passed on copies meanwhile)."""
+
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> SyncReport:
         import torch
 
@@ -114,7 +127,8 @@ class CudaIpcSender(SenderBase):
         trace = Trace("sender")
         plan, start = self._plan(named_tensors, version, share=shareable(self._device))
         bufs = self._buffers.get(plan.buffer_bytes)
-        shared = _share(bufs, plan) if plan.buckets else ""  # a share nobody opens would hold its memory for good
+        # a share nobody opens would hold its memory for good
+        shared = _share(bufs, plan, self._spares) if plan.buckets else ""
         g.broadcast_bytes(plan.metadata(seq=self._seq, shared=shared), "sending the sync's metadata")
         trace.mark("plan_and_metadata")
         stream = side_stream(self._device)
@@ -139,6 +153,7 @@ class CudaIpcSender(SenderBase):
         # are in, so no receiver still reads it (slime's rule).
         if plan.buckets:
             pack(0)
+        passed_on = 0
         for k, bucket in enumerate(plan.buckets):
             failed_here = error is not None
             trace.next_bucket()
@@ -150,18 +165,21 @@ class CudaIpcSender(SenderBase):
             if not failed_here and k + 1 < len(plan.buckets):
                 pack(k + 1)
             trace.mark("pack_issue")
-            got = g.gather_status(STATUS_WIDTH, f"waiting for every replica to load {bucket.describe(k)}")
+            got = g.gather_status(IPC_STATUS_WIDTH, f"waiting for every replica to load {bucket.describe(k)}")
             trace.mark("ack_wait")
+            passed_on = max(row[3] for row in got.values())
             for rank, row in got.items():
                 if rank not in statuses or (statuses[rank][0] == OK and row[0] != OK):
                     statuses[rank] = row  # a replica's first failure is the one to report
             if failed_here:
                 break  # bucket k carried the abort flag: every receiver stopped at it
         if not plan.buckets:
-            statuses = g.gather_status(STATUS_WIDTH, "waiting for every replica to take the sync")
+            statuses = g.gather_status(IPC_STATUS_WIDTH, "waiting for every replica to take the sync")
         if error is not None:
             raise error
         raise_for_status(g, plan, statuses, self._seq)
+        if any(e.shared for b in plan.buckets for e in b.entries):  # a whole sync with shared tensors
+            self._spares = passed_on > 0
         report = SyncReport(version, plan.num_tensors, plan.num_bytes, len(plan.buckets), time.perf_counter() - start)
         trace.write(self._seq, report)
         return report
@@ -189,6 +207,7 @@ class CudaIpcReceiver(Endpoint):
         local = self._buffers.get(int(meta["buffer_bytes"])) if buckets else []
         tensors = nbytes = loaded = 0
         session, failure = open_session(engine, version, check_finite)
+        first_pass = ipc.passes()
         trace.mark("metadata_open_session")
         try:
             for k, bucket in enumerate(buckets):
@@ -204,7 +223,7 @@ class CudaIpcReceiver(Endpoint):
                 trace.mark("copy")
                 if flag == layout.FLAG_ABORT:
                     failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, loaded))
-                    g.send_status([ABORTED, k, seq], "acknowledging the abort")
+                    g.send_status([ABORTED, k, seq, ipc.passes() - first_pass], "acknowledging the abort")
                     break
                 if (
                     failure is None
@@ -232,19 +251,19 @@ class CudaIpcReceiver(Endpoint):
                     trace.mark("commit")
                 ipc.settle(lent.pop(e.name) for e in bucket.entries if e.shared)  # spare shares not passed on
                 code, at = (failure[0], failure[1]) if failure else (OK, k)
-                g.send_status([code, at, seq], f"acknowledging {bucket.describe(k)}")
+                g.send_status([code, at, seq, ipc.passes() - first_pass], f"acknowledging {bucket.describe(k)}")
                 trace.mark("ack")
             if session is not None:
                 failure = finish_load(session, failure, len(buckets))
             if not buckets:
                 code, at = (failure[0], failure[1]) if failure else (OK, -1)
-                g.send_status([code, at, seq], "acknowledging the sync")
+                g.send_status([code, at, seq, 0], "acknowledging the sync")
         except BaseException as exc:  # the group failed mid-sync (a dead peer, a timeout): the load ends with it
             if session is not None:
                 session.abort(exc)
             raise
         finally:
-            ipc.settle(lent.values())
+            ipc.settle([*lent.values(), *shared])
             del shared, lent  # drop our references to the sender's memory
         if failure is not None:
             raise_failure(failure, loaded)

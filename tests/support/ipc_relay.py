@@ -3,9 +3,10 @@
 ``cuda_ipc`` sync does, with torch alone; ``tests/gpu/test_transport_gpu.py`` runs it.
 
 Checked: the engine process reads the trainer's values bit for bit (a dense tensor and a view at an odd
-offset of a larger storage), a second pass-on of the same share is refused with a clear error, and once every
-process let go the trainer's memory goes back to its allocator (every share was released exactly once: a
-share left counted would hold the memory for good). ``python tests/support/ipc_relay.py`` prints the result.
+offset of a larger storage), under the trainer's spare share and, once none is left (or none was sent), as
+the replica's copy; and once every process let go the trainer's memory goes back to its allocator (every
+share was released exactly once: a share left counted would hold the memory for good).
+``python tests/support/ipc_relay.py`` prints the result of each mode.
 """
 
 from __future__ import annotations
@@ -19,18 +20,26 @@ from typing import Any
 SHAPE = (1024, 1536)
 
 
-def _engine(payload: bytes, out: Any) -> None:
+MODES = ("spare", "settled", "no-spare")
+"""``spare``: two shares a tensor, passed on twice (the spare share, then a copy); ``settled``: the spare share
+released unused; ``no-spare``: one share a tensor, passed on once (a copy)."""
+
+
+def _engine(payloads: list[bytes], out: Any) -> None:
     import torch
 
     torch.cuda.set_device(0)
-    named = pickle.loads(payload)
-    own = [(name, t.clone()) for name, t in named]  # the engine's copy, as a weight loader makes
-    torch.cuda.synchronize()
-    del named
-    out.put({name: float(t.double().sum()) for name, t in own})
+    sums = []
+    for payload in payloads:
+        named = pickle.loads(payload)
+        own = [(name, t.clone()) for name, t in named]  # the engine's copy, as a weight loader makes
+        torch.cuda.synchronize()
+        del named
+        sums.append({name: float(t.double().sum()) for name, t in own})
+    out.put(sums)
 
 
-def _replica(shares: dict[str, Any], forward: bool, out: Any) -> None:
+def _replica(shares: dict[str, Any], mode: str, out: Any) -> None:
     import torch
 
     from genengine import ipc
@@ -39,16 +48,13 @@ def _replica(shares: dict[str, Any], forward: bool, out: Any) -> None:
     try:
         opened = {name: ipc.open_shared(own, 0, spare) for name, (own, spare) in shares.items()}
         row: dict[str, Any] = {"replica": {name: float(t.double().sum()) for name, t in opened.items()}}
-        if forward:
-            payload = ipc.dumps(list(opened.items()))
-            try:
-                ipc.dumps(list(opened.items()))
-                row["second"] = "passed on twice"
-            except Exception as exc:
-                row["second"] = f"{type(exc).__name__}: {exc}"
+        if mode != "settled":
+            before = ipc.passes()
+            payloads = [ipc.dumps(list(opened.items())) for _ in range(2 if mode == "spare" else 1)]
+            row["passes"] = ipc.passes() - before
             ctx = mp.get_context("spawn")
             q = ctx.Queue()
-            p = ctx.Process(target=_engine, args=(payload, q))
+            p = ctx.Process(target=_engine, args=(payloads, q))
             p.start()
             row["engine"] = q.get(timeout=120)
             p.join(60)
@@ -60,7 +66,7 @@ def _replica(shares: dict[str, Any], forward: bool, out: Any) -> None:
         raise
 
 
-def run(forward: bool = True) -> dict[str, Any]:
+def run(mode: str) -> dict[str, Any]:
     """The trainer's side; returns what each process read and the trainer's memory before, during and after."""
     import torch
 
@@ -75,12 +81,12 @@ def run(forward: bool = True) -> dict[str, Any]:
     view = big[7:].view(SHAPE)  # an odd element offset into a larger storage
     tensors = {"dense": dense, "view": view}
     expected = {name: float(t.double().sum()) for name, t in tensors.items()}
-    shares = {name: (ipc.share(t), ipc.share(t)) for name, t in tensors.items()}
+    shares = {name: (ipc.share(t), ipc.share(t) if mode != "no-spare" else None) for name, t in tensors.items()}
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_replica, args=(shares, forward, q))
+    p = ctx.Process(target=_replica, args=(shares, mode, q))
     p.start()
     row = q.get(timeout=240)
     p.join(60)
@@ -92,6 +98,6 @@ def run(forward: bool = True) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    result = {str(forward): run(forward) for forward in (True, False)}
+    result = {mode: run(mode) for mode in MODES}
     print("IPC_RELAY " + json.dumps(result))
     sys.exit(0)
