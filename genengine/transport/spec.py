@@ -58,9 +58,11 @@ class TransportSpec:
     timeout_s: float = 60.0
     """Hard timeout of every collective and wait: a dead or stuck peer makes the others raise, never hang."""
     bucket_bytes: int = 512 << 20
-    """Bytes of weights per bucket (a larger tensor travels alone); each side holds two buckets' buffers."""
+    """Bytes of weights per bucket (a larger tensor travels alone); each side holds two buckets' buffers.
+    ``cuda_ipc`` counts only what it packs: tensors dense on the trainer's GPU are read in place."""
     checksum: bool = False
-    """Per-bucket checksum: a bucket corrupted on the way raises ChecksumError on the receiver, unloaded."""
+    """Per-bucket checksum of the copied bytes: a bucket corrupted on the way raises ChecksumError on the
+    receiver, unloaded (``cuda_ipc``'s in-place tensors are not copied)."""
     device: str = "cpu"
     """``"cpu"`` for gloo; ``"cuda"`` (the current CUDA device) for nccl and cuda_ipc."""
 

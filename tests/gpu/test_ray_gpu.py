@@ -2,16 +2,17 @@
 its placement-group bundle, the replica synced over ``cuda_ipc`` (genengine/bench/pool.py, at the tiny model's
 size). Every engine importable here is measured (``GENENGINE_RAY_BACKENDS=sglang,vllm`` to choose).
 
-Checked: three bucketed syncs (checksums on, small buckets so that each sync is several) of new weights
-from the trainer actor's CUDA tensors reach the replica, whose greedy outputs then equal the in-process
-engine's on the same weights and differ from the previous version's, labelled with the sync's version; a
-sleep through the pool frees about what the in-process sleep frees; generate through the pool is not far
-off in-process speed (a loose sanity bound: the figure itself is ``benchmarks/bench_pool.py``'s, at 7B).
+Checked: three syncs (checksums on) of new weights from the trainer actor's CUDA tensors, which the replica
+reads in place (one bucket a sync; the packed, checksummed buckets are tests/gpu/test_transport_gpu.py's),
+reach the replica, whose greedy outputs then equal the in-process engine's on the same weights and differ
+from the previous version's, labelled with the sync's version; a sleep through the pool frees about what the
+in-process sleep frees; generate through the pool is not far off in-process speed (a loose sanity bound: the
+figure itself is ``benchmarks/bench_pool.py``'s, at 7B).
 
 With ``GENENGINE_RAY_GPU_SCALE=7b`` (verify.sh's default) the same checks run on the pool benchmark's settings
-(benchmarks/bench_pool.py: 7B shapes, CUDA graphs, 5 interleaved repeats, 4 syncs of 339 tensors in 30 buckets)
-and the report is also the benchmark's (``$OUT/bench_pool_ENGINE.json``): one run, one Ray cluster and two
-engine starts fewer than the test and the benchmark apart.
+(benchmarks/bench_pool.py: 7B shapes, CUDA graphs, 5 interleaved repeats, 4 syncs of 339 tensors read in place,
+one bucket each) and the report is also the benchmark's (``$OUT/bench_pool_ENGINE.json``): one run, one Ray
+cluster and two engine starts fewer than the test and the benchmark apart.
 
     bash tools/gpu/run_tests.sh ENGINE tests/gpu/test_ray_gpu.py
     GENENGINE_RAY_GPU_SCALE=7b bash tools/gpu/run_tests.sh ENGINE tests/gpu/test_ray_gpu.py

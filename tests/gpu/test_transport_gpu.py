@@ -175,7 +175,7 @@ def test_a_dead_nccl_sender_makes_the_replica_raise_and_survive(model: str) -> N
         pool.close()
 
 
-@pytest.mark.parametrize("mode", ["spare", "settled", "no-spare"])
+@pytest.mark.parametrize("mode", ["spare", "settled"])
 def test_memory_opened_from_the_trainer_passes_on_to_a_third_process(mode: str) -> None:
     """The colocated SGLang replica's path (``genengine.ipc``): the replica opens the trainer's tensors and its
     engine process reads them bit for bit, under the trainer's spare share or, with none left, as the replica's

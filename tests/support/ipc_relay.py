@@ -22,7 +22,8 @@ SHAPE = (1024, 1536)
 
 MODES = ("spare", "settled", "no-spare")
 """``spare``: two shares a tensor, passed on twice (the spare share, then a copy); ``settled``: the spare share
-released unused; ``no-spare``: one share a tensor, passed on once (a copy)."""
+released unused; ``no-spare``: one share a tensor, passed on once (a copy; the GPU test leaves it out, as
+``spare``'s second pass-on is the same copy)."""
 
 
 def _engine(payloads: list[bytes], out: Any) -> None:
