@@ -1,8 +1,8 @@
 """CUDA IPC: the trainer and its replicas on one GPU read the trainer's memory (no broadcast).
 
 A tensor already dense on the trainer's GPU is read where it is: the sender shares it by its IPC handle
-(twice: once for the replica to open, once for its engine to pass on, ``genengine.ipc``) and it takes no
-room in a bucket, so a trainer's whole model is one bucket and one engine load, as an in-process load of
+(with a spare share while a replica's engine passes tensors on to its own process, ``genengine.ipc``) and it
+takes no room in a bucket, so a trainer's whole model is one bucket and one engine load, as an in-process load of
 the same tensors is. The rest (host tensors, DTensors, views that are not dense) is packed into one of two
 CUDA buffers whose handles went out once with the sync's metadata (over the gloo control group, keyed by the
 GPU's UUID so that a receiver with another ``CUDA_VISIBLE_DEVICES`` finds the same GPU); then the sender
