@@ -243,19 +243,23 @@ def test_a_killed_replica_comes_back_with_the_current_weights(pool: EnginePool, 
 
 
 def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> None:
-    long = SamplingParams(temperature=0, max_new_tokens=600, ignore_eos=True)
-    busy = threading.Thread(target=pool.generate, args=(PROMPTS, long))
+    """The flush waits behind a generate that holds each replica for seconds (sixteen 900-token rows a
+    replica): both are well under way when it is sent, and it gives up after 0.2 s."""
+    long = SamplingParams(temperature=0, max_new_tokens=900, ignore_eos=True)
+    busy = threading.Thread(target=pool.generate, args=(PROMPTS * 8, long))
     busy.start()
     try:
         while sum(r.load for r in pool.replicas) == 0:
             time.sleep(0.02)
-        time.sleep(0.5)  # routed is not running yet: let the replicas start generating (it takes seconds)
-        pool.timeout_s = 0.5
+        time.sleep(0.3)  # routed is not running yet: let the replicas start generating
+        pool.timeout_s = 0.2
         with pytest.raises(ReplicaTimeoutError, match=r"replica \d \(actor [0-9a-f]+, node .*\): flush_cache did not"):
             pool.flush_cache()
+        raised = time.monotonic()
     finally:
         pool.timeout_s = 300
         busy.join()
+    assert time.monotonic() - raised > 0.5, "the generate ended too soon after the flush gave up to have held it"
 
 
 def test_a_replica_dead_for_good_is_left_out_and_the_retry_reaches_the_others(
