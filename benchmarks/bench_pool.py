@@ -7,8 +7,9 @@ CUDA graphs on (``GRAPHS``; ``--eager`` for none).
 A Ray trainer actor holds the trainer's 339 bf16 CUDA tensors (15.2 GB), an in-process engine and a
 one-replica colocated ``EnginePool`` in its placement-group bundle (genengine/bench/pool.py says how they
 are measured): generate tokens/s both ways, 5 interleaved repeats of >= 3 s each (64 prompts x 128 ids ->
-128 tokens, greedy); 4 syncs of new weights over ``cuda_ipc`` against the in-process ``load_weights``, the
-outputs of both compared after each.
+128 tokens, greedy); 6 syncs of new weights over ``cuda_ipc`` against the in-process ``load_weights``, the
+outputs of both compared after each, taking torch's IPC handles and the CUDA driver's in turn
+(``GENENGINE_CUDA_IPC_HANDLES``; the figure is torch's, the default; ``--handles torch`` for it alone).
 
 Goals (issue 25): pool / in-process tokens/s >= 0.95; a sync through the pool <= 0.1 s.
 Prints the table and ``BENCH_POOL_RESULT {json}``.
@@ -60,10 +61,12 @@ def bench_settings(
     model: str | None = None,
     repeats: int = 5,
     min_seconds: float = 3.0,
-    syncs: int = 4,
+    syncs: int = 6,
     bucket_mib: int | None = None,
     eager: bool = False,
     sleep: bool = False,
+    sleep_level: int = 1,
+    handles: tuple[str, ...] = ("torch", "driver"),
 ) -> Any:
     """The benchmark's ``PoolBenchSettings`` (the 7B-shaped folder made when missing). tests/gpu/test_ray_gpu.py
     runs its checks on these too (``GENENGINE_RAY_GPU_SCALE=7b``, verify.sh's default), so that one run gives
@@ -90,6 +93,8 @@ def bench_settings(
         transport="cuda_ipc",
         bucket_bytes=None if bucket_mib is None else bucket_mib << 20,
         sleep=sleep,
+        sleep_level=sleep_level,
+        handles=handles,
     )
 
 
@@ -111,10 +116,16 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="the 7B-shaped model folder (default: built in the temp dir)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--min-seconds", type=float, default=3.0)
-    ap.add_argument("--syncs", type=int, default=4)
+    ap.add_argument("--syncs", type=int, default=6)
+    ap.add_argument(
+        "--handles",
+        default="torch,driver",
+        help="cuda_ipc's ways of sharing, taken in turn by the syncs (GENENGINE_CUDA_IPC_HANDLES): torch, driver",
+    )
     ap.add_argument("--bucket-mib", type=int, default=None, help="the transport's bucket size (default: its own)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs on either side (the settings before 12-02)")
-    ap.add_argument("--sleep", action="store_true", help="also sleep(1) both ways and compare the memory freed")
+    ap.add_argument("--sleep", action="store_true", help="also sleep both ways and compare the memory freed")
+    ap.add_argument("--sleep-level", type=int, default=1, choices=(1, 2))
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     t0 = time.time()
@@ -130,6 +141,8 @@ def main() -> int:
         bucket_mib=a.bucket_mib,
         eager=a.eager,
         sleep=a.sleep,
+        sleep_level=a.sleep_level,
+        handles=tuple(a.handles.split(",")),
     )
     report: dict[str, Any] = {"model": MODEL_LABEL}
     try:

@@ -294,3 +294,19 @@ def test_pool_bench_bad_arguments_fail_before_any_work(
     assert message in capsys.readouterr().err
     assert work == []
     assert ray_up or not sys.modules["ray"].is_initialized()  # no Ray started for it
+
+
+@pytest.mark.parametrize("level", [0, 3, True, "2"])
+def test_pool_bench_refuses_a_sleep_level_other_than_1_or_2(level: object) -> None:
+    from genengine.bench.pool import PoolBenchSettings
+
+    with pytest.raises(InvalidArgumentError, match=rf"sleep_level={level!r}: allowed are 1 and 2"):
+        PoolBenchSettings(sleep_level=level).check()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("handles", [(), ("torch", "nccl"), ("cuda",)])
+def test_pool_bench_refuses_unknown_cuda_ipc_handles(handles: tuple[str, ...]) -> None:
+    from genengine.bench.pool import PoolBenchSettings
+
+    with pytest.raises(InvalidArgumentError, match=r"allowed are 'torch' and 'driver', at least one"):
+        PoolBenchSettings(handles=handles).check()

@@ -33,10 +33,11 @@ def test_pool_bench_compares_a_colocated_replica_with_the_same_engine_in_process
             min_seconds=0.05,
             syncs=2,
             num_cpus=0.25,
-            sleep=False,
+            sleep_level=2,
         )
     )
     assert report["transport"] == "gloo"
+    assert set(report["sleep"]) == {"in_process", "pool"}  # both slept at level 2 and woke (no device memory here)
     rows = report["sync"]["rows"]
     assert [r["version"] for r in rows] == [1, 2]
     assert all(r["outputs_equal"] and r["changed"] and r["labels_ok"] for r in rows), rows

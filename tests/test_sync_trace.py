@@ -28,10 +28,10 @@ def test_phases_per_bucket_and_totals(monkeypatch: pytest.MonkeyPatch, tmp_path:
         trace.mark("copy")
         trace.mark("write")
         trace.mark("write")  # a phase marked twice in a bucket adds up
-    trace.write(7, SyncReport(4, 10, 100, 3, 0.5))
+    trace.write(7, SyncReport(4, 10, 100, 3, 0.5), handles="driver")
     (path,) = (tmp_path / "trace").iterdir()
     assert path.name.startswith("sync-7-receiver-")
     data = json.loads(path.read_text())
-    assert (data["version"], data["num_buckets"], len(data["buckets"])) == (4, 3, 3)
+    assert (data["version"], data["num_buckets"], len(data["buckets"]), data["handles"]) == (4, 3, 3, "driver")
     assert set(data["totals"]) == {"copy", "write"}
     assert data["totals"]["write"] == pytest.approx(sum(b["write"] for b in data["buckets"]))

@@ -373,3 +373,19 @@ def test_ipc_dumps_pickles_as_torch_does_for_memory_this_process_owns() -> None:
     ForkingPickler(buf).dump(obj)
     assert ipc.dumps(obj) == buf.getvalue()
     assert pickle.loads(ipc.dumps(obj)) == obj
+
+
+def test_cuda_ipc_handles_come_from_the_environment_and_a_bad_value_names_the_allowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``$GENENGINE_CUDA_IPC_HANDLES``, read by the sender at each sync before anything is sent."""
+    from genengine import ipc
+    from genengine.errors import InvalidArgumentError
+
+    monkeypatch.delenv(ipc.HANDLES_ENV, raising=False)
+    assert ipc.handles() == "torch"
+    monkeypatch.setenv(ipc.HANDLES_ENV, "driver")
+    assert ipc.handles() == "driver"
+    monkeypatch.setenv(ipc.HANDLES_ENV, "nvlink")
+    with pytest.raises(InvalidArgumentError, match=r"_HANDLES='nvlink': allowed are 'torch', 'driver'"):
+        ipc.handles()

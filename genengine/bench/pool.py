@@ -10,8 +10,8 @@ runs. Both engines stay up for the whole run, so their measurements interleave:
   (``load_weights``) and through the pool (over ``transport``: ``cuda_ipc`` on a GPU, ``gloo`` on the CPU);
   after each, both engines' greedy outputs must be equal (the replica serves the trainer's new weights) and
   differ from the previous version's.
-* **sleep**: device-wide memory freed by ``sleep(1)`` in-process and through the pool, each beside what the
-  engine took at start.
+* **sleep**: device-wide memory freed by ``sleep(sleep_level)`` in-process and through the pool, each beside
+  what the engine took at start.
 
 Nothing here runs at import; Ray, torch and the engines are imported in :func:`run_pool_bench`.
 """
@@ -27,7 +27,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from genengine.environ import scoped_environ
 from genengine.errors import ConfigError, InvalidArgumentError
+from genengine.ipc import HANDLES_ENV
 
 __all__ = ["PoolBenchSettings", "format_pool_report", "random_weights", "run_pool_bench"]
 
@@ -59,7 +61,13 @@ class PoolBenchSettings:
     """None: ``cuda_ipc`` on a GPU, ``gloo`` on the CPU."""
     bucket_bytes: int | None = None
     checksum: bool = True
+    handles: tuple[str, ...] = ("torch",)
+    """``cuda_ipc``'s ways of sharing (``GENENGINE_CUDA_IPC_HANDLES``), taken in turn by the syncs (version v
+    uses ``handles[v % len(handles)]``): two give both ways' sync times side by side in one run."""
     sleep: bool = True
+    sleep_level: int = 1
+    """The level both sides sleep at. Level 2 frees as much device memory as level 1 (vLLM's level 1 copies the
+    weights to pinned host memory first: 17-19 s per engine at 7B on the H200)."""
     weights: str = "genengine.bench.pool:random_weights"
     """``module:function`` called in the trainer actor as ``fn(model_dir, version, device)``: the trainer's
     (name, tensor) pairs for that version."""
@@ -93,6 +101,10 @@ class PoolBenchSettings:
             raise InvalidArgumentError(f"bucket_bytes={self.bucket_bytes!r} must be an integer >= 1 or None")
         if isinstance(self.num_cpus, bool) or not isinstance(self.num_cpus, (int, float)) or self.num_cpus <= 0:
             raise InvalidArgumentError(f"num_cpus={self.num_cpus!r} must be a number > 0")
+        if not self.handles or not all(h in ("torch", "driver") for h in self.handles):
+            raise InvalidArgumentError(f"handles={self.handles!r}: allowed are 'torch' and 'driver', at least one")
+        if self.sleep_level not in (1, 2) or isinstance(self.sleep_level, bool):
+            raise InvalidArgumentError(f"sleep_level={self.sleep_level!r}: allowed are 1 and 2")
         if not isinstance(self.weights, str) or ":" not in self.weights:
             raise InvalidArgumentError(f"weights={self.weights!r} must be 'module:function'")
         if self.model is not None and not os.path.isdir(self.model):
@@ -252,7 +264,7 @@ class PoolBenchTrainer:
                 report["sleep"] = {}
                 for which, target in targets.items():
                     before = free()
-                    target.sleep(1)
+                    target.sleep(s.sleep_level)
                     report["sleep"][which] = {"freed_bytes": diff(free(), before)}
                     target.wake()
         finally:
@@ -294,18 +306,21 @@ class PoolBenchTrainer:
             else:
                 weights = held.pop()
             seconds, buckets = {}, {}
+            handles = s.handles[version % len(s.handles)]
             for which in ("in_process", "pool"):
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
-                begin = time.perf_counter()
-                report = targets[which].load_weights(weights, version=version)
-                seconds[which] = time.perf_counter() - begin
+                with scoped_environ({HANDLES_ENV: handles} if which == "pool" else {}):
+                    begin = time.perf_counter()
+                    report = targets[which].load_weights(weights, version=version)
+                    seconds[which] = time.perf_counter() - begin
                 buckets[which] = getattr(report, "num_buckets", None)
             local, _ = outputs(targets["in_process"])
             pooled, labels = outputs(targets["pool"])
             rows.append(
                 {
                     "version": version,
+                    "handles": handles,
                     "seconds": seconds,
                     "buckets": buckets,
                     "outputs_equal": pooled == local,
@@ -314,12 +329,17 @@ class PoolBenchTrainer:
                 }
             )
             previous = pooled
-        pool_s = [r["seconds"]["pool"] for r in rows]
         local_s = [r["seconds"]["in_process"] for r in rows]
-        later = pool_s[1:] or pool_s  # the first sync forms the group
+        later = rows[1:] or rows  # the first sync forms the group
+        by_handles = {
+            h: statistics.median(r["seconds"]["pool"] for r in later if r["handles"] == h)
+            for h in s.handles
+            if any(r["handles"] == h for r in later)
+        }
         return {
             "rows": rows,
-            "pool_median_s": statistics.median(later),
+            "pool_median_s": by_handles.get(s.handles[0], statistics.median(r["seconds"]["pool"] for r in later)),
+            "pool_median_s_by_handles": by_handles,
             "in_process_median_s": statistics.median(local_s[1:] or local_s),
             "num_tensors": len(weights),
             "num_bytes": sum(t.numel() * t.element_size() for _, t in weights),
@@ -394,7 +414,13 @@ def format_pool_report(report: Mapping[str, Any]) -> str:
             "weight sync",
             f"{sync['num_tensors']} tensors, {sync['num_bytes'] / gib:.2f} GiB: in-process median "
             f"{sync['in_process_median_s']:.4f} s, pool median {sync['pool_median_s']:.4f} s "
-            f"(goal <= {GOALS['sync_seconds']}; the first sync, which forms the group, left out)",
+            f"(goal <= {GOALS['sync_seconds']}; the first sync, which forms the group, left out)"
+            + (
+                "; by cuda_ipc handles: "
+                + ", ".join(f"{h} {v:.4f} s" for h, v in sync["pool_median_s_by_handles"].items())
+                if len(sync.get("pool_median_s_by_handles", {})) > 1
+                else ""
+            ),
         ),
         (
             "after each sync",
@@ -409,7 +435,7 @@ def format_pool_report(report: Mapping[str, Any]) -> str:
         taken = report.get("taken_bytes", {})
         rows.append(
             (
-                "sleep(1) frees",
+                f"sleep({report['settings'].get('sleep_level', 1)}) frees",
                 "; ".join(
                     f"{k}: {mem(v['freed_bytes'])} of {mem(taken.get(k))} taken" for k, v in report["sleep"].items()
                 ),

@@ -44,8 +44,8 @@ class Trace:
             self._rows.append(self._row)
             self._row = {}
 
-    def write(self, seq: int, report: Any) -> None:
-        """The sync's phases per bucket and their totals, beside its ``SyncReport``."""
+    def write(self, seq: int, report: Any, **extra: Any) -> None:
+        """The sync's phases per bucket and their totals, beside its ``SyncReport`` (and ``extra``)."""
         if self._dir is None:
             return
         self.next_bucket()
@@ -57,6 +57,13 @@ class Trace:
         path = self._dir / f"sync-{seq}-{self._side}-{os.getpid()}.json"
         path.write_text(
             json.dumps(
-                {"side": self._side, "seq": seq, **dataclasses.asdict(report), "totals": totals, "buckets": self._rows}
+                {
+                    "side": self._side,
+                    "seq": seq,
+                    **dataclasses.asdict(report),
+                    **extra,
+                    "totals": totals,
+                    "buckets": self._rows,
+                }
             )
         )

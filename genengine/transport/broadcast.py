@@ -185,10 +185,14 @@ def plan_or_refuse(
     version: int,
     seq: int,
     share: Callable[[Any], bool] | None = None,
+    check: Callable[[], object] | None = None,
 ) -> layout.Plan:
-    """The sync's plan; a stream the checks refuse is refused on every rank (receivers raise at once)."""
+    """The sync's plan; a stream the checks refuse (or the sender's own ``check``) is refused on every rank
+    (receivers raise at once)."""
     spec = group.spec
     try:
+        if check is not None:
+            check()
         return layout.plan(
             named_tensors, version=version, bucket_bytes=spec.bucket_bytes, checksum=spec.checksum, share=share
         )
@@ -279,14 +283,15 @@ class SenderBase(Endpoint):
         named_tensors: Iterable[tuple[str, torch.Tensor]],
         version: int,
         share: Callable[[Any], bool] | None = None,
+        check: Callable[[], object] | None = None,
     ) -> tuple[layout.Plan, float]:
-        """The sync's plan (refused on every rank in step when the tensors are bad) and its start time; ``share``
-        picks the tensors the receivers read in place (``layout.plan``)."""
+        """The sync's plan (refused on every rank in step when the tensors are bad, or ``check`` raises) and its
+        start time; ``share`` picks the tensors the receivers read in place (``layout.plan``)."""
         self.group.check_usable()
         check_version(version)
         start = time.perf_counter()
         self._seq += 1
-        return plan_or_refuse(self.group, named_tensors, version, self._seq, share), start
+        return plan_or_refuse(self.group, named_tensors, version, self._seq, share, check), start
 
 
 class BroadcastSender(SenderBase):

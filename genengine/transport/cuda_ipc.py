@@ -17,8 +17,10 @@ broadcast transports.
 from __future__ import annotations
 
 import base64
+import logging
 import pickle
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +57,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CudaIpcTransport"]
 
+log = logging.getLogger(__name__)
+
 
 def _uuid(index: int) -> str:
     import torch
@@ -78,24 +82,39 @@ def shareable(device: torch.device) -> Callable[[Any], bool]:
     return share
 
 
-def _share(bufs: list[torch.Tensor], plan: layout.Plan, spares: bool) -> str:
-    """The GPU's UUID, the buffers' IPC handles and a share of each shared tensor (two with ``spares``: one for
-    the receiver, one its engine passes on), as text for the metadata."""
-    tensors = {
-        entry.name: (ipc.share(tensor), ipc.share(tensor) if spares else None)
+def _share(bufs: list[torch.Tensor], plan: layout.Plan, spares: bool, handles: str) -> tuple[str, str]:
+    """The GPU's UUID, a share of each buffer and of each shared tensor for the receiver (torch's, or with
+    ``handles="driver"`` its place in an allocation whose driver handle is in the list: the buffers too, as a
+    process opens an allocation once and small ones share an allocation with the trainer's tensors) with, when
+    ``spares``, a torch share its engine passes on; as text for the metadata; and the way taken (torch's where
+    the driver could not share every allocation)."""
+    pairs = [
+        (entry.name, tensor)
         for bucket, group in zip(plan.buckets, plan.tensors, strict=True)
         for entry, (_, tensor) in zip(bucket.entries, group, strict=True)
         if entry.shared
-    }
+    ]
     device = bufs[0].device.index
-    return base64.b64encode(pickle.dumps((_uuid(device), [ipc.share(b) for b in bufs], tensors))).decode()
+    by_driver = ipc.share_allocations([*bufs, *(t for _, t in pairs)], device) if handles == "driver" else None
+    if by_driver is None:
+        allocations, places = None, [ipc.share(t) for t in [*bufs, *(t for _, t in pairs)]]
+    else:
+        allocations, places = by_driver
+    tensors = {
+        name: (places[len(bufs) + i], ipc.share(tensor) if spares else None) for i, (name, tensor) in enumerate(pairs)
+    }
+    payload = (_uuid(device), places[: len(bufs)], allocations, tensors)
+    return base64.b64encode(pickle.dumps(payload)).decode(), "torch" if allocations is None else "driver"
 
 
-def _open(shared: str, group: Group) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """The sender's buffers and shared tensors in this process, on the local index of the sender's GPU."""
+def _open(
+    shared: str, group: Group, buckets: list[layout.Bucket], buffer_bytes: int
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], ipc.Opened | None]:
+    """The sender's buffers and shared tensors in this process, on the local index of the sender's GPU (and the
+    allocations opened by driver handle, if the sender shared those)."""
     import torch
 
-    uuid, bufs, tensors = pickle.loads(base64.b64decode(shared))  # from our own sender, over the group's channel
+    uuid, bufs, allocations, tensors = pickle.loads(base64.b64decode(shared))  # from our own sender
     local = [i for i in range(torch.cuda.device_count()) if _uuid(i) == uuid]
     if not local:
         seen = [_uuid(i) for i in range(torch.cuda.device_count())]
@@ -103,8 +122,16 @@ def _open(shared: str, group: Group) -> tuple[list[torch.Tensor], dict[str, torc
             f"{group.describe('opening the shared buffers')}: cuda_ipc needs the sender and the replica on one "
             f"GPU; the sender's GPU {uuid} is not visible here (visible: {seen}); use the nccl transport"
         )
-    opened = {name: ipc.open_shared(own, local[0], spare) for name, (own, spare) in tensors.items()}
-    return [ipc.open_shared(b, local[0]) for b in bufs], opened
+    if allocations is None:
+        opened = {name: ipc.open_shared(own, local[0], spare) for name, (own, spare) in tensors.items()}
+        return [ipc.open_shared(b, local[0]) for b in bufs], opened, None
+    mapped = ipc.Opened(allocations, local[0])
+    entries = {e.name: e for b in buckets for e in b.entries if e.shared}
+    opened = {
+        name: mapped.view(place, entries[name].dtype, entries[name].shape, entries[name].nbytes, spare)
+        for name, (place, spare) in tensors.items()
+    }
+    return [mapped.view(b, "uint8", (buffer_bytes,), buffer_bytes) for b in bufs], opened, mapped
 
 
 # A receiver's acknowledgement: the broadcast transports' (code, bucket, sync number), then how many of the
@@ -125,12 +152,15 @@ class CudaIpcSender(SenderBase):
 
         g = self.group
         trace = Trace("sender")
-        plan, start = self._plan(named_tensors, version, share=shareable(self._device))
+        plan, start = self._plan(named_tensors, version, share=shareable(self._device), check=ipc.handles)
+        handles = ipc.handles()  # a bad value was refused on every rank by the plan's check
         bufs = self._buffers.get(plan.buffer_bytes)
+        trace.mark("plan")
         # a share nobody opens would hold its memory for good
-        shared = _share(bufs, plan, self._spares) if plan.buckets else ""
+        shared, handles = _share(bufs, plan, self._spares, handles) if plan.buckets else ("", handles)
+        trace.mark("share")
         g.broadcast_bytes(plan.metadata(seq=self._seq, shared=shared), "sending the sync's metadata")
-        trace.mark("plan_and_metadata")
+        trace.mark("metadata")
         stream = side_stream(self._device)
         assert stream is not None
         statuses: dict[int, list[int]] = {}
@@ -181,7 +211,7 @@ class CudaIpcSender(SenderBase):
         if any(e.shared for b in plan.buckets for e in b.entries):  # a whole sync with shared tensors
             self._spares = passed_on > 0
         report = SyncReport(version, plan.num_tensors, plan.num_bytes, len(plan.buckets), time.perf_counter() - start)
-        trace.write(self._seq, report)
+        trace.write(self._seq, report, handles=handles)
         return report
 
     def close(self) -> None:
@@ -203,12 +233,16 @@ class CudaIpcReceiver(Endpoint):
         version: int = meta["version"]
         seq = int(meta["seq"])
         buckets: list[layout.Bucket] = meta["buckets"]
-        shared, lent = _open(meta["shared"], g) if buckets else ([], {})
-        local = self._buffers.get(int(meta["buffer_bytes"])) if buckets else []
+        trace.mark("metadata")
+        nbuf = int(meta["buffer_bytes"])
+        shared, lent, mapped = _open(meta["shared"], g, buckets, nbuf) if buckets else ([], {}, None)
+        handles = "torch" if mapped is None else "driver"
+        local = self._buffers.get(nbuf) if buckets else []
+        trace.mark("open")
         tensors = nbytes = loaded = 0
         session, failure = open_session(engine, version, check_finite)
         first_pass = ipc.passes()
-        trace.mark("metadata_open_session")
+        trace.mark("session")
         try:
             for k, bucket in enumerate(buckets):
                 trace.next_bucket()
@@ -223,6 +257,9 @@ class CudaIpcReceiver(Endpoint):
                 trace.mark("copy")
                 if flag == layout.FLAG_ABORT:
                     failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, loaded))
+                    if mapped is not None:  # closed before the sender hears of it (it lets go of its tensors)
+                        _release(mapped, g, lent, shared)
+                        mapped = None
                     g.send_status([ABORTED, k, seq, ipc.passes() - first_pass], "acknowledging the abort")
                     break
                 if (
@@ -242,6 +279,7 @@ class CudaIpcReceiver(Endpoint):
                         tensors += len(bucket.entries)
                         nbytes += sum(e.nbytes for e in bucket.entries)
                     except Exception as exc:
+                        traceback.clear_frames(exc.__traceback__)  # its frames' locals hold the trainer's memory
                         failure = (LOAD_FAILED, k, exc)
                 if k == len(buckets) - 1 and failure is None:
                     # The commit (the one cache flush, the version) before the last ack: the sender returns
@@ -250,6 +288,10 @@ class CudaIpcReceiver(Endpoint):
                     session = None
                     trace.mark("commit")
                 ipc.settle(lent.pop(e.name) for e in bucket.entries if e.shared)  # spare shares not passed on
+                if mapped is not None and k == len(buckets) - 1:
+                    _release(mapped, g, lent, shared)
+                    mapped = None
+                trace.mark("release")  # the last references to the bucket's opened tensors: their handles close
                 code, at = (failure[0], failure[1]) if failure else (OK, k)
                 g.send_status([code, at, seq, ipc.passes() - first_pass], f"acknowledging {bucket.describe(k)}")
                 trace.mark("ack")
@@ -265,11 +307,30 @@ class CudaIpcReceiver(Endpoint):
         finally:
             ipc.settle([*lent.values(), *shared])
             del shared, lent  # drop our references to the sender's memory
+            if mapped is not None:
+                _release(mapped, g, {}, [])  # lent and shared dropped above
         if failure is not None:
             raise_failure(failure, loaded)
         report = SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
-        trace.write(seq, report)
+        trace.write(seq, report, handles=handles)
         return report
+
+
+def _release(mapped: ipc.Opened, group: Group, lent: dict[str, torch.Tensor], shared: list[torch.Tensor]) -> None:
+    """Drop the views left (``lent``, emptied; the buffers ``shared``) and let the allocations opened by driver
+    handle close: nothing counts those handles, so one still open when the receiver acknowledges holds the
+    trainer's memory (the trainer may free it meanwhile)."""
+    ipc.settle([*lent.values(), *shared])
+    lent.clear()
+    del shared[:]
+    left = mapped.release()
+    if left:
+        log.warning(
+            "%s: %d allocation(s) of the trainer's memory stay open after the sync: something kept a tensor the "
+            "engine loaded from (the trainer must not free that memory before the engine lets go of it)",
+            group.describe("receive"),
+            left,
+        )
 
 
 class CudaIpcTransport:

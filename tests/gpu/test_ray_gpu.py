@@ -3,16 +3,18 @@ its placement-group bundle, the replica synced over ``cuda_ipc`` (genengine/benc
 size). Every engine importable here is measured (``GENENGINE_RAY_BACKENDS=sglang,vllm`` to choose).
 
 Checked: three syncs (checksums on) of new weights from the trainer actor's CUDA tensors, which the replica
-reads in place (one bucket a sync; the packed, checksummed buckets are tests/gpu/test_transport_gpu.py's),
+reads in place by torch's IPC handles and the CUDA driver's in turn (one bucket a sync; the packed, checksummed
+buckets are tests/gpu/test_transport_gpu.py's),
 reach the replica, whose greedy outputs then equal the in-process engine's on the same weights and differ
 from the previous version's, labelled with the sync's version; a sleep through the pool frees about what the
-in-process sleep frees; generate through the pool is not far off in-process speed (a loose sanity bound: the
-figure itself is ``benchmarks/bench_pool.py``'s, at 7B).
+in-process sleep frees (level 1; level 2 at 7B); generate through the pool is not far off in-process speed (a
+loose sanity bound: the figure itself is ``benchmarks/bench_pool.py``'s, at 7B).
 
 With ``GENENGINE_RAY_GPU_SCALE=7b`` (verify.sh's default) the same checks run on the pool benchmark's settings
-(benchmarks/bench_pool.py: 7B shapes, CUDA graphs, 5 interleaved repeats, 4 syncs of 339 tensors read in place,
-one bucket each) and the report is also the benchmark's (``$OUT/bench_pool_ENGINE.json``): one run, one Ray
-cluster and two engine starts fewer than the test and the benchmark apart.
+(benchmarks/bench_pool.py: 7B shapes, CUDA graphs, 5 interleaved repeats, 6 syncs of 339 tensors read in place,
+one bucket each, torch's handles and the driver's in turn) and the report is also the benchmark's
+(``$OUT/bench_pool_ENGINE.json``): one run, one Ray cluster and two engine starts fewer than the test and the
+benchmark apart.
 
     bash tools/gpu/run_tests.sh ENGINE tests/gpu/test_ray_gpu.py
     GENENGINE_RAY_GPU_SCALE=7b bash tools/gpu/run_tests.sh ENGINE tests/gpu/test_ray_gpu.py
@@ -58,7 +60,9 @@ def _settings(backend: str) -> Any:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
         from bench_pool import bench_settings
 
-        return bench_settings(backend, sleep=True)
+        # Level 2 at 7B: as much device memory freed as level 1, without vLLM's copy of the weights to pinned
+        # host memory (17-19 s per engine; the one-call GPU check has 9 minutes). Level 1 is the tiny scale's.
+        return bench_settings(backend, sleep=True, sleep_level=2)
     if SCALE != "tiny":
         raise ValueError(f"GENENGINE_RAY_GPU_SCALE={SCALE!r}: allowed are 'tiny' and '7b'")
     in_process, replica = MEM_UTILS[backend]
@@ -75,6 +79,7 @@ def _settings(backend: str) -> Any:
         min_seconds=1.0,
         syncs=3,
         transport="cuda_ipc",
+        handles=("torch", "driver"),
         bucket_bytes=256 << 10,
         checksum=True,
     )

@@ -10,7 +10,9 @@ another process on the same GPU. Every replica holds the embedded engine on its 
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -116,13 +118,25 @@ IN_PLACE_SYNCS: list[dict[str, Any]] = [
 ]
 
 
-def test_cuda_ipc_reads_dense_gpu_tensors_in_place(model: str) -> None:
+@pytest.mark.parametrize("handles", ["torch", "driver"])
+def test_cuda_ipc_reads_dense_gpu_tensors_in_place(
+    model: str, handles: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The trainer's tensors dense on its GPU travel as their own IPC handles (no bucket room, no copy): a whole
     model is one bucket, one load and one flush; mixed with host tensors both land; the replica's
     ``check_finite`` sees a NaN in the trainer's memory (and, nothing written, keeps serving); every sync leaves
-    what a direct load leaves."""
+    what a direct load leaves. The same with one CUDA driver handle per allocation (``driver``), which both
+    ends' traces must show was the way taken."""
     _need_gpus(1)
+    from genengine.ipc import HANDLES_ENV
+    from genengine.transport._trace import ENV as TRACE_ENV
+
+    monkeypatch.setenv(HANDLES_ENV, handles)
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path))  # the replica's process, started in _run, inherits both
     run = _run("cuda_ipc", model, "cuda:0", syncs=IN_PLACE_SYNCS)
+    traces = [json.loads(p.read_text()) for p in tmp_path.glob("sync-*.json")]
+    # one per side for each whole sync (the refused one writes none)
+    assert sorted((t["side"], t["handles"]) for t in traces) == [("receiver", handles)] * 3 + [("sender", handles)] * 3
     expected = run["expected"]
     rows = run["replicas"][1]["syncs"]
     stream = tw.trainer_stream("B")
@@ -175,12 +189,13 @@ def test_a_dead_nccl_sender_makes_the_replica_raise_and_survive(model: str) -> N
         pool.close()
 
 
-@pytest.mark.parametrize("mode", ["spare", "settled"])
+@pytest.mark.parametrize("mode", ["spare", "settled", "driver"])
 def test_memory_opened_from_the_trainer_passes_on_to_a_third_process(mode: str) -> None:
-    """The colocated SGLang replica's path (``genengine.ipc``): the replica opens the trainer's tensors and its
-    engine process reads them bit for bit, under the trainer's spare share or, with none left, as the replica's
-    copy; every share is released once (passed on, or settled unused), so the trainer's memory goes back when
-    it lets go: a share left counted holds it for good."""
+    """The colocated SGLang replica's path (``genengine.ipc``): the replica opens the trainer's tensors (by
+    torch's handles, or the driver's: ``driver``) and its engine process reads them bit for bit, under the
+    trainer's spare share or, with none left, as the replica's copy; every share is released once (passed on,
+    or settled unused) and every driver handle closed, so the trainer's memory goes back when it lets go: a
+    share left counted holds it for good."""
     _need_gpus(1)
     from support import ipc_relay
 
@@ -188,7 +203,8 @@ def test_memory_opened_from_the_trainer_passes_on_to_a_third_process(mode: str) 
     assert "error" not in got and got["exitcode"] == 0, got
     assert got["replica"] == got["expected"], got
     if mode != "settled":
-        passes = 2 if mode == "spare" else 1
+        passes = 1 if mode == "no-spare" else 2
         assert got["engine"] == [got["expected"]] * passes and got["passes"] == 2 * passes, got
+    assert got.get("left_open", 0) == 0, got
     assert got["held"] - got["base"] >= 2 * 1024 * 1536 * 2, got
     assert got["after"] - got["base"] < 1 << 20, f"the trainer's memory stayed held after every process let go: {got}"

@@ -20,10 +20,12 @@ from typing import Any
 SHAPE = (1024, 1536)
 
 
-MODES = ("spare", "settled", "no-spare")
+MODES = ("spare", "settled", "no-spare", "driver")
 """``spare``: two shares a tensor, passed on twice (the spare share, then a copy); ``settled``: the spare share
 released unused; ``no-spare``: one share a tensor, passed on once (a copy; the GPU test leaves it out, as
-``spare``'s second pass-on is the same copy)."""
+``spare``'s second pass-on is the same copy); ``driver``: ``spare`` with the replica's own share a CUDA driver
+handle per allocation (``GENENGINE_CUDA_IPC_HANDLES=driver``), every allocation closed once nothing views it."""
+DRIVER = "__driver__"
 
 
 def _engine(payloads: list[bytes], out: Any) -> None:
@@ -47,11 +49,15 @@ def _replica(shares: dict[str, Any], mode: str, out: Any) -> None:
 
     torch.cuda.set_device(0)
     try:
-        opened = {name: ipc.open_shared(own, 0, spare) for name, (own, spare) in shares.items()}
+        mapped = ipc.Opened(shares.pop(DRIVER), 0) if mode == "driver" else None
+        opened = {
+            name: ipc.open_shared(own, 0, spare) if mapped is None else mapped.view(*own, spare)
+            for name, (own, spare) in shares.items()
+        }
         row: dict[str, Any] = {"replica": {name: float(t.double().sum()) for name, t in opened.items()}}
         if mode != "settled":
             before = ipc.passes()
-            payloads = [ipc.dumps(list(opened.items())) for _ in range(2 if mode == "spare" else 1)]
+            payloads = [ipc.dumps(list(opened.items())) for _ in range(1 if mode == "no-spare" else 2)]
             row["passes"] = ipc.passes() - before
             ctx = mp.get_context("spawn")
             q = ctx.Queue()
@@ -61,6 +67,8 @@ def _replica(shares: dict[str, Any], mode: str, out: Any) -> None:
             p.join(60)
         ipc.settle(opened.values())
         del opened
+        if mapped is not None:
+            row["left_open"] = mapped.release()
         out.put(row)
     except BaseException as exc:
         out.put({"error": f"{type(exc).__name__}: {exc}"})
@@ -82,7 +90,16 @@ def run(mode: str) -> dict[str, Any]:
     view = big[7:].view(SHAPE)  # an odd element offset into a larger storage
     tensors = {"dense": dense, "view": view}
     expected = {name: float(t.double().sum()) for name, t in tensors.items()}
-    shares = {name: (ipc.share(t), ipc.share(t) if mode != "no-spare" else None) for name, t in tensors.items()}
+    shares: dict[str, Any] = {}
+    if mode == "driver":
+        shared = ipc.share_allocations(list(tensors.values()), 0)
+        if shared is None:
+            return {"error": "the CUDA driver could not share the trainer's allocations"}
+        shares[DRIVER] = shared[0]
+        for (name, t), place in zip(tensors.items(), shared[1], strict=True):
+            shares[name] = ((place, "bfloat16", tuple(t.shape), t.numel() * t.element_size()), ipc.share(t))
+    else:
+        shares = {name: (ipc.share(t), ipc.share(t) if mode != "no-spare" else None) for name, t in tensors.items()}
     torch.cuda.synchronize()
     held = torch.cuda.memory_allocated()
     ctx = mp.get_context("spawn")

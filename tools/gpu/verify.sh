@@ -10,7 +10,8 @@
 # (verify_ENGINE.tar.gz) beside the summary table (verify_ENGINE.md), which is also printed.
 #
 # Env: VERIFY_BUDGET_S (540), VERIFY_PARTS (default "suite ray exit transport async", in that order of priority;
-#      also "pool": benchmarks/bench_pool.py by itself, "trl": where TRL is installed its two scripts, else one
+#      also "pool": benchmarks/bench_pool.py by itself, "ipc": benchmarks/bench_ipc.py (torch's CUDA IPC against
+#      the driver's, per phase), "trl": where TRL is installed its two scripts, else one
 #      "skipped" row at no cost, "trl_grpo" or "trl_sync": one of them), VERIFY_RAY_SCALE (7b, the default, or
 #      tiny: the Ray test alone, no P7 figures), GENENGINE_EXIT_PARALLEL (1: the exit cases side by side, then
 #      one at a time only if that failed, as the row exit_seq; 0: one at a time), EXIT_CASES (pytest
@@ -82,12 +83,17 @@ t = r["tokens_per_s"]; sp = t.get("spread", {})
 print(f"pool/in-process {r['ratio']:.3f}, paired {r.get('paired_ratio', float('nan')):.3f} (tok/s {t['median']['pool']:.0f} / {t['median']['in_process']:.0f}; "
       f"spread {sp.get('pool', float('nan')):.0%} / {sp.get('in_process', float('nan')):.0%}); "
       f"sync pool {s['pool_median_s']:.3f} s vs in-process {s['in_process_median_s']:.3f} s; outputs equal: {r['verdicts']['outputs_equal']}")
-# The replica's side of each sync after the first ($GENENGINE_SYNC_TRACE): where the pool's sync time goes.
-rows = [json.load(open(f)) for f in glob.glob(sys.argv[2] + "/sync-*-receiver-*.json")]
-rows = [x for x in rows if x["seq"] > 1]
-if rows:
-    phases = sorted({k for x in rows for k in x["totals"]}, key=lambda k: -statistics.median(x["totals"].get(k, 0) for x in rows))
-    print("; replica per sync (ms, medians): " + ", ".join(f"{k} {1000 * statistics.median(x['totals'].get(k, 0) for x in rows):.0f}" for k in phases))
+by = s.get("pool_median_s_by_handles", {})
+if len(by) > 1:
+    print("; pool sync by cuda_ipc handles: " + ", ".join(f"{h} {v:.3f} s" for h, v in by.items()))
+# Both ends of each sync after the first ($GENENGINE_SYNC_TRACE), per way of sharing: where the sync time goes.
+for side, who in (("sender", "trainer"), ("receiver", "replica")):
+    found = [json.load(open(f)) for f in glob.glob(sys.argv[2] + f"/sync-*-{side}-*.json")]
+    for handles in sorted({x.get("handles", "torch") for x in found}):
+        rows = [x for x in found if x["seq"] > 1 and x.get("handles", "torch") == handles]
+        if rows:
+            phases = sorted({k for x in rows for k in x["totals"]}, key=lambda k: -statistics.median(x["totals"].get(k, 0) for x in rows))
+            print(f"; {who} per sync, {handles} handles (ms, medians): " + ", ".join(f"{k} {1000 * statistics.median(x['totals'].get(k, 0) for x in rows):.1f}" for k in phases))
 EOF
 }
 
@@ -128,6 +134,14 @@ s = lambda key: "-" if m.get(key) is None else f"{m[key]:.4f} s" + (f" ({x[key]:
 trl = s("trl_vllm_per_param") if r.get("trl_vllm_per_param") else f"not run ({r.get('trl_not_run', 'failed')})"
 print(f"{r.get('shape', '?')}: genengine {s('genengine')}; TRL's per-parameter loop into it {s('per_param_into_genengine')}; "
       f"TRL VLLMGeneration {trl}; landed {r.get('landed')}" + (f"; error: {r['error'][:200]}" if "error" in r else ""))
+EOF
+) ;;
+    ipc) what=$(python3 - "$WORK/bench_ipc.json" <<'EOF' 2>/dev/null || echo "no report"
+import json, sys
+r = json.load(open(sys.argv[1]))
+m = r["median_ms"]
+print("; ".join(f"{way}: " + ", ".join(f"{k} {v:.1f}" for k, v in p.items()) + " ms" for way, p in m.items())
+      + f" ({r['tensors']} tensors in {r.get('driver_allocations')} allocations)")
 EOF
 ) ;;
     async) what=$(python3 - "$WORK/bench_async_$ENGINE.json" <<'EOF' 2>/dev/null || echo "no report"
@@ -204,9 +218,10 @@ for part in $PARTS; do
           fi ;;
     transport) run_part transport 150 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_transport_gpu.py "$(PYTEST_J transport)" ;;
     async) run_part async 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_async.py "$ENGINE" ;;
+    ipc) run_part ipc 120 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_ipc.py --rounds 6 ;;
     trl) trl_parts ;;
     trl_grpo|trl_sync) trl_parts "$part" ;;
-    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool exit transport async trl trl_grpo trl_sync) |") ;;
+    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool exit transport async ipc trl trl_grpo trl_sync) |") ;;
   esac
 done
 
