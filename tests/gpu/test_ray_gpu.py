@@ -51,6 +51,8 @@ compiling and capturing save half a minute of the one-call GPU check (the figure
 
 SCALE = os.environ.get("GENENGINE_RAY_GPU_SCALE", "tiny")
 """``tiny`` (the test alone) or ``7b`` (the pool benchmark's settings and report)."""
+HANDLES = tuple(os.environ.get("GENENGINE_RAY_GPU_HANDLES", "torch,driver").split(","))
+"""``cuda_ipc``'s ways of sharing the syncs take in turn (``PoolBenchSettings.handles``)."""
 
 
 def _settings(backend: str) -> Any:
@@ -62,7 +64,7 @@ def _settings(backend: str) -> Any:
 
         # Level 2 at 7B: as much device memory freed as level 1, without vLLM's copy of the weights to pinned
         # host memory (17-19 s per engine; the one-call GPU check has 9 minutes). Level 1 is the tiny scale's.
-        return bench_settings(backend, sleep=True, sleep_level=2)
+        return bench_settings(backend, sleep=True, sleep_level=2, handles=HANDLES)
     if SCALE != "tiny":
         raise ValueError(f"GENENGINE_RAY_GPU_SCALE={SCALE!r}: allowed are 'tiny' and '7b'")
     in_process, replica = MEM_UTILS[backend]
@@ -79,7 +81,7 @@ def _settings(backend: str) -> Any:
         min_seconds=1.0,
         syncs=3,
         transport="cuda_ipc",
-        handles=("torch", "driver"),
+        handles=HANDLES,
         bucket_bytes=256 << 10,
         checksum=True,
     )
