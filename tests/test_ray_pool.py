@@ -244,17 +244,19 @@ def test_a_killed_replica_comes_back_with_the_current_weights(pool: EnginePool, 
 
 def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> None:
     """The flush waits behind a generate that holds each replica for seconds (sixteen 900-token rows a
-    replica): both are well under way when it is sent, and it gives up after 0.2 s."""
+    replica) and gives up after 0.2 s. A flush that got to a replica before the generate did returns at once:
+    it is sent again until one waits behind it."""
     long = SamplingParams(temperature=0, max_new_tokens=900, ignore_eos=True)
     busy = threading.Thread(target=pool.generate, args=(PROMPTS * 8, long))
     busy.start()
     try:
         while sum(r.load for r in pool.replicas) == 0:
             time.sleep(0.02)
-        time.sleep(0.3)  # routed is not running yet: let the replicas start generating
         pool.timeout_s = 0.2
         with pytest.raises(ReplicaTimeoutError, match=r"replica \d \(actor [0-9a-f]+, node .*\): flush_cache did not"):
-            pool.flush_cache()
+            while busy.is_alive():
+                pool.flush_cache()
+                time.sleep(0.05)
         raised = time.monotonic()
     finally:
         pool.timeout_s = 300
