@@ -41,7 +41,18 @@ from genengine.errors import InvalidArgumentError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HANDLES_ENV", "Opened", "dumps", "handles", "open_shared", "passes", "settle", "share", "share_allocations"]
+__all__ = [
+    "HANDLES_ENV",
+    "Opened",
+    "dumps",
+    "handles",
+    "open_shared",
+    "passes",
+    "release",
+    "settle",
+    "share",
+    "share_allocations",
+]
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +121,18 @@ def passes() -> int:
 
 def settle(tensors: Iterable[torch.Tensor]) -> None:
     """Release the spare shares of ``tensors`` that were not passed on (the producer's count goes back down)."""
-    import torch
-
     for tensor in tensors:
         entry = _SPARE.pop(tensor.untyped_storage()._cdata, None)
-        for args in entry[1] if entry is not None else ():
+        release(entry[1] if entry is not None else ())
+
+
+def release(shares: Iterable[Sequence[Any] | None]) -> None:
+    """Release :func:`share`'s shares that nobody will open (their producer's counts go back down): a receiver
+    that cannot open a sync's shares releases them, or the trainer's memory stays held for good."""
+    import torch
+
+    for args in shares:
+        if args is not None:
             torch.UntypedStorage._release_ipc_counter_cuda(args[_REF_COUNTER], args[_REF_COUNTER + 1])
 
 

@@ -34,8 +34,13 @@ __all__ = ["GlooTransport", "NcclTransport", "check_rank", "check_version"]
 
 # A receiver's status after a sync: (code, bucket, sync number).
 STATUS_WIDTH = 3
-OK, CHECKSUM, LOAD_FAILED, ABORTED = 0, 1, 2, 3
-_CODES = {CHECKSUM: "checksum mismatch", LOAD_FAILED: "its engine failed to load it", ABORTED: "saw the abort"}
+OK, CHECKSUM, LOAD_FAILED, ABORTED, UNREACHABLE = 0, 1, 2, 3, 4
+_CODES = {
+    CHECKSUM: "checksum mismatch",
+    LOAD_FAILED: "its engine failed to load it",
+    ABORTED: "saw the abort",
+    UNREACHABLE: "could not open the trainer's shared memory",
+}
 
 
 def check_version(version: object) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import pickle
 import time
 import traceback
@@ -34,6 +35,7 @@ from genengine.transport.broadcast import (
     LOAD_FAILED,
     OK,
     STATUS_WIDTH,
+    UNREACHABLE,
     Endpoint,
     SenderBase,
     aborted_error,
@@ -108,30 +110,64 @@ def _share(bufs: list[torch.Tensor], plan: layout.Plan, spares: bool, handles: s
 
 
 def _open(
-    shared: str, group: Group, buckets: list[layout.Bucket], buffer_bytes: int
+    shared: str, group: Group, buckets: list[layout.Bucket], buffer_bytes: int, version: int
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], ipc.Opened | None]:
     """The sender's buffers and shared tensors in this process, on the local index of the sender's GPU (and the
-    allocations opened by driver handle, if the sender shared those)."""
+    allocations opened by driver handle, if the sender shared those). Failing, it leaves nothing counted: torch
+    counts each share until a consumer releases it, so the shares it did not open are released here."""
     import torch
 
     uuid, bufs, allocations, tensors = pickle.loads(base64.b64decode(shared))  # from our own sender
-    local = [i for i in range(torch.cuda.device_count()) if _uuid(i) == uuid]
-    if not local:
-        seen = [_uuid(i) for i in range(torch.cuda.device_count())]
-        raise TransportError(
-            f"{group.describe('opening the shared buffers')}: cuda_ipc needs the sender and the replica on one "
-            f"GPU; the sender's GPU {uuid} is not visible here (visible: {seen}); use the nccl transport"
-        )
-    if allocations is None:
-        opened = {name: ipc.open_shared(own, local[0], spare) for name, (own, spare) in tensors.items()}
-        return [ipc.open_shared(b, local[0]) for b in bufs], opened, None
-    mapped = ipc.Opened(allocations, local[0])
-    entries = {e.name: e for b in buckets for e in b.entries if e.shared}
-    opened = {
-        name: mapped.view(place, entries[name].dtype, entries[name].shape, entries[name].nbytes, spare)
-        for name, (place, spare) in tensors.items()
-    }
-    return [mapped.view(b, "uint8", (buffer_bytes,), buffer_bytes) for b in bufs], opened, mapped
+    opened: dict[str, torch.Tensor] = {}
+    buffers: list[torch.Tensor] = []
+    mapped: ipc.Opened | None = None
+    try:
+        local = [i for i in range(torch.cuda.device_count()) if _uuid(i) == uuid]
+        if not local:
+            seen = [_uuid(i) for i in range(torch.cuda.device_count())]
+            raise TransportError(
+                f"{group.describe('opening the shared buffers')}: cuda_ipc needs the sender and the replica on one "
+                f"GPU; the sender's GPU {uuid} is not visible here (visible: {seen}); use the nccl transport"
+            )
+        fail_at = _fail_open(version)
+        if allocations is not None:
+            mapped = ipc.Opened(allocations, local[0])
+        entries = {e.name: e for b in buckets for e in b.entries if e.shared}
+        for name, (own, spare) in tensors.items():
+            if len(opened) == fail_at:
+                raise TransportError(f"{group.describe('opening the shared tensors')}: failed ({FAIL_OPEN_ENV})")
+            if mapped is None:
+                opened[name] = ipc.open_shared(own, local[0], spare)
+            else:
+                e = entries[name]
+                opened[name] = mapped.view(own, e.dtype, e.shape, e.nbytes, spare)
+        for b in bufs:
+            nb = buffer_bytes
+            buffers.append(ipc.open_shared(b, local[0]) if mapped is None else mapped.view(b, "uint8", (nb,), nb))
+        return buffers, opened, mapped
+    except BaseException:
+        # Every torch share of the payload opened or released once: the spares of what was opened, and the
+        # shares of what was not (driver handles count nothing: an allocation closes with its last view).
+        ipc.settle([*opened.values(), *buffers])
+        ipc.release(spare for name, (_, spare) in tensors.items() if name not in opened)
+        if allocations is None:
+            ipc.release(own for name, (own, _) in tensors.items() if name not in opened)
+            ipc.release(bufs[len(buffers) :])
+        opened.clear()
+        buffers.clear()
+        if mapped is not None:
+            mapped.release()
+        raise
+
+
+FAIL_OPEN_ENV = "GENENGINE_CUDA_IPC_FAIL_OPEN"
+"""Fault injection for tests: ``VERSION:N`` makes a receiver fail to open the sync of that version after N of its
+shared tensors (as a replica on another GPU, or a driver error, does)."""
+
+
+def _fail_open(version: int) -> int | None:
+    at, _, count = os.environ.get(FAIL_OPEN_ENV, "").partition(":")
+    return int(count) if at.strip() == str(version) and count.strip().isdigit() else None
 
 
 # A receiver's acknowledgement: the broadcast transports' (code, bucket, sync number), then how many of the
@@ -189,7 +225,8 @@ class CudaIpcSender(SenderBase):
             trace.next_bucket()
             stream.synchronize()  # the receivers read through IPC, with no stream ordering against ours
             trace.mark("pack_wait")
-            notice = torch.tensor([k], dtype=torch.int64)
+            notice = torch.tensor([k, int(failed_here)], dtype=torch.int64)  # the abort, for a receiver that
+            # could not open the buffers (whose trailers say it too)
             g.wait(g.broadcast(notice, data=False), f"announcing {bucket.describe(k)}", range(1, g.spec.world_size))
             trace.mark("announce")
             if not failed_here and k + 1 < len(plan.buckets):
@@ -235,25 +272,33 @@ class CudaIpcReceiver(Endpoint):
         buckets: list[layout.Bucket] = meta["buckets"]
         trace.mark("metadata")
         nbuf = int(meta["buffer_bytes"])
-        shared, lent, mapped = _open(meta["shared"], g, buckets, nbuf) if buckets else ([], {}, None)
+        unreachable = None
+        try:
+            shared, lent, mapped = _open(meta["shared"], g, buckets, nbuf, version) if buckets else ([], {}, None)
+        except Exception as exc:  # reported in step below: the sender hears of it at once, not at its timeout
+            traceback.clear_frames(exc.__traceback__)
+            shared, lent, mapped, unreachable = [], {}, None, (UNREACHABLE, 0, exc)
         handles = "torch" if mapped is None else "driver"
         local = self._buffers.get(nbuf) if buckets else []
         trace.mark("open")
         tensors = nbytes = loaded = 0
-        session, failure = open_session(engine, version, check_finite)
+        session, failure = (None, unreachable) if unreachable else open_session(engine, version, check_finite)
         first_pass = ipc.passes()
         trace.mark("session")
         try:
             for k, bucket in enumerate(buckets):
                 trace.next_bucket()
-                notice = torch.zeros(1, dtype=torch.int64)
+                notice = torch.zeros(2, dtype=torch.int64)
                 g.wait(g.broadcast(notice, data=False), f"waiting for {bucket.describe(k)}", [0])
                 trace.mark("notice_wait")
                 # The packed bytes copied into this process's memory (one device copy: the sender packs the next
                 # bucket into the other buffer meanwhile); the shared tensors are read where the trainer has them.
                 buf = local[k % 2][: bucket.nbytes + layout.TRAILER]
-                buf.copy_(shared[k % 2][: bucket.nbytes + layout.TRAILER])
-                flag, expected = layout.read_trailer(buf, bucket)
+                if shared:
+                    buf.copy_(shared[k % 2][: bucket.nbytes + layout.TRAILER])
+                    flag, expected = layout.read_trailer(buf, bucket)
+                else:  # nothing opened (its failure is what this receiver reports): the notice says an abort
+                    flag, expected = (layout.FLAG_ABORT if int(notice[1]) else layout.FLAG_OK), 0
                 trace.mark("copy")
                 if flag == layout.FLAG_ABORT:
                     failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, loaded))

@@ -62,7 +62,12 @@ def _run(
     syncs: list[dict[str, Any]] = TRANSPORT_SYNCS,
 ) -> dict[str, Any]:
     """``TransportConformance``'s run: the test process sends from cuda:0 (its tensors on ``trainer_device``,
-    default cuda:0) to one replica on ``replica_device``."""
+    default cuda:0) to one replica on ``replica_device``. ``memory``: the test process's allocated GPU bytes
+    before the sender exists and once the replica is done (what the syncs left held)."""
+    import gc
+
+    import torch
+
     tw.configure(model, "cuda:0", trainer_device)
     expected = {"A": tw.reference("A"), "B": tw.reference("B")}
     pool = tw.Pool([1], model, {1: replica_device})
@@ -71,6 +76,8 @@ def _run(
         spec = _spec(transport)
         jobs = {"spec": spec, "rank": 1, "syncs": len(syncs), "check_finite": True}
         pool.submit({1: ("receive", jobs)})
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
         sender = get_transport(transport).sender(TransportSpec(**spec))
         try:
             sent = [tw.send_one(sender, sync) for sync in syncs]
@@ -78,10 +85,14 @@ def _run(
             sender.close()
         got = pool.collect([1], timeout_s=300)[1]
         assert got.status == "ok", got.message
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()  # memory shared with the replica goes back once the replica let go of it
+        memory = {"before": before, "after": torch.cuda.memory_allocated()}
         plan = tw.plan(tw.trainer_stream("A"), TransportSpec(**spec))
     finally:
         pool.close()
-    return {"sender": sent, "replicas": {1: got.value}, "plan": plan, "expected": expected}
+    return {"sender": sent, "replicas": {1: got.value}, "plan": plan, "expected": expected, "memory": memory}
 
 
 class TestNcclTransport(TransportConformance):
@@ -154,6 +165,38 @@ def test_cuda_ipc_reads_dense_gpu_tensors_in_place(
     # refused before anything was written (the whole model is one bucket): it still serves version 6
     after = rows[2]["after"]
     assert after["version"] == 6 and after["digests"] == expected["A"]["digests"] and "outputs" in after, after
+
+
+FAIL_OPEN_SYNCS: list[dict[str, Any]] = [
+    {"weights": "B", "version": 5},
+    {"weights": "A", "version": 6},  # the replica fails to open it after 3 tensors (GENENGINE_CUDA_IPC_FAIL_OPEN)
+    {"weights": "B", "version": 7},
+]
+
+
+@pytest.mark.parametrize("handles", ["torch", "driver"])
+def test_a_replica_that_cannot_open_a_sync_fails_it_at_once_and_holds_no_trainer_memory(
+    model: str, handles: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica that cannot open a sync's shared memory (on another GPU, a driver error; injected here after
+    3 of its tensors) reports it in step with the sender, which raises it at once rather than at its timeout;
+    every torch share it did not open is released (torch counts each until a consumer does: one left counted
+    holds the trainer's memory for good), it keeps its old weights, and the next sync lands whole."""
+    _need_gpus(1)
+    from genengine.ipc import HANDLES_ENV
+    from genengine.transport.cuda_ipc import FAIL_OPEN_ENV
+
+    monkeypatch.setenv(HANDLES_ENV, handles)
+    monkeypatch.setenv(FAIL_OPEN_ENV, "6:3")  # the replica's process, started in _run, inherits it
+    run = _run("cuda_ipc", model, "cuda:0", syncs=FAIL_OPEN_SYNCS)
+    sent, rows, expected = run["sender"], run["replicas"][1]["syncs"], run["expected"]
+    assert "report" in sent[0] and "report" in sent[2], sent
+    assert "could not open the trainer's shared memory" in sent[1].get("message", ""), sent[1]
+    assert FAIL_OPEN_ENV in rows[1].get("message", "") and rows[1]["seconds"] < 10, rows[1]
+    assert rows[1]["after"]["version"] == 5 and rows[1]["after"]["digests"] == expected["B"]["digests"], rows[1]
+    assert rows[2]["after"]["version"] == 7 and rows[2]["after"]["digests"] == expected["B"]["digests"], rows[2]
+    held = run["memory"]["after"] - run["memory"]["before"]
+    assert held < 64 << 10, f"{held} bytes of the trainer's memory stayed held after the syncs: {run['memory']}"
 
 
 def test_a_dead_nccl_sender_makes_the_replica_raise_and_survive(model: str) -> None:
