@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -126,28 +125,43 @@ IN_PLACE_SYNCS: list[dict[str, Any]] = [
     {"weights": "A", "version": 6, "host_every": 2},  # half from host memory: packed beside the shared ones
     {"weights": "B", "version": 7, "nan_bucket": 0},  # a NaN in a shared tensor: check_finite refuses the sync
     {"weights": "B", "version": 8},  # a whole sync after it
+    {"weights": "A", "version": 9},  # the replica fails to open it after 3 tensors (IN_PLACE_FAIL_OPEN)
+    {"weights": "B", "version": 10},  # a whole sync after it
 ]
+IN_PLACE_FAIL_OPEN = "9:3"
+"""``GENENGINE_CUDA_IPC_FAIL_OPEN`` for the replica: as if it could not reach the trainer's GPU at version 9."""
 
 
-@pytest.mark.parametrize("handles", ["torch", "driver"])
-def test_cuda_ipc_reads_dense_gpu_tensors_in_place(
-    model: str, handles: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture(scope="module", params=["torch", "driver"])
+def in_place_run(request: pytest.FixtureRequest, model: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``IN_PLACE_SYNCS`` from the trainer's GPU tensors, shared by torch's handles or the driver's (``param``),
+    with both ends' traces; one run for the tests below."""
+    _need_gpus(1)
+    from genengine.ipc import HANDLES_ENV
+    from genengine.transport._trace import ENV as TRACE_ENV
+    from genengine.transport.cuda_ipc import FAIL_OPEN_ENV
+
+    traces = tmp_path_factory.mktemp(f"trace-{request.param}")
+    with pytest.MonkeyPatch.context() as mp:  # the replica's process, started in _run, inherits them
+        mp.setenv(HANDLES_ENV, request.param)
+        mp.setenv(TRACE_ENV, str(traces))
+        mp.setenv(FAIL_OPEN_ENV, IN_PLACE_FAIL_OPEN)
+        run = _run("cuda_ipc", model, "cuda:0", syncs=IN_PLACE_SYNCS)
+    run["handles"] = request.param
+    run["traces"] = [json.loads(p.read_text()) for p in traces.glob("sync-*.json")]
+    return run
+
+
+def test_cuda_ipc_reads_dense_gpu_tensors_in_place(in_place_run: dict[str, Any]) -> None:
     """The trainer's tensors dense on its GPU travel as their own IPC handles (no bucket room, no copy): a whole
     model is one bucket, one load and one flush; mixed with host tensors both land; the replica's
     ``check_finite`` sees a NaN in the trainer's memory (and, nothing written, keeps serving); every sync leaves
     what a direct load leaves. The same with one CUDA driver handle per allocation (``driver``), which both
     ends' traces must show was the way taken."""
-    _need_gpus(1)
-    from genengine.ipc import HANDLES_ENV
-    from genengine.transport._trace import ENV as TRACE_ENV
-
-    monkeypatch.setenv(HANDLES_ENV, handles)
-    monkeypatch.setenv(TRACE_ENV, str(tmp_path))  # the replica's process, started in _run, inherits both
-    run = _run("cuda_ipc", model, "cuda:0", syncs=IN_PLACE_SYNCS)
-    traces = [json.loads(p.read_text()) for p in tmp_path.glob("sync-*.json")]
-    # one per side for each whole sync (the refused one writes none)
-    assert sorted((t["side"], t["handles"]) for t in traces) == [("receiver", handles)] * 3 + [("sender", handles)] * 3
+    run, handles = in_place_run, in_place_run["handles"]
+    # one per side for each whole sync (the refused and the unopened ones write none)
+    ways = sorted((t["side"], t["handles"]) for t in run["traces"])
+    assert ways == [("receiver", handles)] * 4 + [("sender", handles)] * 4, ways
     expected = run["expected"]
     rows = run["replicas"][1]["syncs"]
     stream = tw.trainer_stream("B")
@@ -167,34 +181,23 @@ def test_cuda_ipc_reads_dense_gpu_tensors_in_place(
     assert after["version"] == 6 and after["digests"] == expected["A"]["digests"] and "outputs" in after, after
 
 
-FAIL_OPEN_SYNCS: list[dict[str, Any]] = [
-    {"weights": "B", "version": 5},
-    {"weights": "A", "version": 6},  # the replica fails to open it after 3 tensors (GENENGINE_CUDA_IPC_FAIL_OPEN)
-    {"weights": "B", "version": 7},
-]
-
-
-@pytest.mark.parametrize("handles", ["torch", "driver"])
 def test_a_replica_that_cannot_open_a_sync_fails_it_at_once_and_holds_no_trainer_memory(
-    model: str, handles: str, monkeypatch: pytest.MonkeyPatch
+    in_place_run: dict[str, Any],
 ) -> None:
-    """A replica that cannot open a sync's shared memory (on another GPU, a driver error; injected here after
-    3 of its tensors) reports it in step with the sender, which raises it at once rather than at its timeout;
-    every torch share it did not open is released (torch counts each until a consumer does: one left counted
-    holds the trainer's memory for good), it keeps its old weights, and the next sync lands whole."""
-    _need_gpus(1)
-    from genengine.ipc import HANDLES_ENV
+    """A replica that cannot open a sync's shared memory (on another GPU, a driver error; injected at version 9
+    after 3 of its tensors) reports it in step with the sender, which raises it at once rather than at its
+    timeout; every torch share it did not open is released (torch counts each until a consumer does: one left
+    counted holds the trainer's memory for good), it keeps its old weights, and the next sync lands whole. Over
+    the whole run (a refused sync too) nothing of the trainer's memory stays held."""
     from genengine.transport.cuda_ipc import FAIL_OPEN_ENV
 
-    monkeypatch.setenv(HANDLES_ENV, handles)
-    monkeypatch.setenv(FAIL_OPEN_ENV, "6:3")  # the replica's process, started in _run, inherits it
-    run = _run("cuda_ipc", model, "cuda:0", syncs=FAIL_OPEN_SYNCS)
+    run = in_place_run
     sent, rows, expected = run["sender"], run["replicas"][1]["syncs"], run["expected"]
-    assert "report" in sent[0] and "report" in sent[2], sent
-    assert "could not open the trainer's shared memory" in sent[1].get("message", ""), sent[1]
-    assert FAIL_OPEN_ENV in rows[1].get("message", "") and rows[1]["seconds"] < 10, rows[1]
-    assert rows[1]["after"]["version"] == 5 and rows[1]["after"]["digests"] == expected["B"]["digests"], rows[1]
-    assert rows[2]["after"]["version"] == 7 and rows[2]["after"]["digests"] == expected["B"]["digests"], rows[2]
+    assert "could not open the trainer's shared memory" in sent[4].get("message", ""), sent[4]
+    assert FAIL_OPEN_ENV in rows[4].get("message", "") and rows[4]["seconds"] < 10, rows[4]
+    assert rows[4]["after"]["version"] == 8 and rows[4]["after"]["digests"] == expected["B"]["digests"], rows[4]
+    assert "report" in sent[5], sent[5]
+    assert rows[5]["after"]["version"] == 10 and rows[5]["after"]["digests"] == expected["B"]["digests"], rows[5]
     held = run["memory"]["after"] - run["memory"]["before"]
     assert held < 64 << 10, f"{held} bytes of the trainer's memory stayed held after the syncs: {run['memory']}"
 
