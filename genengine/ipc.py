@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import io
 import logging
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "HANDLES",
     "HANDLES_ENV",
     "Opened",
     "dumps",
@@ -60,7 +62,8 @@ HANDLES_ENV = "GENENGINE_CUDA_IPC_HANDLES"
 """How ``cuda_ipc``'s sender shares the tensors its receivers read in place, read at each sync: ``torch`` (the
 default) or ``driver`` (one CUDA driver handle per allocation; torch's way for a sync where the driver cannot
 share one of them, as memory of expandable segments)."""
-_HANDLES = ("torch", "driver")
+HANDLES = ("torch", "driver")
+"""The ways of sharing ``HANDLES_ENV`` allows, the default first."""
 
 # Indices into ``rebuild_cuda_tensor``'s arguments (stable across torch 2.x): (tensor_cls, size, stride,
 # offset, storage_cls, dtype, device, handle, storage bytes, storage offset, requires_grad, ref counter
@@ -177,8 +180,8 @@ def dumps(obj: Any) -> bytes:
 def handles() -> str:
     """The sender's way of sharing for this sync (``$GENENGINE_CUDA_IPC_HANDLES``, default ``torch``)."""
     value = os.environ.get(HANDLES_ENV, "").strip() or "torch"
-    if value not in _HANDLES:
-        raise InvalidArgumentError(f"{HANDLES_ENV}={value!r}: allowed are {', '.join(map(repr, _HANDLES))}")
+    if value not in HANDLES:
+        raise InvalidArgumentError(f"{HANDLES_ENV}={value!r}: allowed are {', '.join(map(repr, HANDLES))}")
     return value
 
 
@@ -234,18 +237,14 @@ class _Driver:
             self._lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
-_DRIVER: list[_Driver | None] = []
-
-
+@functools.cache
 def _driver() -> _Driver | None:
-    """The process's driver calls; None where libcuda cannot be loaded."""
-    if not _DRIVER:
-        try:
-            _DRIVER.append(_Driver())
-        except (OSError, AttributeError) as exc:
-            log.debug("CUDA driver IPC unavailable: %s", exc)
-            _DRIVER.append(None)
-    return _DRIVER[0]
+    """The process's driver calls (loaded once); None where libcuda cannot be loaded."""
+    try:
+        return _Driver()
+    except (OSError, AttributeError) as exc:
+        log.debug("CUDA driver IPC unavailable: %s", exc)
+        return None
 
 
 def share_allocations(

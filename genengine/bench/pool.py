@@ -29,7 +29,7 @@ from typing import Any
 
 from genengine.environ import scoped_environ
 from genengine.errors import ConfigError, InvalidArgumentError
-from genengine.ipc import HANDLES_ENV
+from genengine.ipc import HANDLES, HANDLES_ENV
 
 __all__ = ["PoolBenchSettings", "format_pool_report", "random_weights", "run_pool_bench"]
 
@@ -101,7 +101,7 @@ class PoolBenchSettings:
             raise InvalidArgumentError(f"bucket_bytes={self.bucket_bytes!r} must be an integer >= 1 or None")
         if isinstance(self.num_cpus, bool) or not isinstance(self.num_cpus, (int, float)) or self.num_cpus <= 0:
             raise InvalidArgumentError(f"num_cpus={self.num_cpus!r} must be a number > 0")
-        if not self.handles or not all(h in ("torch", "driver") for h in self.handles):
+        if not self.handles or not all(h in HANDLES for h in self.handles):
             raise InvalidArgumentError(f"handles={self.handles!r}: allowed are 'torch' and 'driver', at least one")
         if self.sleep_level not in (1, 2) or isinstance(self.sleep_level, bool):
             raise InvalidArgumentError(f"sleep_level={self.sleep_level!r}: allowed are 1 and 2")

@@ -97,9 +97,10 @@ def _share(bufs: list[torch.Tensor], plan: layout.Plan, spares: bool, handles: s
         if entry.shared
     ]
     device = bufs[0].device.index
-    by_driver = ipc.share_allocations([*bufs, *(t for _, t in pairs)], device) if handles == "driver" else None
+    every = [*bufs, *(t for _, t in pairs)]
+    by_driver = ipc.share_allocations(every, device) if handles == "driver" else None
     if by_driver is None:
-        allocations, places = None, [ipc.share(t) for t in [*bufs, *(t for _, t in pairs)]]
+        allocations, places = None, [ipc.share(t) for t in every]
     else:
         allocations, places = by_driver
     tensors = {
