@@ -333,7 +333,8 @@ class CudaIpcReceiver(Endpoint):
                     failure = finish_load(session, None, len(buckets))
                     session = None
                     trace.mark("commit")
-                ipc.settle(lent.pop(e.name) for e in bucket.entries if e.shared)  # spare shares not passed on
+                # spare shares not passed on (none opened when this receiver could not open the sync)
+                ipc.settle(lent.pop(e.name) for e in bucket.entries if e.shared and e.name in lent)
                 if mapped is not None and k == len(buckets) - 1:
                     _release(mapped, g, lent, shared)
                     mapped = None

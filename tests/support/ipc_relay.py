@@ -98,6 +98,7 @@ def run(mode: str) -> dict[str, Any]:
         shares[DRIVER] = shared[0]
         for (name, t), place in zip(tensors.items(), shared[1], strict=True):
             shares[name] = ((place, "bfloat16", tuple(t.shape), t.numel() * t.element_size()), ipc.share(t))
+        del t  # the loop's last tensor (the view) would hold its storage past the check below
     else:
         shares = {name: (ipc.share(t), ipc.share(t) if mode != "no-spare" else None) for name, t in tensors.items()}
     torch.cuda.synchronize()
