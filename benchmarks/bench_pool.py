@@ -8,8 +8,8 @@ A Ray trainer actor holds the trainer's 339 bf16 CUDA tensors (15.2 GB), an in-p
 one-replica colocated ``EnginePool`` in its placement-group bundle (genengine/bench/pool.py says how they
 are measured): generate tokens/s both ways, 5 interleaved repeats of >= 3 s each (64 prompts x 128 ids ->
 128 tokens, greedy); 6 syncs of new weights over ``cuda_ipc`` against the in-process ``load_weights``, the
-outputs of both compared after each, taking torch's IPC handles and the CUDA driver's in turn
-(``GENENGINE_CUDA_IPC_HANDLES``; the figure is torch's, the default; ``--handles torch`` for it alone).
+outputs of both compared after each, taking the CUDA driver's IPC handles and torch's in turn
+(``GENENGINE_CUDA_IPC_HANDLES``; the figure is the driver's, the default; ``--handles driver`` for it alone).
 
 Goals (issue 25): pool / in-process tokens/s >= 0.95; a sync through the pool <= 0.1 s.
 Prints the table and ``BENCH_POOL_RESULT {json}``.
@@ -66,7 +66,7 @@ def bench_settings(
     eager: bool = False,
     sleep: bool = False,
     sleep_level: int = 1,
-    handles: tuple[str, ...] = ("torch", "driver"),
+    handles: tuple[str, ...] = ("driver", "torch"),
 ) -> Any:
     """The benchmark's ``PoolBenchSettings`` (the 7B-shaped folder made when missing). tests/gpu/test_ray_gpu.py
     runs its checks on these too (``GENENGINE_RAY_GPU_SCALE=7b``, verify.sh's default), so that one run gives
@@ -119,8 +119,8 @@ def main() -> int:
     ap.add_argument("--syncs", type=int, default=6)
     ap.add_argument(
         "--handles",
-        default="torch,driver",
-        help="cuda_ipc's ways of sharing, taken in turn by the syncs (GENENGINE_CUDA_IPC_HANDLES): torch, driver",
+        default="driver,torch",
+        help="cuda_ipc's ways of sharing, taken in turn by the syncs (GENENGINE_CUDA_IPC_HANDLES): driver, torch",
     )
     ap.add_argument("--bucket-mib", type=int, default=None, help="the transport's bucket size (default: its own)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs on either side (the settings before 12-02)")

@@ -17,7 +17,7 @@ receiver can tell its sender whether spares are worth sharing.
 Opened tensors wait on no CUDA event of the trainer's: a sender makes its writes finish before the receivers
 read (``cuda_ipc`` synchronises before it announces a bucket), and each event costs a handle to open.
 
-With ``GENENGINE_CUDA_IPC_HANDLES=driver`` the receiver's own share is instead one CUDA driver handle per
+By default (``GENENGINE_CUDA_IPC_HANDLES=driver``) the receiver's own share is instead one CUDA driver handle per
 allocation the tensors lie in (:func:`share_allocations`, :class:`Opened`): no IPC event, reference count or
 torch storage bookkeeping per tensor. Nothing counts those handles, so the protocol must: the sender keeps the
 tensors referenced until every receiver acknowledged, and a receiver closes each allocation (when its last view
@@ -59,10 +59,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HANDLES_ENV = "GENENGINE_CUDA_IPC_HANDLES"
-"""How ``cuda_ipc``'s sender shares the tensors its receivers read in place, read at each sync: ``torch`` (the
-default) or ``driver`` (one CUDA driver handle per allocation; torch's way for a sync where the driver cannot
-share one of them, as memory of expandable segments)."""
-HANDLES = ("torch", "driver")
+"""How ``cuda_ipc``'s sender shares the tensors its receivers read in place, read at each sync: ``driver`` (the
+default: one CUDA driver handle per allocation; torch's way for a sync where the driver cannot share one of
+them, as memory of expandable segments) or ``torch`` (torch's handle per tensor)."""
+HANDLES = ("driver", "torch")
 """The ways of sharing ``HANDLES_ENV`` allows, the default first."""
 
 # Indices into ``rebuild_cuda_tensor``'s arguments (stable across torch 2.x): (tensor_cls, size, stride,
@@ -178,8 +178,8 @@ def dumps(obj: Any) -> bytes:
 
 # ---- CUDA driver handles: one per allocation ------------------------------------------------------------------
 def handles() -> str:
-    """The sender's way of sharing for this sync (``$GENENGINE_CUDA_IPC_HANDLES``, default ``torch``)."""
-    value = os.environ.get(HANDLES_ENV, "").strip() or "torch"
+    """The sender's way of sharing for this sync (``$GENENGINE_CUDA_IPC_HANDLES``, default ``driver``)."""
+    value = os.environ.get(HANDLES_ENV, "").strip() or HANDLES[0]
     if value not in HANDLES:
         raise InvalidArgumentError(f"{HANDLES_ENV}={value!r}: allowed are {', '.join(map(repr, HANDLES))}")
     return value

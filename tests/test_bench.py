@@ -308,5 +308,5 @@ def test_pool_bench_refuses_a_sleep_level_other_than_1_or_2(level: object) -> No
 def test_pool_bench_refuses_unknown_cuda_ipc_handles(handles: tuple[str, ...]) -> None:
     from genengine.bench.pool import PoolBenchSettings
 
-    with pytest.raises(InvalidArgumentError, match=r"allowed are 'torch' and 'driver', at least one"):
+    with pytest.raises(InvalidArgumentError, match=r"allowed are 'driver' and 'torch', at least one"):
         PoolBenchSettings(handles=handles).check()

@@ -383,9 +383,9 @@ def test_cuda_ipc_handles_come_from_the_environment_and_a_bad_value_names_the_al
     from genengine.errors import InvalidArgumentError
 
     monkeypatch.delenv(ipc.HANDLES_ENV, raising=False)
-    assert ipc.handles() == "torch"
-    monkeypatch.setenv(ipc.HANDLES_ENV, "driver")
     assert ipc.handles() == "driver"
+    monkeypatch.setenv(ipc.HANDLES_ENV, " torch ")
+    assert ipc.handles() == "torch"
     monkeypatch.setenv(ipc.HANDLES_ENV, "nvlink")
-    with pytest.raises(InvalidArgumentError, match=r"_HANDLES='nvlink': allowed are 'torch', 'driver'"):
+    with pytest.raises(InvalidArgumentError, match=r"_HANDLES='nvlink': allowed are 'driver', 'torch'"):
         ipc.handles()

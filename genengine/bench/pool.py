@@ -61,7 +61,7 @@ class PoolBenchSettings:
     """None: ``cuda_ipc`` on a GPU, ``gloo`` on the CPU."""
     bucket_bytes: int | None = None
     checksum: bool = True
-    handles: tuple[str, ...] = ("torch",)
+    handles: tuple[str, ...] = HANDLES[:1]
     """``cuda_ipc``'s ways of sharing (``GENENGINE_CUDA_IPC_HANDLES``), taken in turn by the syncs (version v
     uses ``handles[v % len(handles)]``): two give both ways' sync times side by side in one run."""
     sleep: bool = True
@@ -102,7 +102,9 @@ class PoolBenchSettings:
         if isinstance(self.num_cpus, bool) or not isinstance(self.num_cpus, (int, float)) or self.num_cpus <= 0:
             raise InvalidArgumentError(f"num_cpus={self.num_cpus!r} must be a number > 0")
         if not self.handles or not all(h in HANDLES for h in self.handles):
-            raise InvalidArgumentError(f"handles={self.handles!r}: allowed are 'torch' and 'driver', at least one")
+            raise InvalidArgumentError(
+                f"handles={self.handles!r}: allowed are {' and '.join(map(repr, HANDLES))}, at least one"
+            )
         if self.sleep_level not in (1, 2) or isinstance(self.sleep_level, bool):
             raise InvalidArgumentError(f"sleep_level={self.sleep_level!r}: allowed are 1 and 2")
         if not isinstance(self.weights, str) or ":" not in self.weights:

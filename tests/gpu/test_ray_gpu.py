@@ -51,7 +51,7 @@ compiling and capturing save half a minute of the one-call GPU check (the figure
 
 SCALE = os.environ.get("GENENGINE_RAY_GPU_SCALE", "tiny")
 """``tiny`` (the test alone) or ``7b`` (the pool benchmark's settings and report)."""
-HANDLES = tuple(os.environ.get("GENENGINE_RAY_GPU_HANDLES", "torch,driver").split(","))
+HANDLES = tuple(os.environ.get("GENENGINE_RAY_GPU_HANDLES", "driver,torch").split(","))
 """``cuda_ipc``'s ways of sharing the syncs take in turn (``PoolBenchSettings.handles``)."""
 
 
