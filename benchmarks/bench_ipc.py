@@ -1,16 +1,17 @@
 """What handing the trainer's CUDA tensors to another process on the same GPU costs, per phase, two ways side
 by side in one run (the phases ``cuda_ipc``'s in-place reads spend a pool sync's time on):
 
-* ``torch``: torch's IPC reduction, as ``cuda_ipc`` shares today (``genengine.ipc.share`` /
-  ``open_shared`` / ``settle``): a handle, an IPC event and a reference count per tensor;
+* ``torch``: torch's IPC reduction, as ``cuda_ipc`` shares with ``GENENGINE_CUDA_IPC_HANDLES=torch``
+  (``genengine.ipc.share`` / ``open_shared`` / ``settle``): a handle, an IPC event and a reference count per
+  tensor;
 * ``driver``: one CUDA driver IPC handle per allocation the tensors lie in (``genengine.ipc.share_allocations``
-  / ``Opened``, as ``GENENGINE_CUDA_IPC_HANDLES=driver`` shares), opened once by the receiver and viewed per
-  tensor, closed before the receiver answers.
+  / ``Opened``, as ``cuda_ipc`` shares by default), opened once by the receiver and viewed per tensor, closed
+  before the receiver answers.
 
-The trainer's 339 Qwen2-7B-shaped bf16 tensors (each its own allocation, as ``bench_pool``'s), ``--rounds``
-rounds with the two ways alternating (ABBA); the receiver reads every tensor's first values, which must equal
-the trainer's. ``--expandable`` allocates them with ``expandable_segments:True`` (the driver way then says
-which tensors it cannot share).
+The trainer's 339 Qwen2-7B-shaped bf16 tensors (``_bench_7b.trainer_state``: each its own allocation),
+``--rounds`` rounds with the two ways alternating (ABBA); the receiver reads every tensor's first values,
+which must equal the trainer's. ``--expandable`` allocates them with ``expandable_segments:True`` (the driver
+way then says which tensors it cannot share).
 
     bash tools/gpu/run_tests.sh ENGINE --script benchmarks/bench_ipc.py [--rounds 6] [--json PATH]
 
@@ -28,18 +29,10 @@ import sys
 import time
 from typing import Any
 
-from _bench_7b import CFG
+from _bench_7b import trainer_state
 
 PROBE = 4
 """Values read from the start of every tensor by the receiver."""
-
-
-def shapes() -> list[tuple[int, ...]]:
-    """Qwen2-7B's 339 weights (biases and norms included): random_weights' shapes for bench_pool's folder."""
-    h, i, v = CFG["hidden_size"], CFG["intermediate_size"], CFG["vocab_size"]
-    kv = h // CFG["num_attention_heads"] * CFG["num_key_value_heads"]
-    layer = [(h, h), (h,), (kv, h), (kv,), (kv, h), (kv,), (h, h), (i, h), (i, h), (h, i), (h,), (h,)]
-    return [(v, h), *layer * CFG["num_hidden_layers"], (h,), (v, h)]
 
 
 def probe(tensors: list[Any]) -> list[float]:
@@ -90,10 +83,7 @@ def run(rounds: int, expandable: bool) -> dict[str, Any]:
     from genengine import ipc
 
     index = torch.cuda.current_device()
-    device = f"cuda:{index}"
-    gen = torch.Generator(device=device).manual_seed(0)
-    tensors = [torch.empty(s, dtype=torch.bfloat16, device=device).normal_(0, 0.02, generator=gen) for s in shapes()]
-    torch.cuda.synchronize()
+    tensors = [t for _, t in trainer_state()]
     expected = probe(tensors)
     metas = [("bfloat16", tuple(t.shape), t.numel() * t.element_size()) for t in tensors]
     parent, child = mp.get_context("spawn").Pipe()
