@@ -161,7 +161,7 @@ def dumps(obj: Any) -> bytes:
     opened by :func:`open_shared` travels under a spare share, or as a copy when none is left."""
     from multiprocessing.reduction import ForkingPickler
 
-    import torch
+    import torch.multiprocessing  # registers torch's tensor reductions with ForkingPickler
 
     class _Pickler(ForkingPickler):  # type: ignore[misc, valid-type]
         def reducer_override(self, o: Any) -> Any:

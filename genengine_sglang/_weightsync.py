@@ -39,8 +39,6 @@ def serialize(obj: Any) -> bytes:
     """What ``sglang.srt.utils.MultiprocessingSerializer.serialize`` does (ForkingPickler: CUDA tensors travel
     as IPC handles), without importing SGLang on every trainer rank; a tensor this process opened from the
     trainer's memory (a colocated replica's ``cuda_ipc`` sync) travels under the trainer's own handle."""
-    import torch.multiprocessing  # noqa: F401  registers torch's tensor reductions with ForkingPickler
-
     return ipc_dumps(obj)
 
 

@@ -3,16 +3,16 @@ its placement-group bundle, the replica synced over ``cuda_ipc`` (genengine/benc
 size). Every engine importable here is measured (``GENENGINE_RAY_BACKENDS=sglang,vllm`` to choose).
 
 Checked: three syncs (checksums on) of new weights from the trainer actor's CUDA tensors, which the replica
-reads in place by torch's IPC handles and the CUDA driver's in turn (one bucket a sync; the packed, checksummed
-buckets are tests/gpu/test_transport_gpu.py's),
-reach the replica, whose greedy outputs then equal the in-process engine's on the same weights and differ
-from the previous version's, labelled with the sync's version; a sleep through the pool frees about what the
-in-process sleep frees (level 1; level 2 at 7B); generate through the pool is not far off in-process speed (a
-loose sanity bound: the figure itself is ``benchmarks/bench_pool.py``'s, at 7B).
+reads in place by the CUDA driver's IPC handles (the default) and torch's in turn (one bucket a sync; the
+packed, checksummed buckets are tests/gpu/test_transport_gpu.py's), reach the replica, whose greedy outputs then
+equal the in-process engine's on the same weights and differ from the previous version's, labelled with the
+sync's version; a sleep through the pool frees about what the in-process sleep frees (level 1; level 2 at 7B);
+generate through the pool is not far off in-process speed (a loose sanity bound: the figure itself is
+``benchmarks/bench_pool.py``'s, at 7B).
 
 With ``GENENGINE_RAY_GPU_SCALE=7b`` (verify.sh's default) the same checks run on the pool benchmark's settings
 (benchmarks/bench_pool.py: 7B shapes, CUDA graphs, 5 interleaved repeats, 6 syncs of 339 tensors read in place,
-one bucket each, torch's handles and the driver's in turn) and the report is also the benchmark's
+one bucket each, the driver's handles and torch's in turn) and the report is also the benchmark's
 (``$OUT/bench_pool_ENGINE.json``): one run, one Ray cluster and two engine starts fewer than the test and the
 benchmark apart.
 

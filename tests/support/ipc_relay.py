@@ -96,9 +96,11 @@ def run(mode: str) -> dict[str, Any]:
         if shared is None:
             return {"error": "the CUDA driver could not share the trainer's allocations"}
         shares[DRIVER] = shared[0]
-        for (name, t), place in zip(tensors.items(), shared[1], strict=True):
-            shares[name] = ((place, "bfloat16", tuple(t.shape), t.numel() * t.element_size()), ipc.share(t))
-        del t  # the loop's last tensor (the view) would hold its storage past the check below
+        # a comprehension: a loop variable would keep the last tensor (the view's storage) past the check below
+        shares |= {
+            name: ((place, "bfloat16", tuple(t.shape), t.numel() * t.element_size()), ipc.share(t))
+            for (name, t), place in zip(tensors.items(), shared[1], strict=True)
+        }
     else:
         shares = {name: (ipc.share(t), ipc.share(t) if mode != "no-spare" else None) for name, t in tensors.items()}
     torch.cuda.synchronize()
