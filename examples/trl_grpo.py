@@ -32,10 +32,9 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 
 
 def engine_config(backend: str, mem_util: float | None) -> dict[str, Any]:
-    """The backend's example YAML as a dict, without ``model`` (the engine serves the model TRL trains) and
-    without ``mem_util`` unless given (TRL's ``vllm_gpu_memory_utilization`` then applies, as for vLLM)."""
+    """The backend's example YAML as a dict (it names no model: the engine serves the model TRL trains), without
+    ``mem_util`` unless given (TRL's ``vllm_gpu_memory_utilization`` then applies, as for vLLM)."""
     config: dict[str, Any] = yaml.safe_load((CONFIGS / f"{backend}.yaml").read_text())
-    config.pop("model", None)
     config.pop("mem_util", None)
     if backend == "transformers":
         config["dtype"] = "float32"  # exact logprobs on the CPU: TRL's logprob-gap metric reads ~1e-6

@@ -350,7 +350,30 @@ def test_rloo_runs_on_the_engine(setup: Setup, tmp_path: Path) -> None:
 
 
 # ---- bad configs: refused before TRL loads the model or any engine starts --------------------------------------
-BAD_CONFIGS = [
+class PolicyLoaded(Exception):
+    """Raised by the stand-in policy loader: TRL's __init__ got as far as loading the policy."""
+
+
+@pytest.fixture
+def loader(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """TRL's policy loader (``create_model_from_path``, called in the trainer's __init__ for a model path) replaced
+    by one that records the call and stops there: a refusal must come before it is called."""
+    if not HAVE_TRL:
+        pytest.skip("trl is not installed: pip install 'genengine[trl]'")
+    from trl.trainer import grpo_trainer, rloo_trainer
+
+    calls: list[str] = []
+
+    def load(name: str, **_: Any) -> Any:
+        calls.append(name)
+        raise PolicyLoaded(name)
+
+    monkeypatch.setattr(grpo_trainer, "create_model_from_path", load)
+    monkeypatch.setattr(rloo_trainer, "create_model_from_path", load)
+    return calls
+
+
+BAD_CONFIGS: list[tuple[dict[str, Any], Any, list[str]]] = [
     ({}, {"backend": "sglng"}, ["unknown backend 'sglng'", "Installed backends: "]),
     ({}, {"backend": "transformers", "mem_utl": 0.5}, ["unknown engine config key 'mem_utl'", "mem_util"]),
     ({"vllm_mode": "server"}, ENGINE, ["vllm_mode='server'", "no server mode", "allowed: 'colocate'"]),
@@ -369,23 +392,161 @@ BAD_CONFIGS = [
         ["vllm_enable_sleep_mode=True", "enable_sleep=False", "allowed: "],
     ),
     ({"trust_remote_code": True}, ENGINE, ["trust_remote_code=True", "'transformers'", "allowed: False"]),
+    # The TRL key the user set, not only the genengine field it becomes.
+    ({"vllm_gpu_memory_utilization": 1.5}, ENGINE, ["vllm_gpu_memory_utilization=1.5", "allowed: a number in (0, 1]"]),
+    # The checks create_engine makes, run before the policy loads: the model folder and the backend's options.
+    ({}, {**ENGINE, "model": "./model"}, ["model='./model' does not exist", "leave it out"]),
+    ({}, {**ENGINE, "options": {"devcie": "cpu"}}, ["unknown option 'devcie'", "did you mean 'device'"]),
+    ({}, {**ENGINE, "options": {"device": "gpu"}}, ["device='gpu'", "allowed are 'cpu', 'cuda'"]),
+    # A string that is neither a backend name nor a file.
+    ({}, "transfomers", ["genengine='transfomers' is neither", "did you mean 'transformers'", "a backend name ("]),
+    ({}, "engine.yaml", ["genengine='engine.yaml' is neither", "the path of a YAML file that exists"]),
 ]
 
 
 @needs_trl
 @pytest.mark.parametrize(("changes", "engine", "words"), BAD_CONFIGS, ids=[str(c[2][0]) for c in BAD_CONFIGS])
 def test_bad_config_is_refused_before_the_model_loads(
-    changes: dict[str, Any], engine: dict[str, Any], words: list[str], tmp_path: Path
+    changes: dict[str, Any], engine: Any, words: list[str], tmp_path: Path, loader: list[str]
 ) -> None:
-    """The model is a path that does not exist: had TRL started loading it, the error would be TRL's."""
+    """The policy is a real model folder, and TRL's loader is a spy: the refusal comes before TRL loads it."""
     from genengine.errors import GenEngineError
     from genengine.integrations.trl import GRPOTrainer
 
     args = grpo_config(tmp_path, 1, **changes)
     with pytest.raises(GenEngineError) as info:
-        GRPOTrainer(model=str(tmp_path / "no-model"), reward_funcs=lambda **_: [], args=args, genengine=engine)
+        GRPOTrainer(model=str(tiny_model_dir()), reward_funcs=lambda **_: [], args=args, genengine=engine)
+    assert loader == [], "the policy loader was called before the refusal"
     for word in words:
         assert word in str(info.value), (word, str(info.value))
+
+
+@needs_trl
+@pytest.mark.parametrize(
+    ("engine", "words"),
+    [
+        ({"backend": "vllm", "dtype": "float32"}, ["dtype='float32' is not supported by the vllm backend"]),
+        ({"backend": "vllm", "options": {"max_model_lenn": 9}}, ["unknown option 'max_model_lenn'"]),
+        ({"backend": "sglang", "options": {"weight_sync_mode": "fast"}}, ["weight_sync_mode='fast'"]),
+    ],
+)
+def test_gpu_backend_settings_are_checked_before_the_model_loads(
+    engine: dict[str, Any], words: list[str], tmp_path: Path, loader: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sglang's and vllm's own settings checks (plain functions, run without the engine) come before the policy
+    loads too; the engines are not installed here, so the registry's installed check is stood in for."""
+    from genengine.errors import ConfigError
+    from genengine.integrations import trl as integration
+
+    monkeypatch.setattr(integration, "get_backend", lambda name: None)
+    with pytest.raises(ConfigError) as info:
+        integration.GRPOTrainer(
+            model=str(tiny_model_dir()), reward_funcs=lambda **_: [], args=grpo_config(tmp_path, 1), genengine=engine
+        )
+    assert loader == []
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+@needs_trl
+def test_a_backend_name_alone_is_a_config(
+    tmp_path: Path, loader: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``genengine="transformers"`` is the backend's name (it passes every check: TRL goes on to load the
+    policy); a file of that name wins, as a YAML path. The trainer logs that genengine replaces vLLM."""
+    import logging
+
+    from genengine.integrations.trl import GRPOTrainer, resolve_engine_config
+
+    model = str(tiny_model_dir())
+    settings = {"vllm_gpu_memory_utilization": 0.3}
+    config = resolve_engine_config("transformers", settings, model_name=model, seed=0)
+    assert (config.backend, config.model, config.mem_util) == ("transformers", model, 0.3)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "transformers").write_text("backend: transformers\ndtype: float32\n")
+    assert resolve_engine_config("transformers", settings, model_name=model, seed=0).dtype == "float32"
+
+    with caplog.at_level(logging.INFO, logger="genengine.integrations.trl"), pytest.raises(PolicyLoaded):
+        GRPOTrainer(model=model, reward_funcs=lambda **_: [], args=grpo_config(tmp_path, 1), genengine="transformers")
+    with caplog.at_level(logging.INFO, logger="genengine.integrations.trl"), pytest.raises(PolicyLoaded):
+        args = grpo_config(tmp_path, 1, use_vllm=True)
+        GRPOTrainer(model=model, reward_funcs=lambda **_: [], args=args, genengine=ENGINE)
+    assert loader == [model, model]
+    lines = [r.getMessage() for r in caplog.records if r.name == "genengine.integrations.trl"]
+    records = [r for r in caplog.records if r.name == "genengine.integrations.trl"]
+    assert len(lines) == 2 and all(r.levelno == logging.INFO for r in records), lines
+    assert all("genengine backend 'transformers' generates in place of TRL's vLLM" in line for line in lines)
+    assert "use_vllm" not in lines[0]
+    assert "use_vllm=True is set too: genengine's engine runs, TRL builds no vllm.LLM" in lines[1]
+
+
+EXAMPLE_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.yaml"))
+
+
+@needs_trl
+@pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=[p.stem for p in EXAMPLE_CONFIGS])
+def test_example_configs_work_as_they_are(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/trl.md: the per-backend YAML files work as they are. The engine serves the policy's path, and the
+    file passes every check the trainer makes before the policy loads (for sglang and vllm, which are not
+    installed here, their own settings checks, which run without the engine)."""
+    from genengine.integrations import trl as integration
+
+    assert {p.stem for p in EXAMPLE_CONFIGS} == {"transformers", "sglang", "vllm"}
+    model = str(tiny_model_dir())
+    config = integration.resolve_engine_config(str(path), {}, model_name=model, seed=5, process_index=2)
+    assert config.backend == path.stem and config.model == model and config.seed == 0 + 2
+    if path.stem != "transformers":
+        monkeypatch.setattr(integration, "get_backend", lambda name: None)
+    integration.check_engine_config(config, model_given="model" in path.read_text())
+
+
+@needs_trl
+def test_each_process_engine_gets_its_own_seed(tmp_path: Path) -> None:
+    """With several training processes, each one's engine is seeded ``seed + process index`` (the genengine
+    config's seed, else TRL's): the same prompts on two processes get different completions. A stand-in
+    accelerator and a stand-in engine class: nothing is trained or loaded."""
+    from types import SimpleNamespace
+
+    from genengine import EngineConfig
+    from genengine.integrations.trl import GenEngineGeneration
+
+    seen: list[EngineConfig] = []
+
+    class Recorder:
+        @classmethod
+        def from_config(cls, config: EngineConfig) -> Recorder:
+            seen.append(config)
+            return cls()
+
+        def generate(self) -> None: ...
+        def sleep(self) -> None: ...
+        def wake(self) -> None: ...
+        def load_weights(self) -> None: ...
+        def flush_cache(self) -> None: ...
+        def shutdown(self) -> None: ...
+
+    def accelerator(index: int, count: int) -> Any:
+        return SimpleNamespace(
+            process_index=index,
+            num_processes=count,
+            state=SimpleNamespace(deepspeed_plugin=None),
+            wait_for_everyone=lambda: None,
+        )
+
+    policy = SimpleNamespace(name_or_path=str(tmp_path))
+    for genengine in ({"backend": Recorder}, {"backend": Recorder, "seed": 100}):
+        for index in range(4):
+            gen = GenEngineGeneration(
+                model=policy,
+                accelerator=accelerator(index, 4),
+                processing_class=None,
+                max_completion_length=8,
+                genengine=genengine,
+                seed=7,
+            )
+            assert isinstance(gen.engine, Recorder)
+    assert [c.seed for c in seen] == [7, 8, 9, 10, 100, 101, 102, 103]
+    assert all(c.model == str(tmp_path) for c in seen)
 
 
 @needs_trl

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import logging
 import math
 import os
 import threading
@@ -24,10 +25,12 @@ from contextlib import contextmanager, nullcontext
 from types import ModuleType, SimpleNamespace
 from typing import Any, ClassVar
 
-from genengine.config import EngineConfig
-from genengine.errors import ConfigError, GenEngineError, InvalidArgumentError
+from genengine.backend import FromConfig, check_device
+from genengine.checkpoint import resolve_model_dir
+from genengine.config import EngineConfig, check_options
+from genengine.errors import BackendImportError, ConfigError, GenEngineError, InvalidArgumentError, closest
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, LoadReport, SamplingParams
-from genengine.registry import create_engine, get_backend
+from genengine.registry import available_backends, create_engine, get_backend, resolve_ref
 
 TRL_VERSION = "1.16.0"
 """The TRL release this integration is written against and tested with (``genengine[trl]`` pins it)."""
@@ -76,10 +79,14 @@ __all__ = [
     "GenEngineGeneration",
     "RLOOTrainer",
     "TRLVersionError",
+    "check_engine_config",
     "check_trl_settings",
     "check_trl_version",
+    "engine_config_source",
     "resolve_engine_config",
 ]
+
+_log = logging.getLogger(__name__)
 
 CONFIG_KEYS: Mapping[str, str] = {
     "mode": "vllm_mode",
@@ -204,6 +211,24 @@ def check_trl_settings(settings: Mapping[str, Any]) -> SamplingParams:
         ) from exc
 
 
+def engine_config_source(genengine: Any) -> Any:
+    """``genengine=`` as ``EngineConfig.from_any`` takes it: a backend name given alone (``"transformers"``) becomes
+    ``{"backend": name}``; a string naming an existing file stays a YAML path; any other string is refused with how
+    to write it, before anything is loaded."""
+    if not isinstance(genengine, str) or os.path.exists(genengine):
+        return genengine
+    names = sorted({b.name for b in available_backends()})
+    if genengine in names:
+        return {"backend": genengine}
+    hint = closest(genengine, names)
+    raise ConfigError(
+        f"genengine={genengine!r} is neither a registered backend name nor an existing YAML file"
+        + (f" (did you mean {hint!r}?)" if hint else "")
+        + f"; allowed: a backend name ({', '.join(names)}), the path of a YAML file that exists, or a dict such "
+        "as genengine={'backend': 'transformers', 'dtype': 'float32'}"
+    )
+
+
 def _given_keys(value: Any) -> set[str] | None:
     """The engine-config keys the user wrote (a mapping's or a YAML file's); None when every field counts as
     given (an ``EngineConfig`` or a dataclass)."""
@@ -232,35 +257,43 @@ def _local_model_dir(name: str) -> str:
 
 
 def resolve_engine_config(
-    genengine: Any, settings: Mapping[str, Any], *, model_name: str | None, seed: int
+    genengine: Any, settings: Mapping[str, Any], *, model_name: str | None, seed: int, process_index: int = 0
 ) -> EngineConfig:
     """The ``EngineConfig`` for TRL's run: the user's genengine config, with what it leaves out taken from TRL's
     settings (the model TRL trains, ``vllm_gpu_memory_utilization``, ``vllm_enable_sleep_mode``, the seed).
 
-    Checks the backend is registered and installed (without importing it) and that the two configs agree;
-    starts nothing.
+    The engine's seed is the config's ``seed`` (else TRL's ``seed``) plus ``process_index``: with several training
+    processes each engine samples its own completions, as TRL seeds one vLLM per process. Checks that the two
+    configs agree; imports no backend and starts nothing (``check_engine_config`` runs the backend's checks).
     """
+    genengine = engine_config_source(genengine)
     given = _given_keys(genengine)
     config = EngineConfig.from_any(genengine)
 
     def set_by_user(key: str) -> bool:
         return given is None or key in given
 
-    backend = config.backend
-    if isinstance(backend, str):
-        get_backend(backend)  # unknown or not installed: the error lists what is, and how to get the rest
     if config.tp_size != 1:
         raise ConfigError(
             f"tp_size={config.tp_size} is not supported with TRL: the integration runs one engine per training "
             "process; allowed: 1"
         )
+    if isinstance(process_index, bool) or not isinstance(process_index, int) or process_index < 0:
+        raise InvalidArgumentError(f"process_index={process_index!r} must be an int >= 0 (the accelerator's)")
     changes: dict[str, Any] = {}
     if config.model is None:
         if not model_name:
             raise ConfigError("the policy has no name_or_path to build the engine from: give genengine={'model': PATH}")
         changes["model"] = _local_model_dir(model_name)
     if not set_by_user("mem_util"):
-        changes["mem_util"] = settings.get("vllm_gpu_memory_utilization", config.mem_util)
+        mem = settings.get("vllm_gpu_memory_utilization", config.mem_util)
+        if isinstance(mem, bool) or not isinstance(mem, (int, float)) or not 0 < mem <= 1:
+            raise ConfigError(
+                f"vllm_gpu_memory_utilization={mem!r} is not supported with genengine: it becomes the engine's "
+                "mem_util (its share of the GPU's memory); allowed: a number in (0, 1], or mem_util in the "
+                "genengine config"
+            )
+        changes["mem_util"] = mem
     sleep_mode = bool(settings.get("vllm_enable_sleep_mode", False))
     if set_by_user("enable_sleep"):
         if sleep_mode and not config.enable_sleep:
@@ -270,8 +303,8 @@ def resolve_engine_config(
             )
     else:
         changes["enable_sleep"] = sleep_mode
-    if not set_by_user("seed"):
-        changes["seed"] = seed
+    changes["seed"] = (config.seed if set_by_user("seed") else int(seed)) + process_index
+    backend = config.backend
     options = dict(config.options)
     names = _BACKEND_OPTIONS.get(backend, {}) if isinstance(backend, str) else {}
     if settings.get("trust_remote_code") and "trust_remote_code" not in names:
@@ -285,10 +318,58 @@ def resolve_engine_config(
             options[option] = value
     if options != config.options:
         changes["options"] = options
-    try:
-        return config.replace(**changes) if changes else config
-    except ConfigError as exc:  # a TRL value out of genengine's range, e.g. vllm_gpu_memory_utilization
-        raise ConfigError(f"{exc} (taken from TRL's settings: set it in the genengine config)") from exc
+    return config.replace(**changes)
+
+
+_SETTINGS_CHECKS: Mapping[str, str] = {
+    "sglang": "genengine_sglang.settings:resolve_settings",
+    "vllm": "genengine_vllm.settings:resolve_settings",
+}
+"""The GPU backends' own validation of a whole ``EngineConfig``: plain functions that start and import no engine."""
+
+
+def check_engine_config(config: EngineConfig, *, model_given: bool) -> None:
+    """The checks ``create_engine`` would make, run before TRL loads the policy (minutes at 7B) so that a bad
+    genengine config fails first: the backend is registered and installed, the model folder exists (``model_given``:
+    the user's genengine config named it), and the backend's options (and, for sglang and vllm, every setting).
+
+    A policy given by a hub id that is not in the local cache yet has no folder until TRL downloads it: then the
+    checks that read the model wait for ``create_engine``. Starts nothing.
+    """
+    backend = config.backend
+    if not isinstance(backend, str):
+        return  # an engine class or instance: its own from_config checks, when TRL builds the generator
+    info = get_backend(backend)  # unknown or not installed: the error lists what is, and how to get the rest
+    model_known = config.model is not None and (model_given or os.path.isdir(config.model))
+    if model_known:
+        try:
+            resolve_model_dir(config.model)
+        except ConfigError as exc:
+            source = (
+                "the genengine config's model (leave it out and the engine serves the policy's own path)"
+                if model_given
+                else "the policy's path, which the engine serves"
+            )
+            raise ConfigError(f"{exc} ({source})") from exc
+    options = config.options
+    if backend == "transformers":
+        from genengine.backends.transformers import OPTIONS
+
+        check_options(backend, options, OPTIONS)
+        check_device(options.get("device", "cpu"))
+    elif backend in _SETTINGS_CHECKS:
+        if model_known:  # the settings read the model's config.json
+            resolve_ref(_SETTINGS_CHECKS[backend])(config)
+    else:  # a plugin's backend: the option names, where it is built with genengine's FromConfig
+        try:
+            factory = resolve_ref(info.factory)
+        except (ImportError, AttributeError) as exc:
+            raise BackendImportError(
+                f"backend {backend!r} (distribution {info.distribution!r}) failed to import its engine: {exc}"
+            ) from exc
+        owner = getattr(factory, "__self__", None)
+        if isinstance(owner, type) and issubclass(owner, FromConfig):
+            check_options(owner.backend_name or backend, options, owner.config_options)
 
 
 class GenEngineGeneration(_vllm_generation.VLLMGeneration):
@@ -300,7 +381,7 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
     """
 
     def __init__(self, *args: Any, genengine: Any, seed: int = 0, **kwargs: Any) -> None:
-        self._genengine = genengine
+        self._genengine = engine_config_source(genengine)
         self._seed = seed
         self.engine: Any = None
         """The ``GenerationEngine`` (typed loosely: ``load_weights(version=...)``, which every genengine engine takes,
@@ -341,7 +422,8 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
             self._genengine,
             self.settings(),
             model_name=getattr(self.model, "name_or_path", None),
-            seed=int(self._seed) + int(self.accelerator.process_index),
+            seed=int(self._seed),
+            process_index=int(self.accelerator.process_index),
         )
         engine = create_engine(config)
         try:
@@ -506,11 +588,23 @@ class _GenEngineTrainer:
             )
         settings = {field: getattr(config, field) for field in CONFIG_KEYS.values()}
         check_trl_settings(settings)
-        backend = EngineConfig.from_any(genengine).backend
+        # Every check of the genengine config runs here, before TRL's __init__ loads the policy (minutes at 7B).
+        genengine = engine_config_source(genengine)
+        given = EngineConfig.from_any(genengine)
+        backend = given.backend
         if isinstance(bound.arguments.get("processing_class"), ProcessorMixin) and backend in _NO_IMAGES:
             raise ConfigError(_no_images(backend))
         model_name = model if isinstance(model, str) else getattr(model, "name_or_path", None)
-        resolve_engine_config(genengine, settings, model_name=model_name, seed=config.seed)
+        resolved = resolve_engine_config(genengine, settings, model_name=model_name, seed=config.seed)
+        check_engine_config(resolved, model_given=given.model is not None)
+        name = backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
+        both = "; use_vllm=True is set too: genengine's engine runs, TRL builds no vllm.LLM" if config.use_vllm else ""
+        _log.info(
+            "%s: genengine backend %r generates in place of TRL's vLLM (trainer.vllm_generation.engine)%s",
+            type(self).__name__,
+            name,
+            both,
+        )
         use_vllm = config.use_vllm
         config.use_vllm = True  # TRL's vLLM path is the one that calls a generator object
         try:
