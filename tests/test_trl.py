@@ -14,6 +14,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -187,11 +188,23 @@ def spy(trainer: Any, setup: Setup, record: Record) -> None:
     engine.generate, engine.load_weights, gen.sync_weights = generate, load_weights, sync_weights
 
 
-def run_on_engine(setup: Setup, tmp: Path, steps: int, **changes: Any) -> tuple[Any, Record]:
+def run_on_engine(
+    setup: Setup,
+    tmp: Path,
+    steps: int,
+    *,
+    model: Any = None,
+    reward_funcs: Any = None,
+    before_train: Any = None,
+    **changes: Any,
+) -> tuple[Any, Record]:
+    """A GRPO run on the engine, spied on (``spy``); ``model`` is the policy (default: the tiny model),
+    ``reward_funcs(seen)`` builds the reward (default: the demo's) and ``before_train(trainer)`` adds a caller's
+    own checks, once the spies are in place."""
     from genengine.integrations.trl import GRPOTrainer
 
     record = Record()
-    reward = demo_reward(setup.target, record.rewarded)
+    reward = (reward_funcs or partial(demo_reward, setup.target))(record.rewarded)
     holder: dict[str, Any] = {}
 
     def watched(*args: Any, **kwargs: Any) -> list[float]:
@@ -200,7 +213,7 @@ def run_on_engine(setup: Setup, tmp: Path, steps: int, **changes: Any) -> tuple[
 
     watched.__name__ = "target_share"
     trainer = GRPOTrainer(
-        model=policy(setup),
+        model=policy(setup) if model is None else model,
         reward_funcs=watched,
         args=grpo_config(tmp, steps, **changes),
         train_dataset=setup.dataset,
@@ -210,6 +223,8 @@ def run_on_engine(setup: Setup, tmp: Path, steps: int, **changes: Any) -> tuple[
     holder["trainer"] = trainer
     spy(trainer, setup, record)
     try:
+        if before_train is not None:
+            before_train(trainer)
         trainer.train()
     except BaseException:
         trainer.vllm_generation.shutdown()
@@ -296,6 +311,85 @@ def test_sleep_mode_frees_the_engine_between_rollouts(setup: Setup, tmp_path: Pa
         assert record.rewarded == record.rollouts and len(record.rollouts) == 2
         logs = [h for h in trainer.state.log_history if "loss" in h]
         assert all(h["sampling/sampling_logp_difference/max"] < 1e-4 for h in logs)
+    finally:
+        trainer.vllm_generation.shutdown()
+
+
+HAVE_PEFT = find_spec("peft") is not None
+
+
+@needs_trl
+@pytest.mark.skipif(not HAVE_PEFT, reason="peft is not installed (the dev extra installs it)")
+def test_lora_policy_syncs_its_merged_weights(setup: Setup, tmp_path: Path) -> None:
+    """A PEFT (LoRA) policy: each sync hands the engine the merged weights (base + B @ A * scale, under the base
+    model's names), so after a training step the engine's weights are the merged policy's, and so are its greedy
+    tokens and logprobs (the spy compares them with the PeftModel's own forward)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    base = policy(setup)
+    initial = {n: p.detach().clone() for n, p in base.named_parameters()}
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    syncs: list[dict[str, float]] = []
+
+    def compare_after_each_sync(trainer: Any) -> None:
+        gen = trainer.vllm_generation
+        spied = gen.sync_weights
+
+        def sync_weights() -> None:
+            spied()
+            peft_model = trainer.model
+            with torch.no_grad():
+                peft_model.merge_adapter()
+                try:
+                    merged = {
+                        n.removeprefix("base_model.model.").replace(".base_layer", ""): p.detach().clone()
+                        for n, p in peft_model.named_parameters()
+                        if "lora_" not in n
+                    }
+                finally:
+                    peft_model.unmerge_adapter()
+            served = dict(gen.engine.model.named_parameters())
+            assert set(merged) == set(initial) and set(served) >= set(merged)
+            syncs.append(
+                {
+                    "gap": max(float((served[n] - t).abs().max()) for n, t in merged.items()),
+                    "moved": max(float((served[n] - initial[n]).abs().max()) for n in merged),
+                }
+            )
+
+        gen.sync_weights = sync_weights
+
+    def odd_share(seen: list[list[list[int]]]) -> Any:
+        """The share of odd token ids: unlike the demo's reward it varies from the first batch on, so the first
+        step already moves the adapter."""
+
+        def reward(completions: list[Any], completion_ids: list[list[int]], **_: Any) -> list[float]:
+            seen.append([list(c) for c in completion_ids])
+            return [sum(t % 2 for t in c) / max(1, len(c)) for c in completion_ids]
+
+        return reward
+
+    trainer, record = run_on_engine(
+        setup,
+        tmp_path,
+        2,
+        model=get_peft_model(base, lora),
+        reward_funcs=odd_share,
+        before_train=compare_after_each_sync,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+    )
+    try:
+        assert len(syncs) == 2 and [s["version"] for s in record.syncs] == [0, 1]
+        assert syncs[0]["moved"] == 0.0, "before the first step the adapter is zero: merged == base"
+        assert syncs[1]["moved"] > 1e-3, "after a step the merged weights differ from the base: the check can fail"
+        for sync in syncs:
+            assert sync["gap"] < 1e-6, syncs  # the engine holds the merged weights, not the base ones
+        for s in record.syncs:  # ... and generates as the merged policy does
+            assert all(s["same_tokens"]) and s["lp_gap"] < 1e-4, s
+        assert not any("lora_" in n for n in trainer.vllm_generation.engine.model.state_dict())
     finally:
         trainer.vllm_generation.shutdown()
 
