@@ -26,7 +26,7 @@ from genengine.testing.tiny_model import tiny_model_dir
 
 HAVE_TRL = find_spec("trl") is not None
 needs_trl = pytest.mark.skipif(
-    not HAVE_TRL, reason="trl is not installed: pip install 'genengine[trl]' (the dev extra installs it)"
+    not HAVE_TRL, reason="trl is not installed: pip install -e '.[trl]' (the dev extra installs it)"
 )
 
 STEPS = 8
@@ -54,7 +54,7 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     if not HAVE_TRL:
-        pytest.skip("trl is not installed: pip install 'genengine[trl]'")
+        pytest.skip("trl is not installed: pip install -e '.[trl]'")
     import torch
     import transformers
     from datasets import Dataset
@@ -453,7 +453,7 @@ def loader(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """TRL's policy loader (``create_model_from_path``, called in the trainer's __init__ for a model path) replaced
     by one that records the call and stops there: a refusal must come before it is called."""
     if not HAVE_TRL:
-        pytest.skip("trl is not installed: pip install 'genengine[trl]'")
+        pytest.skip("trl is not installed: pip install -e '.[trl]'")
     from trl.trainer import grpo_trainer, rloo_trainer
 
     calls: list[str] = []
@@ -707,7 +707,7 @@ def test_missing_trl_is_named_with_the_install_command() -> None:
         """
     ).stdout
     assert "TRLVersionError" in out and "needs trl==1.16.0, which is not installed" in out
-    assert "pip install 'genengine[trl]'" in out
+    assert "pip install trl==1.16.0, or in a clone of genengine: pip install -e '.[trl]'" in out
     assert "imported: []" in out, "nothing heavy is imported before the check"
 
 

@@ -34,7 +34,8 @@ from genengine.registry import available_backends, create_engine, get_backend, r
 
 TRL_VERSION = "1.16.0"
 """The TRL release this integration is written against and tested with (``genengine[trl]`` pins it)."""
-INSTALL_HINT = "pip install 'genengine[trl]'"
+INSTALL_HINT = f"pip install trl=={TRL_VERSION}, or in a clone of genengine: pip install -e '.[trl]'"
+"""How to get the TRL this integration needs (genengine is installed from a clone: it is not on PyPI)."""
 
 
 class TRLVersionError(GenEngineError, ImportError):
