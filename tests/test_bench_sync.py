@@ -16,7 +16,6 @@ from genengine.bench.sync import (
     SyncBenchSettings,
     format_sync_report,
     one_sync,
-    run_sync_bench,
     split_traced,
     summarize_phases,
 )
@@ -128,6 +127,6 @@ def test_sync_bench_on_the_embedded_backend(tmp_path: Path) -> None:
     assert t["requests_finished"] == "4/4"
     assert format_sync_report(report) in buf.getvalue()
     png = tmp_path / "s.png"
-    assert ("wrote " + str(png)) in buf.getvalue() and png.read_bytes()[:4] == b"\x89PNG" or (
+    assert (("wrote " + str(png)) in buf.getvalue() and png.read_bytes()[:4] == b"\x89PNG") or (
         "matplotlib is missing" in buf.getvalue()
     )
