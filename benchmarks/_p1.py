@@ -87,14 +87,18 @@ def measure(
     return result
 
 
-def serve_child(result_fd: int, start: Callable[[], tuple[Callable[[int], int], dict[str, Any]]]) -> None:
-    """The child's side: ``start()`` builds the engine and returns ``(sample(seed) -> tokens, info)``;
-    then it serves samples until told to quit, and the process ends without a teardown to time or fail."""
+Started = tuple[Callable[[int], int], dict[str, Any], Callable[[], Any] | None]
+
+
+def serve_child(result_fd: int, start: Callable[[], Started]) -> None:
+    """The child's side: ``start()`` builds the engine and returns ``(sample(seed) -> tokens, info, stop)``;
+    then it serves samples until told to quit, calls ``stop`` (engines with processes of their own: SGLang's
+    scheduler would outlive an ``os._exit`` and hold its memory) and ends without any other teardown."""
     from genengine.bench.paired import serve
 
     out = os.fdopen(result_fd, "w", encoding="utf-8")
     try:
-        sample, info = start()
+        sample, info, stop = start()
     except Exception as exc:
         import traceback
 
@@ -103,6 +107,8 @@ def serve_child(result_fd: int, start: Callable[[], tuple[Callable[[int], int], 
         traceback.print_exc()
         os._exit(1)
     serve(sample, out, info=info)
+    if stop is not None:
+        stop()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

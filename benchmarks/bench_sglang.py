@@ -113,14 +113,15 @@ def engine_config(model: str, mem_util: float = MEM_UTIL, options: dict[str, Any
 
 # ---- P1: ours and raw alive at once, one child each (benchmarks/_p1.py) -----------------------------------------
 def p1_child(model: str, side: str, graphs: bool, mem_util: float, result_fd: int) -> None:
-    def start() -> tuple[Callable[[int], int], dict[str, Any]]:
+    def start() -> _p1.Started:
         config = engine_config(model, mem_util, {**OPTIONS, "disable_cuda_graph": not graphs})
         warm_trainer_process()
         t = time.perf_counter()
         if side == "raw":
-            from genengine_sglang.raw import start_raw_engine
+            from genengine_sglang.raw import start_raw_engine, stop_raw_engine
 
             raw_engine = start_raw_engine(config)
+            stop: Callable[[], Any] = lambda: stop_raw_engine(raw_engine)  # noqa: E731
             params = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 
             def sample(seed: int) -> int:
@@ -132,13 +133,15 @@ def p1_child(model: str, side: str, graphs: bool, mem_util: float, result_fd: in
             from genengine_sglang.lightrft import RLGenerationEngine
 
             engine = RLGenerationEngine.from_config(config)
+            stop = engine.shutdown
             greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
 
             def sample(seed: int) -> int:
                 results = engine.generate(prompt_token_ids=prompts(seed), sampling_params=greedy)
                 return sum(len(r.outputs[0].token_ids) for r in results)
 
-        return sample, {"start_s": round(time.perf_counter() - t, 1), "mem_util": mem_util}
+        # The scheduler runs in processes of its own: stopped before this one ends, or it holds its memory.
+        return sample, {"start_s": round(time.perf_counter() - t, 1), "mem_util": mem_util}, stop
 
     _p1.serve_child(result_fd, start)
 

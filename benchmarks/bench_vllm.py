@@ -100,7 +100,7 @@ def engine_config(model: str, mem_util: float = MEM_UTIL, options: dict[str, Any
 
 # ---- P1: ours and raw alive at once, one child each (benchmarks/_p1.py) -----------------------------------------
 def p1_child(model: str, side: str, graphs: bool, mem_util: float, result_fd: int) -> None:
-    def start() -> tuple[Callable[[int], int], dict[str, Any]]:
+    def start() -> _p1.Started:
         config = engine_config(model, mem_util, {**OPTIONS, "disable_cuda_graph": not graphs})
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # both sides: the model lives in the child
         warm_trainer_process()
@@ -134,7 +134,8 @@ def p1_child(model: str, side: str, graphs: bool, mem_util: float, result_fd: in
                 return sum(len(r.outputs[0].token_ids) for r in results)
 
             info = {}
-        return sample, {**info, "start_s": round(time.perf_counter() - t, 1), "mem_util": mem_util}
+        # The model lives in this process (no engine-core process): os._exit frees it all.
+        return sample, {**info, "start_s": round(time.perf_counter() - t, 1), "mem_util": mem_util}, None
 
     _p1.serve_child(result_fd, start)
 

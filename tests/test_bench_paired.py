@@ -131,3 +131,30 @@ def test_bench_scripts_p1_arguments_and_cells(monkeypatch: pytest.MonkeyPatch) -
     assert ratio_cell == "1.0000 (rounds 0.990-1.010, n=3)"
     assert _p1.ratio({"graphs": row}) == 1.0 and _p1.ratio({"eager": row}) is None
     assert _p1.cells({"error": "RuntimeError: raw: out of memory"})[0].startswith("failed: RuntimeError")
+
+
+def test_trl_step_clock_counts_nested_calls_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_trl_step.py's hooks: a call inside another (TRL's generate waking the engine) is the inner part's."""
+    import time
+
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_trl_step as b
+
+    clock = b.PhaseClock(cuda=False)
+    wake = clock.wrap("sleep_wake", lambda: time.sleep(0.05))
+
+    def gen() -> None:
+        wake()
+        time.sleep(0.02)
+
+    clock.wrap("generate", gen)()
+    spent = clock.take()
+    assert spent["sleep_wake"] >= 0.05 and 0.02 <= spent["generate"] < 0.045, spent
+    assert clock.take() == dict.fromkeys(b.PARTS, 0.0)  # taken: the next step starts from zero
+    rows = [dict.fromkeys((*b.PARTS, "total"), float(i)) for i in (9, 1, 2, 3)]
+    s = b.summarize(rows, warmup=1)
+    assert s["steps"] == 3 and s["median_s"]["total"] == 2.0  # the warm-up step (9 s) left out
+    with pytest.raises(RuntimeError, match="no step after the 1 warm-up"):
+        b.summarize(rows[:1], warmup=1)
+    text = b.table({"backend": "vllm", "trl": {"median_s": s["median_s"]}, "genengine": {"median_s": s["median_s"]}})
+    assert text.splitlines()[2].split()[-1] == "1.000"

@@ -14,8 +14,10 @@ parent's handle and :func:`run_paired` the alternation. The statistics (:func:`s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -25,7 +27,7 @@ from typing import IO, Any
 
 from genengine.errors import InvalidArgumentError
 
-__all__ = ["SampleChild", "format_p1_row", "pair_ratio", "run_paired", "serve", "summarize"]
+__all__ = ["SampleChild", "pair_ratio", "run_paired", "serve", "summarize"]
 
 READY = "ready"
 
@@ -124,6 +126,7 @@ class SampleChild:
                 stdin=subprocess.PIPE,
                 pass_fds=(write_fd,),
                 text=True,
+                start_new_session=True,  # its group: a child that will not quit is killed with its own children
                 env=None if env is None else {**os.environ, **env},
             )
         except BaseException:
@@ -170,7 +173,8 @@ class SampleChild:
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
             code = self.proc.wait(timeout=30)
         self._results.close()
         return code
@@ -208,15 +212,3 @@ def run_paired(
         "raw": summarize(got["raw"]),
         "ratio": pair_ratio(got["ours"], got["raw"]),
     }
-
-
-def format_p1_row(label: str, result: Mapping[str, Any]) -> str:
-    """One table row: ``label: ours X tok/s (±a %), raw Y (±b %), ours/raw R (pairs lo-hi)``."""
-    if "error" in result:
-        return f"{label}: failed: {result['error']}"
-    o, r, q = result["ours"], result["raw"], result["ratio"]
-    return (
-        f"{label}: ours {o['median']:.1f} tok/s (spread {o['spread_pct']:.1f} %, IQR {o['iqr_pct']:.1f} %), "
-        f"raw {r['median']:.1f} (spread {r['spread_pct']:.1f} %, IQR {r['iqr_pct']:.1f} %), "
-        f"ours/raw {q['median']:.4f} (pairs {q['min']:.4f}-{q['max']:.4f}, n={result['samples']})"
-    )
