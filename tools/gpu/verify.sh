@@ -13,7 +13,7 @@
 #      also "pool": benchmarks/bench_pool.py by itself, "p1": bench_ENGINE.py --p1-only (ours and raw paired,
 #      CUDA graphs on, 12 rounds; ~150 s at 7B; VERIFY_P1_MODES=graphs,eager adds the eager row), "ipc": benchmarks/bench_ipc.py (torch's CUDA IPC against
 #      the driver's, per phase), "trl": where TRL is installed its two scripts, else one
-#      "skipped" row at no cost, "trl_grpo" or "trl_sync": one of them), VERIFY_RAY_SCALE (7b, the default, or
+#      "skipped" row at no cost, "trl_grpo" or "trl_sync": one of them, "trl_step": benchmarks/bench_trl_step.py, only on request), VERIFY_RAY_SCALE (7b, the default, or
 #      tiny: the Ray test alone, no P7 figures), GENENGINE_EXIT_PARALLEL (1: the exit cases side by side, then
 #      one at a time only if that failed, as the row exit_seq; 0: one at a time), EXIT_CASES (pytest
 #      -k for the exit test; default: all four cases), VERIFY_TRL_BACKEND (the trl part's --backend, default
@@ -151,6 +151,25 @@ for mode, row in (r.get("p1") or {}).items():
 print("; ".join(out) or "no P1 rows")
 EOF
 ) ;;
+    trl_step) what=$(python3 - "$WORK/bench_trl_step_$TRL_BACKEND.json" <<'EOF' 2>/dev/null || echo "no report"
+import json, sys
+r = json.load(open(sys.argv[1]))
+out = []
+for side in ("trl", "genengine"):
+    row = r.get(side)
+    if not row:
+        continue
+    if "median_s" not in row:
+        out.append(f"{side}: {row.get('error', 'no result')[:200]}")
+        continue
+    m = row["median_s"]
+    out.append(f"{side} ({row['backend']}): step {m['total']:.2f} s = generate {m['generate']:.2f}, sync {m['sync']:.3f}, "
+               f"sleep+wake {m['sleep_wake']:.3f}, train {m['train']:.2f}")
+if r.get("step_ratio_vs_trl"):
+    out.append(f"genengine/TRL {r['step_ratio_vs_trl']:.3f}")
+print(f"{r.get('shape')}, median of {r.get('steps')}: " + "; ".join(out))
+EOF
+) ;;
     ipc) what=$(python3 - "$WORK/bench_ipc.json" <<'EOF' 2>/dev/null || echo "no report"
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -215,6 +234,9 @@ EOF
   case " $which " in *" trl_sync "*)
     run_part trl_sync 330 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_trl_sync.py --backend "$TRL_BACKEND" ;;
   esac
+  case " $which " in *" trl_step "*)  # on request only (VERIFY_PARTS=trl_step): ~4 min on vllm (two sides), ~2 on sglang
+    run_part trl_step 540 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_trl_step.py --backend "$TRL_BACKEND" ;;
+  esac
 }
 
 PYTEST_J() { echo "--junitxml $WORK/$1.xml"; }
@@ -237,8 +259,8 @@ for part in $PARTS; do
           bash tools/gpu/run_tests.sh "$ENGINE" --bench --p1-only --p1-modes "${VERIFY_P1_MODES:-graphs}" ;;
     ipc) run_part ipc 120 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_ipc.py --rounds 6 ;;
     trl) trl_parts ;;
-    trl_grpo|trl_sync) trl_parts "$part" ;;
-    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool p1 exit transport async ipc trl trl_grpo trl_sync) |") ;;
+    trl_grpo|trl_sync|trl_step) trl_parts "$part" ;;
+    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool p1 exit transport async ipc trl trl_grpo trl_sync trl_step) |") ;;
   esac
 done
 
