@@ -158,3 +158,54 @@ def test_trl_step_clock_counts_nested_calls_once(monkeypatch: pytest.MonkeyPatch
         b.summarize(rows[:1], warmup=1)
     text = b.table({"backend": "vllm", "trl": {"median_s": s["median_s"]}, "genengine": {"median_s": s["median_s"]}})
     assert text.splitlines()[2].split()[-1] == "1.000"
+
+
+FAKE_SCRIPT = textwrap.dedent(
+    """
+    import argparse, sys, time
+    sys.path.insert(0, {benchmarks!r})
+    import _p1
+    ap = argparse.ArgumentParser()
+    for flag in ("--model", "--p1-child", "--p1-graphs", "--p1-mem-util", "--result-fd"):
+        ap.add_argument(flag)
+    a = ap.parse_args()
+    stopped = {stopped!r}
+    def start():
+        speed = 0.01 if a.p1_child == "ours" else 0.012
+        def stop():
+            open(stopped, "a").write(f"{{a.p1_child}} graphs={{a.p1_graphs}} mem_util={{a.p1_mem_util}}\\n")
+        return (lambda seed: (time.sleep(speed), 100)[1]), {{"side": a.p1_child}}, stop
+    _p1.serve_child(int(a.result_fd), start)
+    """
+)
+
+
+def test_bench_scripts_p1_measure_starts_raw_then_ours_and_stops_both(tmp_path: Path) -> None:
+    """_p1.measure with a stand-in bench script: raw starts first, ours gets the fraction measure computes from
+    what raw took, both are sampled in turn and stopped (their engines' stop called) at the end."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import _p1
+    finally:
+        sys.path.remove(BENCHMARKS)
+    stopped = tmp_path / "stopped.txt"
+    script = tmp_path / "bench_fake.py"
+    script.write_text(FAKE_SCRIPT.format(benchmarks=BENCHMARKS, stopped=str(stopped)))
+    free = iter([100, 60, 20])  # before raw, after raw (took 40), after ours
+    logs: list[str] = []
+    row = _p1.measure(
+        str(script),
+        "/nonexistent-model",
+        graphs=True,
+        ours_mem_util=lambda took, now: took / now,
+        free_bytes=lambda: next(free),
+        log=logs.append,
+        samples=10,
+        warmup=1,
+    )
+    assert "error" not in row, row
+    assert row["ours_mem_util"] == round(40 / 60, 4) and row["raw_mem_util"] == _p1.P1_RAW_SHARE
+    assert row["raw_info"]["side"] == "raw" and row["ours_info"]["side"] == "ours"
+    assert row["ours"]["n"] == row["raw"]["n"] == 10 and row["ratio"]["median"] > 1.0  # ours sleeps less
+    assert sorted(stopped.read_text().splitlines()) == ["ours graphs=1 mem_util=0.6667", "raw graphs=1 mem_util=0.4000"]
+    assert set(row["exit_codes"].values()) == {0}
