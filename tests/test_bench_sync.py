@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,8 @@ def test_split_traced_takes_the_receivers_write_as_load(tmp_path: Path) -> None:
     (tmp_path / "sync-2-sender-10.json").write_text(json.dumps({"totals": {"pack_issue": 0.04}}))
     assert split_traced(0.1, tmp_path, 2) == pytest.approx({"transfer": 0.065, "load": 0.035})
     assert split_traced(0.1, tmp_path, 3) is None  # that sync left no receiver trace
+    # another pool's sync 2, written before this one started, is not this one's
+    assert split_traced(0.1, tmp_path, 2, since=time.time() + 60) is None
 
 
 @pytest.mark.parametrize(

@@ -319,10 +319,11 @@ class PoolBenchTrainer:
                     torch.cuda.synchronize()
                 with scoped_environ({HANDLES_ENV: handles} if which == "pool" else {}):
                     # pause, gather, load_weights, resume (genengine bench --sync's phases), the call timed alone
+                    since = time.time() - 1.0  # file times are coarse; the files of this sync are newer still
                     times = one_sync(targets[which], weights, version=version)
                     seconds[which] = times["load"]
                 if which == "pool" and trace_dir:
-                    times.update(split_traced(times["load"], trace_dir, version) or {})
+                    times.update(split_traced(times["load"], trace_dir, version, since=since) or {})
                 phases[which].append(times)
                 buckets[which] = times["num_buckets"]
             local, _ = outputs(targets["in_process"])

@@ -167,12 +167,18 @@ async def _one_sync_async(
     return times
 
 
-def split_traced(call_seconds: float, trace_dir: str | os.PathLike[str], seq: int) -> dict[str, float] | None:
+def split_traced(
+    call_seconds: float, trace_dir: str | os.PathLike[str], seq: int, since: float | None = None
+) -> dict[str, float] | None:
     """A pool's ``load_weights`` call (``call_seconds``) split by the trace files of sync ``seq`` (both ends,
     ``$GENENGINE_SYNC_TRACE``): ``load`` is the receiver's own write (``write``, ``write_sync``, ``commit``),
-    ``transfer`` the rest of the call (planning, sharing, packing, the bytes moving, the round trips). None when
-    that sync left no receiver trace (a transport that does not trace)."""
-    receivers = [json.loads(Path(f).read_text()) for f in glob.glob(os.path.join(trace_dir, f"sync-{seq}-receiver-*"))]
+    ``transfer`` the rest of the call (planning, sharing, packing, the bytes moving, the round trips). Only files
+    written at or after ``since`` (``time.time()``) count: other pools of the same run trace into the same folder.
+    None when that sync left no receiver trace (a transport that does not trace)."""
+    files = glob.glob(os.path.join(trace_dir, f"sync-{seq}-receiver-*"))
+    if since is not None:
+        files = [f for f in files if os.path.getmtime(f) >= since]
+    receivers = [json.loads(Path(f).read_text()) for f in files]
     if not receivers:
         return None
     load = max(sum(v for k, v in r["totals"].items() if k in LOAD_PHASES) for r in receivers)
