@@ -17,6 +17,7 @@ from genengine.bench.sync import (
     SyncBenchSettings,
     format_sync_report,
     one_sync,
+    run_sync_bench,
     split_traced,
     summarize_phases,
 )
@@ -133,3 +134,37 @@ def test_sync_bench_on_the_embedded_backend(tmp_path: Path) -> None:
     assert (("wrote " + str(png)) in buf.getvalue() and png.read_bytes()[:4] == b"\x89PNG") or (
         "matplotlib is missing" in buf.getvalue()
     )
+
+
+def test_a_config_only_folder_syncs_random_weights_under_the_models_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU engines' ``load_format="dummy"`` folders have no safetensors: the trainer's weights are random,
+    one per weight the model takes, in the trainer's dtype."""
+    import shutil
+
+    import genengine.registry
+    from genengine.testing.tiny_model import tiny_model_dir
+
+    src = tiny_model_dir()
+    model = tmp_path / "m"
+    shutil.copytree(src, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    loaded: list[tuple[str, torch.Tensor]] = []
+
+    class Engine:
+        def load_weights(self, pairs: Any, **kwargs: Any) -> LoadReport:
+            loaded[:] = pairs
+            return LoadReport(num_tensors=len(pairs), num_bytes=0, num_buckets=1, seconds=0.0)
+
+        def shutdown(self) -> None:
+            pass
+
+    monkeypatch.setattr(genengine.registry, "create_engine", lambda config: Engine())
+    report = run_sync_bench(SyncBenchSettings(model=str(model), syncs=1, trainer_dtype="bfloat16", dtype="float32"))
+    from safetensors import safe_open
+
+    with safe_open(str(next(Path(src).glob("*.safetensors"))), "pt") as fh:
+        names = set(fh.keys())
+    assert {n for n, _ in loaded} == names and report["num_tensors"] == len(names)
+    assert {t.dtype for _, t in loaded} == {torch.float32}  # gathered in the engine's dtype from bf16 ones
+    assert report["targets"]["in_process"]["phases"]["pause"] is None  # a synchronous engine

@@ -215,7 +215,13 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
             fields["mem_util"] = settings.mem_util
         config = EngineConfig(options=dict(settings.options), **fields)
         device = _device_for(settings)  # type: ignore[arg-type]
-        trainer = _trainer_weights(model, device, settings.trainer_dtype or config.dtype)
+        if any(Path(model).glob("*.safetensors")):
+            trainer = _trainer_weights(model, device, settings.trainer_dtype or config.dtype)
+        else:  # config.json alone (the engines' load_format="dummy"): random weights under the model's names
+            from genengine.bench.pool import random_weights
+
+            cast = getattr(torch, settings.trainer_dtype or config.dtype or "bfloat16", None)
+            trainer = {n: t.to(cast) if cast is not None else t for n, t in random_weights(model, 1, device)}
         engine_dtype = getattr(torch, config.dtype) if config.dtype in ("bfloat16", "float16", "float32") else None
         gen = torch.Generator().manual_seed(settings.seed)
         vocab = _vocab_size(model)
