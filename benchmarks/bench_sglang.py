@@ -2,6 +2,7 @@
 
     PYTHONPATH=/tmp/site-proj:/tmp/site-sglang python3 benchmarks/bench_sglang.py [--json PATH] [--strict]
     (or: bash tools/gpu/run_tests.sh sglang --bench)
+    [--p1-only] [--p1-modes graphs,eager] [--p1-samples 12]
 
 Model: Qwen2-7B shapes (config.json and a small tokenizer only, ``load_format="dummy"``: random bf16 weights,
 15.2 GB, 339 tensors), memory fraction 0.6, no CUDA graphs, no radix cache, token-id prompts, as
@@ -10,8 +11,13 @@ shared/gpu/anchor_bench.py. Machine settings (triton attention, pytorch sampling
 exactly the server arguments genengine passes (minus its own loader and logit-filter hooks); then ours, in
 this process, driven as a trainer drives it.
 
-  P1  generate: 64 prompts x 128 random ids, 128 new tokens, greedy, ignore_eos; output tokens/s, median of
-      5 after a warm-up. Target: ours / raw >= 0.99.
+  P1  generate: 64 prompts x 128 random ids, 128 new tokens, greedy, ignore_eos; output tokens/s, CUDA
+      graphs on (what users run), eager as a second row. Paired (benchmarks/_p1.py): ours and raw alive at
+      once, each in a child process taking about 0.4 of the GPU (raw at mem_fraction_static 0.4 of the free
+      memory, ours at the fraction of what is then free that takes as much), sampled in turn on the same
+      prompts, 12 rounds after 2 warm-up ones; the median of the per-round ratios, each side's median and
+      spread. Target (graphs): ours / raw >= 0.995. ``--p1-only``: this alone (graphs, ~150 s at 7B;
+      ``--p1-modes graphs,eager`` adds the eager row, ~90 s more).
   P2  load_weights of all 339 tensors from trainer-held CUDA tensors, per variant (VARIANTS: handles at 1 GiB
       and 512 MiB per call, flattened 512 and 256 MiB buckets, handles in one call for comparison with raw,
       per-parameter as LightRFT): wall time of the call (it returns once SGLang has read the tensors), the
@@ -47,6 +53,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import _p1
 from _bench_7b import (  # this folder is on sys.path when the script runs
     CFG,
     CONTEXT,
@@ -55,9 +62,9 @@ from _bench_7b import (  # this folder is on sys.path when the script runs
     NEW_TOKENS,
     free_bytes,
     make_model_dir,
+    prompts,
     staged_sleep_wake,
     timed,
-    tokens_per_s,
     trainer_state,
     warm_trainer_process,
 )
@@ -84,7 +91,7 @@ VARIANTS: list[tuple[str, str, int | None]] = [  # (label, weight_sync_mode, buc
 ]
 DEFAULT_VARIANT = "handles"
 TARGETS = {
-    "p1_ratio": 0.99,
+    "p1_ratio": 0.995,
     "p2_seconds": 0.10,
     "p2_speedup": 9.0,
     "p2_extra_gib": 1.0,
@@ -98,10 +105,62 @@ def log(msg: str) -> None:
     print(f"[bench-sglang {time.time() - T0:7.1f}s] {msg}", flush=True)
 
 
-def engine_config(model: str, mem_util: float = MEM_UTIL) -> Any:
+def engine_config(model: str, mem_util: float = MEM_UTIL, options: dict[str, Any] | None = None) -> Any:
     from genengine.config import EngineConfig
 
-    return EngineConfig(backend="sglang", model=model, mem_util=mem_util, options=dict(OPTIONS))
+    return EngineConfig(backend="sglang", model=model, mem_util=mem_util, options=dict(options or OPTIONS))
+
+
+# ---- P1: ours and raw alive at once, one child each (benchmarks/_p1.py) -----------------------------------------
+def p1_child(model: str, side: str, graphs: bool, mem_util: float, result_fd: int) -> None:
+    def start() -> _p1.Started:
+        config = engine_config(model, mem_util, {**OPTIONS, "disable_cuda_graph": not graphs})
+        warm_trainer_process()
+        t = time.perf_counter()
+        if side == "raw":
+            from genengine_sglang.raw import start_raw_engine, stop_raw_engine
+
+            raw_engine = start_raw_engine(config)
+            stop: Callable[[], Any] = lambda: stop_raw_engine(raw_engine)  # noqa: E731
+            params = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
+
+            def sample(seed: int) -> int:
+                outs = raw_engine.generate(input_ids=prompts(seed), sampling_params=params)
+                return sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
+
+        else:
+            from genengine.protocol import SamplingParams
+            from genengine_sglang.lightrft import RLGenerationEngine
+
+            engine = RLGenerationEngine.from_config(config)
+            stop = engine.shutdown
+            greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+
+            def sample(seed: int) -> int:
+                results = engine.generate(prompt_token_ids=prompts(seed), sampling_params=greedy)
+                return sum(len(r.outputs[0].token_ids) for r in results)
+
+        # The scheduler runs in processes of its own: stopped before this one ends, or it holds its memory.
+        return sample, {"start_s": round(time.perf_counter() - t, 1), "mem_util": mem_util}, stop
+
+    _p1.serve_child(result_fd, start)
+
+
+def p1(model: str, modes: list[str], samples: int) -> dict[str, Any]:
+    # mem_fraction_static is a share of the memory free when the engine starts (SGLang keeps the rest free):
+    # ours takes what raw took when its fraction is raw's take over what is free now.
+    return {
+        mode: _p1.measure(
+            __file__,
+            model,
+            graphs=mode == "graphs",
+            ours_mem_util=lambda took, free: min(0.95, took / free),
+            free_bytes=free_bytes,
+            log=log,
+            samples=samples,
+        )
+        for mode in modes
+    }
 
 
 def sleep_share_at(model: str, mem_util: float) -> dict[str, Any]:
@@ -144,15 +203,7 @@ def raw_main(model: str, out: str) -> None:
         engine = start_raw_engine(engine_config(model))
         held = free0 - free_bytes()
         result["engine_gib"] = round(held / GIB, 2)
-        greedy = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
         one = {"temperature": 0.0, "max_new_tokens": 1, "ignore_eos": True}
-
-        def gen(ps: list[list[int]]) -> int:
-            outs = engine.generate(input_ids=ps, sampling_params=greedy)
-            return sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
-
-        result["p1"] = tokens_per_s(gen)
-        log(f"raw P1: {result['p1']['tok_per_s']} tok/s")
         # P3 before P2: the per-parameter loads leave blocks in the scheduler's cache that a release then
         # returns too, which would count memory the engine did not hold at start as freed (session 4: 100.33 %).
         from support.gpu_checks import gpu_memory_by_process
@@ -258,14 +309,7 @@ def ours(model: str, variants: list[tuple[str, str, int | None]], report: dict[s
         f"ours started in {report['start_s']} s, holds {held / GIB:.2f} GiB "
         f"(the trainer's warm-up took {report['trainer_warmup_gib']} GiB)"
     )
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True, logprobs=True)
-
-    def gen(ps: list[list[int]]) -> int:
-        return sum(len(r.outputs[0].token_ids) for r in engine.generate(prompt_token_ids=ps, sampling_params=greedy))
-
-    report["p1"] = tokens_per_s(gen)
-    log(f"ours P1: {report['p1']['tok_per_s']} tok/s")
 
     items = trainer_state()
     nbytes = sum(t.numel() * t.element_size() for _, t in items)
@@ -383,13 +427,12 @@ def profile_handles(engine: Any, items: list[tuple[str, Any]], ws: Any) -> dict[
 
 # ---- report -----------------------------------------------------------------------------------------------------
 def verdicts(r: dict[str, Any]) -> dict[str, bool | None]:
-    raw = (r.get("raw") or {}).get("p1", {}).get("tok_per_s")
-    ours_tps = (r.get("p1") or {}).get("tok_per_s")
+    p1_ratio = _p1.ratio(r.get("p1") or {})
     p2, p3 = r.get("p2") or {}, r.get("p3") or {}
     default = p2.get(DEFAULT_VARIANT) or {}
     measured = [v for k, v in p2.items() if isinstance(v, dict) and "extra_gib" in v]
     return {
-        "p1_ratio": None if not (raw and ours_tps) else ours_tps / raw >= TARGETS["p1_ratio"],
+        "p1_ratio": None if p1_ratio is None else p1_ratio >= TARGETS["p1_ratio"],
         "p2_seconds": None if not default else default["until_visible_s"] <= TARGETS["p2_seconds"],
         "p2_speedup": None
         if "speedup_vs_per_param" not in default
@@ -404,11 +447,11 @@ def verdicts(r: dict[str, Any]) -> dict[str, bool | None]:
 def table(r: dict[str, Any]) -> str:
     rows: list[tuple[str, str, str]] = []
     raw = r.get("raw") or {}
-    p1, p2, p3 = r.get("p1") or {}, r.get("p2") or {}, r.get("p3") or {}
-    if p1:
-        raw_tps = (raw.get("p1") or {}).get("tok_per_s")
-        ratio = f" (ours/raw {p1['tok_per_s'] / raw_tps:.3f})" if raw_tps else ""
-        rows.append(("P1 generate tok/s", f"{p1['tok_per_s']}{ratio}", str(raw_tps or raw.get("error", "-"))))
+    p2, p3 = r.get("p2") or {}, r.get("p3") or {}
+    for mode, row in (r.get("p1") or {}).items():
+        ours_cell, raw_cell, ratio_cell = _p1.cells(row)
+        rows.append((f"P1 generate tok/s, {mode} (paired)", ours_cell, raw_cell))
+        rows.append((f"P1 ours / raw, {mode}", ratio_cell, ""))
     for label, m in p2.items():
         if isinstance(m, dict) and "load_s" in m:
             rows.append(
@@ -487,12 +530,28 @@ def main() -> int:
         default=[],
         help="also measure the sleep(2) share with the engine at this memory fraction (repeatable)",
     )
+    ap.add_argument("--p1-only", action="store_true", help="measure P1 alone (default mode: graphs, ~150 s)")
+    ap.add_argument(
+        "--p1-modes",
+        type=_p1.modes,
+        default=None,
+        help="P1 rows, comma-separated from graphs,eager; '' for none (default: graphs,eager; --p1-only: graphs)",
+    )
+    ap.add_argument("--p1-samples", type=_p1.samples, default=_p1.P1_SAMPLES, help="paired rounds per P1 row")
     ap.add_argument("--raw-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--p1-child", choices=("ours", "raw"), default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--p1-graphs", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--p1-mem-util", type=float, default=_p1.P1_RAW_SHARE, help=argparse.SUPPRESS)
+    ap.add_argument("--result-fd", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     make_model_dir(a.model, tokenizer=True)
     if a.raw_child:
         raw_main(a.model, a.raw_child)
         return 0
+    if a.p1_child:
+        p1_child(a.model, a.p1_child, bool(a.p1_graphs), a.p1_mem_util, a.result_fd)
+        return 0
+    p1_modes = a.p1_modes if a.p1_modes is not None else ["graphs"] if a.p1_only else ["graphs", "eager"]
     import torch
 
     wanted = set(a.variants.split(","))
@@ -500,14 +559,27 @@ def main() -> int:
     report: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "settings": {**CFG, "mem_util": MEM_UTIL, **OPTIONS, "machine": os.environ.get("GENENGINE_SGLANG_OPTIONS")},
+        "settings": {
+            **CFG,
+            "mem_util": MEM_UTIL,
+            **OPTIONS,
+            "machine": os.environ.get("GENENGINE_SGLANG_OPTIONS"),
+            "p1": f"paired, {a.p1_samples} rounds after {_p1.P1_WARMUP}, modes {p1_modes}",
+        },
         "targets": TARGETS,
     }
-    if not a.skip_raw:
+    if p1_modes:
+        log(f"P1, paired: {p1_modes}")
+        report["p1"] = p1(a.model, p1_modes, a.p1_samples)
+        failed_p1 = {m: row["error"] for m, row in report["p1"].items() if "error" in row}
+        if failed_p1:
+            report["error"] = f"P1: {failed_p1}"
+    if not a.skip_raw and not a.p1_only:
         log("raw sglang.Engine, in a child process")
         report["raw"] = run_raw(a.model)
     try:
-        ours(a.model, variants, report)
+        if not a.p1_only:
+            ours(a.model, variants, report)
         for mem_util in a.p3_mem_util:
             share = sleep_share_at(a.model, mem_util)
             log(f"ours P3 at mem_util={mem_util}: {share}")

@@ -93,6 +93,9 @@ def test_report_holds_real_measurements(default_run: Any) -> None:
         and g["raw_tokens_per_s"] > 0
         and g["vs_raw"] == pytest.approx(g["tokens_per_s"] / g["raw_tokens_per_s"])
     )
+    runs = g["tokens_per_s_runs"]  # the spread beside the median: a 1 % difference needs a smaller one
+    assert g["spread_pct"] == pytest.approx((max(runs) - min(runs)) / g["tokens_per_s"] * 100)
+    assert 0 <= g["iqr_pct"] <= g["spread_pct"]
     w = report["weights"]
     lw = report["load_weights"]
     assert lw["bucketed"]["num_tensors"] == w["num_tensors"] and lw["bucketed"]["num_buckets"] >= 1

@@ -48,6 +48,14 @@ def test_pool_bench_compares_a_colocated_replica_with_the_same_engine_in_process
     assert report["paired_ratio"] == pytest.approx(report["ratio"])
     assert report["tokens_per_s"]["spread"] == {"in_process": 0.0, "pool": 0.0}
     assert "pool / in-process" in format_pool_report(report)
+    # The same syncs by phase (genengine bench --sync's): both sides paused, loaded and resumed; gloo traces no
+    # transfer, so the pool's load is its whole call.
+    for side in ("in_process", "pool"):
+        phases = report["sync"]["phases"][side]["phases"]
+        assert all(phases[p]["median"] >= 0 for p in ("pause", "gather", "load", "resume")), phases
+        assert phases["transfer"] is None
+    assert report["sync"]["phases"]["pool"]["phases"]["load"]["all"] == [rows[1]["seconds"]["pool"]]
+    assert "sync phases:" in format_pool_report(report)
 
 
 def test_colocated_pool_in_a_trainer_actor(cluster: Any, model: str, local: Any, other_weights: dict[str, Any]) -> None:

@@ -282,6 +282,7 @@ def _run(
     import torch
 
     from genengine import __version__
+    from genengine.bench.paired import summarize
     from genengine.config import EngineConfig
     from genengine.protocol import SamplingParams
     from genengine.registry import create_engine, resolve_ref
@@ -368,9 +369,12 @@ def _run(
                 runs.append((tokens / secs, secs, tokens))
                 bar.update(1)
             best = statistics.median(r[0] for r in runs)
+            spread = summarize([r[0] for r in runs])
             report["generate"] = {
                 "tokens_per_s": best,
                 "tokens_per_s_runs": [r[0] for r in runs],
+                "spread_pct": spread["spread_pct"],
+                "iqr_pct": spread["iqr_pct"],
                 "tokens": runs[0][2],
                 "seconds": statistics.median(r[1] for r in runs),
             }

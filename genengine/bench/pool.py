@@ -298,6 +298,11 @@ class PoolBenchTrainer:
             got = target.generate(prompt_token_ids=probe, sampling_params=greedy)
             return [o.token_ids for r in got for o in r.outputs], [o.weight_versions for r in got for o in r.outputs]
 
+        from genengine.bench.sync import one_sync, split_traced, summarize_phases
+        from genengine.transport._trace import ENV as TRACE_ENV
+
+        trace_dir = os.environ.get(TRACE_ENV)
+        phases: dict[str, list[dict[str, Any]]] = {"in_process": [], "pool": []}
         rows: list[dict[str, Any]] = []
         previous: list[list[int]] | None = None
         weights: list[Any] = []
@@ -313,10 +318,14 @@ class PoolBenchTrainer:
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
                 with scoped_environ({HANDLES_ENV: handles} if which == "pool" else {}):
-                    begin = time.perf_counter()
-                    report = targets[which].load_weights(weights, version=version)
-                    seconds[which] = time.perf_counter() - begin
-                buckets[which] = getattr(report, "num_buckets", None)
+                    # pause, gather, load_weights, resume (genengine bench --sync's phases), the call timed alone
+                    since = time.time() - 1.0  # file times are coarse; the files of this sync are newer still
+                    times = one_sync(targets[which], weights, version=version)
+                    seconds[which] = times["load"]
+                if which == "pool" and trace_dir:
+                    times.update(split_traced(times["load"], trace_dir, version, since=since) or {})
+                phases[which].append(times)
+                buckets[which] = times["num_buckets"]
             local, _ = outputs(targets["in_process"])
             pooled, labels = outputs(targets["pool"])
             rows.append(
@@ -340,6 +349,8 @@ class PoolBenchTrainer:
         }
         return {
             "rows": rows,
+            # each sync's phases after the first (which forms the group), as genengine bench --sync reports them
+            "phases": {k: summarize_phases(v[1:] or v) for k, v in phases.items()},
             "pool_median_s": by_handles.get(s.handles[0], statistics.median(r["seconds"]["pool"] for r in later)),
             "pool_median_s_by_handles": by_handles,
             "in_process_median_s": statistics.median(local_s[1:] or local_s),
@@ -444,4 +455,22 @@ def format_pool_report(report: Mapping[str, Any]) -> str:
             )
         )
     width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    table = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    if "phases" in sync:  # the same syncs by phase (genengine bench --sync's table)
+        from genengine.bench.sync import format_sync_report
+
+        table += "\n" + format_sync_report(pool_sync_phases(report))
+    return table
+
+
+def pool_sync_phases(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The pool report's sync phases in the shape of ``run_sync_bench``'s report (for the table and chart)."""
+    sync = report["sync"]
+    return {
+        "backend": f"{report['backend']} (pool over {report['transport']})",
+        "device": report["device"],
+        "num_tensors": sync["num_tensors"],
+        "num_bytes": sync["num_bytes"],
+        "settings": {"syncs": max(len(sync["rows"]) - 1, 1)},
+        "targets": sync["phases"],
+    }

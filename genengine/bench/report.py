@@ -48,7 +48,10 @@ def _rows(report: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     yield "engine memory", f"{_fmt_bytes(report['engine_memory_bytes'])} awake with weights ({report['memory_probe']})"
     s = report["settings"]
     shape = f"{s['batch_size']} prompts x {s['prompt_len']} tokens, {s['max_new_tokens']} new, greedy"
-    yield "generate", f"{g['tokens_per_s']:.1f} tok/s ({shape})"
+    spread = ""
+    if g.get("spread_pct") is not None and len(g.get("tokens_per_s_runs", [])) > 1:
+        spread = f", spread {g['spread_pct']:.1f} % over {len(g['tokens_per_s_runs'])} runs"
+    yield "generate", f"{g['tokens_per_s']:.1f} tok/s ({shape}{spread})"
     if g.get("raw_tokens_per_s"):
         yield "generate, raw engine", f"{g['raw_tokens_per_s']:.1f} tok/s (ours/raw = {g['vs_raw']:.2f})"
     elif g.get("raw_error"):

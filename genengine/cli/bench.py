@@ -58,6 +58,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     pool.add_argument(
         "--transport", default=None, help="the pool's weight transport (default: cuda_ipc, or gloo on CPU)"
     )
+    sync = p.add_argument_group("--sync", "one weight sync split into pause, gather, transfer, load, resume")
+    sync.add_argument("--sync", action="store_true", help="time the sync's phases instead (--syncs of them)")
+    sync.add_argument("--in-flight", type=int, default=4, help="requests generating during each sync")
+    sync.add_argument("--trainer-dtype", default=None, help="the trainer's parameters' dtype (default: the engine's)")
     group = p.add_argument_group("--async", "partial rollouts against the synchronous generate")
     group.add_argument("--async", dest="async_", action="store_true", help="run the async comparison instead")
     group.add_argument("--steps", type=int, default=4, help="trainer steps (weight updates)")
@@ -70,6 +74,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def run(args: argparse.Namespace) -> int:
     if args.async_ and args.pool:
         raise InvalidArgumentError("--async and --pool are two different comparisons: pass one of them")
+    if args.sync and (args.async_ or args.pool):
+        raise InvalidArgumentError("--sync is its own measurement (the pool's phases come with --pool): pass one")
+    if args.sync:
+        return _run_sync(args)
     if args.async_:
         return _run_async(args)
     if args.pool:
@@ -132,6 +140,33 @@ def _run_async(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_sync(args: argparse.Namespace) -> int:
+    from genengine.bench.sync import SyncBenchSettings, format_sync_report, run_sync_bench, write_plot
+
+    if args.tp_size != 1:
+        raise InvalidArgumentError(
+            f"--tp-size {args.tp_size}: bench --sync measures one engine in this process; allowed: 1"
+        )
+    settings = SyncBenchSettings(
+        backend=args.backend,
+        model=args.model,
+        options=dict(args.option),
+        dtype=args.dtype,
+        mem_util=args.mem_util,
+        syncs=args.syncs,
+        in_flight=args.in_flight,
+        prompt_len=args.prompt_len,
+        max_new_tokens=64 if args.max_new_tokens is None else args.max_new_tokens,
+        bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20)),
+        trainer_dtype=args.trainer_dtype,
+    )
+    report = run_sync_bench(settings)
+    _write(args, report, format_sync_report(report))
+    if args.plot:
+        write_plot(report, args.plot, print)
+    return 0
+
+
 def _run_pool(args: argparse.Namespace) -> int:
     from genengine.bench.pool import PoolBenchSettings, format_pool_report, run_pool_bench
 
@@ -155,6 +190,11 @@ def _run_pool(args: argparse.Namespace) -> int:
     )
     report = run_pool_bench(settings)
     _write(args, report, format_pool_report(report))
+    if args.plot and "phases" in report.get("sync", {}):
+        from genengine.bench.pool import pool_sync_phases
+        from genengine.bench.sync import write_plot
+
+        write_plot(pool_sync_phases(report), args.plot, print)
     return 0
 
 

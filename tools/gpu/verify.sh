@@ -10,9 +10,10 @@
 # (verify_ENGINE.tar.gz) beside the summary table (verify_ENGINE.md), which is also printed.
 #
 # Env: VERIFY_BUDGET_S (540), VERIFY_PARTS (default "suite ray exit transport async", in that order of priority;
-#      also "pool": benchmarks/bench_pool.py by itself, "ipc": benchmarks/bench_ipc.py (torch's CUDA IPC against
+#      also "pool": benchmarks/bench_pool.py by itself, "p1": bench_ENGINE.py --p1-only (ours and raw paired,
+#      CUDA graphs on, 12 rounds; ~150 s at 7B; VERIFY_P1_MODES=graphs,eager adds the eager row), "ipc": benchmarks/bench_ipc.py (torch's CUDA IPC against
 #      the driver's, per phase), "trl": where TRL is installed its two scripts, else one
-#      "skipped" row at no cost, "trl_grpo" or "trl_sync": one of them), VERIFY_RAY_SCALE (7b, the default, or
+#      "skipped" row at no cost, "trl_grpo" or "trl_sync": one of them, "trl_step": benchmarks/bench_trl_step.py, only on request), VERIFY_RAY_SCALE (7b, the default, or
 #      tiny: the Ray test alone, no P7 figures), GENENGINE_EXIT_PARALLEL (1: the exit cases side by side, then
 #      one at a time only if that failed, as the row exit_seq; 0: one at a time), EXIT_CASES (pytest
 #      -k for the exit test; default: all four cases), VERIFY_TRL_BACKEND (the trl part's --backend, default
@@ -136,6 +137,39 @@ print(f"{r.get('shape', '?')}: genengine {s('genengine')}; TRL's per-parameter l
       f"TRL VLLMGeneration {trl}; landed {r.get('landed')}" + (f"; error: {r['error'][:200]}" if "error" in r else ""))
 EOF
 ) ;;
+    p1) what=$(python3 - "$WORK/bench_$ENGINE.json" <<'EOF' 2>/dev/null || echo "no report"
+import json, sys
+r = json.load(open(sys.argv[1]))
+out = []
+for mode, row in (r.get("p1") or {}).items():
+    if "ratio" not in row:
+        out.append(f"{mode}: failed: {row.get('error', 'no samples')[:200]}")
+        continue
+    o, w, q = row["ours"], row["raw"], row["ratio"]
+    out.append(f"{mode}: ours/raw {q['median']:.4f} (rounds {q['min']:.3f}-{q['max']:.3f}, n={row['samples']}); "
+               f"tok/s {o['median']:.0f} / {w['median']:.0f} (spread {o['spread_pct']:.1f} % / {w['spread_pct']:.1f} %); {row['seconds']:.0f} s")
+print("; ".join(out) or "no P1 rows")
+EOF
+) ;;
+    trl_step) what=$(python3 - "$WORK/bench_trl_step_$TRL_BACKEND.json" <<'EOF' 2>/dev/null || echo "no report"
+import json, sys
+r = json.load(open(sys.argv[1]))
+out = []
+for side in ("trl", "genengine"):
+    row = r.get(side)
+    if not row:
+        continue
+    if "median_s" not in row:
+        out.append(f"{side}: {row.get('error', 'no result')[:200]}")
+        continue
+    m = row["median_s"]
+    out.append(f"{side} ({row['backend']}): step {m['total']:.2f} s = generate {m['generate']:.2f}, sync {m['sync']:.3f}, "
+               f"sleep+wake {m['sleep_wake']:.3f}, train {m['train']:.2f}")
+if r.get("step_ratio_vs_trl"):
+    out.append(f"genengine/TRL {r['step_ratio_vs_trl']:.3f}")
+print(f"{r.get('shape')}, median of {r.get('steps')}: " + "; ".join(out))
+EOF
+) ;;
     ipc) what=$(python3 - "$WORK/bench_ipc.json" <<'EOF' 2>/dev/null || echo "no report"
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -200,6 +234,9 @@ EOF
   case " $which " in *" trl_sync "*)
     run_part trl_sync 330 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_trl_sync.py --backend "$TRL_BACKEND" ;;
   esac
+  case " $which " in *" trl_step "*)  # on request only (VERIFY_PARTS=trl_step): ~4 min on vllm (two sides), ~2 on sglang
+    run_part trl_step 540 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_trl_step.py --backend "$TRL_BACKEND" ;;
+  esac
 }
 
 PYTEST_J() { echo "--junitxml $WORK/$1.xml"; }
@@ -218,10 +255,12 @@ for part in $PARTS; do
           fi ;;
     transport) run_part transport 150 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_transport_gpu.py "$(PYTEST_J transport)" ;;
     async) run_part async 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_async.py "$ENGINE" ;;
+    p1) run_part p1 "${VERIFY_P1_TIMEOUT_S:-$([ "${VERIFY_P1_MODES:-graphs}" = graphs ] && echo 240 || echo 360)}" \
+          bash tools/gpu/run_tests.sh "$ENGINE" --bench --p1-only --p1-modes "${VERIFY_P1_MODES:-graphs}" ;;
     ipc) run_part ipc 120 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_ipc.py --rounds 6 ;;
     trl) trl_parts ;;
-    trl_grpo|trl_sync) trl_parts "$part" ;;
-    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool exit transport async ipc trl trl_grpo trl_sync) |") ;;
+    trl_grpo|trl_sync|trl_step) trl_parts "$part" ;;
+    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool p1 exit transport async ipc trl trl_grpo trl_sync trl_step) |") ;;
   esac
 done
 

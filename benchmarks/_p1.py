@@ -1,0 +1,151 @@
+"""P1 of bench_sglang.py and bench_vllm.py: ours and the raw engine alive at once, each in a child process of
+its own at about half the GPU, sampled in turn on the same prompts (:mod:`genengine.bench.paired`).
+
+The parent starts the raw child, waits until its engine is up (the engines' memory profiles must not
+overlap), then ours; ``memory_share`` of each engine decides its fraction (vLLM's ``gpu_memory_utilization``
+is a share of the whole GPU per instance; SGLang's ``mem_fraction_static`` a share of the memory free when
+it starts, so ours gets the fraction that makes it take what raw took). Then ``run_paired`` alternates.
+
+Seconds (7B, H200, estimated from the sessions' logs: an engine start with dummy weights is 25-40 s eager,
++15-30 s with CUDA graphs captured (vLLM's torch.compile cached by the kit), a sample 64 x 128 new tokens
+at ~9500 tok/s is ~0.9 s): graphs on, 2 starts ~130 s + (2 + 12) rounds x 2 x 0.9 s ~25 s = ~150 s;
+the eager row another ~90 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from genengine.bench.paired import SampleChild, run_paired
+
+P1_SAMPLES = 12
+P1_WARMUP = 2
+P1_RAW_SHARE = 0.4  # the raw engine's fraction; ours' follows from what raw took (see module docstring)
+
+
+def child_argv(script: str, model: str, side: str, graphs: bool, mem_util: float) -> list[str]:
+    return [
+        sys.executable,
+        os.path.abspath(script),
+        "--model",
+        model,
+        "--p1-child",
+        side,
+        "--p1-graphs",
+        "1" if graphs else "0",
+        "--p1-mem-util",
+        f"{mem_util:.4f}",
+    ]
+
+
+def measure(
+    script: str,
+    model: str,
+    *,
+    graphs: bool,
+    ours_mem_util: Callable[[int, int], float],
+    free_bytes: Callable[[], int],
+    log: Callable[[str], None],
+    samples: int = P1_SAMPLES,
+    warmup: int = P1_WARMUP,
+) -> dict[str, Any]:
+    """One P1 row (graphs on or eager): start raw, then ours (``ours_mem_util(raw_took, free_now)`` gives
+    its fraction), alternate ``samples`` rounds, stop both. Errors are reported in the row, not raised."""
+    label = "graphs" if graphs else "eager"
+    result: dict[str, Any] = {"cuda_graphs": graphs, "raw_mem_util": P1_RAW_SHARE}
+    children: list[SampleChild] = []
+    start = time.perf_counter()
+    try:
+        free0 = free_bytes()
+        raw = SampleChild(f"raw ({label})", child_argv(script, model, "raw", graphs, P1_RAW_SHARE))
+        children.append(raw)
+        result["raw_info"] = raw.wait_ready()
+        free1 = free_bytes()
+        took = free0 - free1
+        util = ours_mem_util(took, free1)
+        result["ours_mem_util"] = round(util, 4)
+        log(f"P1 {label}: raw up ({took / (1 << 30):.1f} GiB); ours at mem_util {util:.3f}")
+        ours = SampleChild(f"ours ({label})", child_argv(script, model, "ours", graphs, util))
+        children.append(ours)
+        result["ours_info"] = ours.wait_ready()
+        result["ours_took_gib"] = round((free1 - free_bytes()) / (1 << 30), 2)
+        result["raw_took_gib"] = round(took / (1 << 30), 2)
+        result.update(run_paired(ours, raw, samples=samples, warmup=warmup, log=log))
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        log(f"P1 {label} failed: {result['error']}")
+    finally:
+        for child in reversed(children):
+            result.setdefault("exit_codes", {})[child.name] = child.close()
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+Started = tuple[Callable[[int], int], dict[str, Any], Callable[[], Any] | None]
+
+
+def serve_child(result_fd: int, start: Callable[[], Started]) -> None:
+    """The child's side: ``start()`` builds the engine and returns ``(sample(seed) -> tokens, info, stop)``;
+    then it serves samples until told to quit, calls ``stop`` (engines with processes of their own: SGLang's
+    scheduler would outlive an ``os._exit`` and hold its memory) and ends without any other teardown."""
+    from genengine.bench.paired import serve
+
+    out = os.fdopen(result_fd, "w", encoding="utf-8")
+    try:
+        sample, info, stop = start()
+    except Exception as exc:
+        import traceback
+
+        out.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+        out.flush()
+        traceback.print_exc()
+        os._exit(1)
+    serve(sample, out, info=info)
+    if stop is not None:
+        stop()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def cells(row: dict[str, Any]) -> tuple[str, str, str]:
+    """(ours, raw, ours/raw) of one P1 row as table cells: medians with their spread (max - min, % of the
+    median), the ratio with the range of the per-round ratios; an error in the first cell."""
+    if "error" in row or "ratio" not in row:
+        return f"failed: {row.get('error', 'no samples')}"[:160], "-", "-"
+    o, r, q = row["ours"], row["raw"], row["ratio"]
+    return (
+        f"{o['median']:.1f} tok/s (spread {o['spread_pct']:.1f} %)",
+        f"{r['median']:.1f} tok/s (spread {r['spread_pct']:.1f} %)",
+        f"{q['median']:.4f} (rounds {q['min']:.3f}-{q['max']:.3f}, n={row['samples']})",
+    )
+
+
+def ratio(report_p1: dict[str, Any], mode: str = "graphs") -> float | None:
+    row = report_p1.get(mode) or {}
+    return row["ratio"]["median"] if "ratio" in row else None
+
+
+def modes(text: str) -> list[str]:
+    """``--p1-modes``: comma-separated from graphs, eager (in the order given); '' or 'none' for no P1."""
+    got = [m.strip() for m in text.split(",") if m.strip() and m.strip() != "none"]
+    bad = [m for m in got if m not in ("graphs", "eager")]
+    if bad or len(set(got)) != len(got):
+        raise argparse.ArgumentTypeError(f"--p1-modes {text!r}: allowed are graphs and eager, each once")
+    return got
+
+
+def samples(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 10:
+        raise argparse.ArgumentTypeError(f"--p1-samples {text!r}: at least 10 rounds (1 % needs them)")
+    return n
