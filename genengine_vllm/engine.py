@@ -119,6 +119,7 @@ class VLLMEngine(AsyncEngineBase):
     nothing has been scheduled since, so a flush now would drop nothing (it is the one ``wake(["kv_cache"])``
     owes after a load while the KV cache slept: a loop over every KV block, ~76k at 7B)."""
     _in_place_source = False  # the running load_weights' source holds its tensors (see _bucket_cost)
+    _load_device: Any = None  # this rank's GPU (a torch.device), where vLLM's parameters are
 
     def __init__(self, settings: VLLMSettings, topology: Topology | None) -> None:
         super().__init__(sleep_enabled=settings.enable_sleep, bucket_bytes=settings.bucket_bytes)
@@ -213,6 +214,7 @@ class VLLMEngine(AsyncEngineBase):
             # vLLM made this thread's current stream its own while it started (it keeps one per thread):
             # the async driver thread steps on the same device and stream.
             self._cuda = (torch.cuda.current_device(), torch.cuda.current_stream())
+            self._load_device = torch.device("cuda", self._cuda[0])
 
     @property
     def weight_sync_mode(self) -> str:
@@ -278,13 +280,10 @@ class VLLMEngine(AsyncEngineBase):
         in full, so ``bucket_bytes`` still bounds what a load holds. Every TP rank counts alike (its own GPU)."""
         import torch
 
-        cuda = self._cuda
         if (
             self._in_place_source
-            and cuda is not None
             and type(tensor) in (torch.Tensor, torch.nn.Parameter)
-            and tensor.is_cuda
-            and tensor.device.index == cuda[0]
+            and tensor.device == self._load_device
             and tensor.is_contiguous()
         ):
             return 0
