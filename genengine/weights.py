@@ -93,7 +93,7 @@ def _storage_bytes_needed(tensor: torch.Tensor) -> int:
     if numel == 0:
         return 0
     if tensor.is_contiguous():  # the common case, without a Python loop over the strides (a load checks every tensor)
-        return (tensor.storage_offset() + numel) * tensor.element_size()
+        return int(tensor.storage_offset() + numel) * tensor.element_size()
     last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
     return int(last + 1) * tensor.element_size()
 
