@@ -472,3 +472,43 @@ def test_import_genengine_loads_no_integration() -> None:
     code = "import genengine, sys; print(sorted(m for m in ('trl', 'genengine.integrations.trl') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@needs_trl
+@pytest.mark.parametrize("zero3", [False, True], ids=["parameters", "zero3-copies"])
+def test_sync_hands_the_engine_a_list_unless_the_walk_moves(zero3: bool) -> None:
+    """Where TRL's walk yields the model's own parameters, ``sync_weights`` hands the engine a list of them (no
+    memory held that the model does not hold; the engine checks the whole sync first and, on vLLM, loads it in
+    one call); where the walk takes each tensor back (ZeRO-3 here), a stream of copies, bounded by buckets."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from genengine.integrations.trl import GenEngineGeneration
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    seen: list[Any] = []
+
+    def load_weights(tensors: Any, version: int) -> str:
+        seen.append(tensors)
+        seen.append(list(tensors))
+        return "report"
+
+    gen = GenEngineGeneration.__new__(GenEngineGeneration)
+    gen.model, gen.engine, gen.enable_sleep_mode, gen.weight_version_fn, gen._syncs = model, None, False, None, 0
+    gen._dist = SimpleNamespace(
+        is_zero3=zero3, fsdp_version=None, is_fsdp=False, gather_params=lambda params: contextlib.nullcontext()
+    )
+    gen.engine = SimpleNamespace(load_weights=load_weights)
+    gen.sync_weights()
+    source, pairs = seen
+    assert [name for name, _ in pairs] == [name for name, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    if zero3:
+        assert not isinstance(source, list)
+        assert all(t.data_ptr() != params[n].data_ptr() and torch.equal(t, params[n]) for n, t in pairs)
+    else:
+        assert isinstance(source, list)
+        assert all(t.data_ptr() == params[n].data_ptr() for n, t in pairs)
+    assert gen.last_load == "report"
