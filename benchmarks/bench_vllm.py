@@ -11,8 +11,9 @@ exactly the ``vllm.LLM`` arguments genengine would pass; then ours in this proce
       median of 5 after a warm-up. Target: ours / raw >= 0.99.
   P2  load_weights of all 339 tensors from trainer-held CUDA tensors, timed until the copies are done
       (torch.cuda.synchronize: the engine is in-process, so the next generate sees them; checked once by
-      loading a zeroed final norm and reading uniform logprobs). Bucketed (512 MiB, genengine's default)
-      vs per-parameter (one load per tensor, the baseline), plus 1 GiB and one-bucket variants; the raw
+      loading a zeroed final norm and reading uniform logprobs). The default (512 MiB buckets, which a list
+      of dense tensors on the engine's GPU fills in one call: vLLM reads them in place) vs per-parameter
+      (one load per tensor, the baseline), plus 1 GiB and one-bucket variants; the raw
       engine's one-call and per-parameter ``apply_model`` beside them. Target (issue 41): the default
       <= 0.02 s with <= 1 GiB extra GPU memory (peak of the caching allocator over the load). Trace of a
       default load: vLLM's loader (our ``_apply_weights`` calls), the flush, and the rest (our checks and
