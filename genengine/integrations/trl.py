@@ -394,12 +394,12 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
             engine.wake([TAG_WEIGHTS])
             self._llm_weights_sleeping = False
         walk = self._named_tensors()
-        # Where nothing moves the walk yields the model's own parameters (FSDP2: its DTensors, gathered bucket by
-        # bucket when written): a list of them holds no memory, and the engine then checks the whole sync before
-        # the first write and reads the tensors in place (vLLM: one call, not one per bucket). A moving walk makes
-        # a copy per tensor: it stays a stream, bounded by the engine's buckets.
-        tensors = walk if self._walk_moves() else list(walk)
-        self.last_load = engine.load_weights(tensors, version=self._next_version())
+        # Without FSDP, ZeRO-3 or PEFT the walk yields the model's own parameters: a list of them holds no memory
+        # the model does not hold, and the engine then checks the whole sync before the first write and reads the
+        # tensors in place (vLLM: one call, not one per bucket). Any other walk makes a tensor per parameter (a
+        # copy, or FSDP2's full_tensor() gather): it stays a stream, bounded by the engine's buckets.
+        own = not (self._walk_moves() or self._dist.is_fsdp)
+        self.last_load = engine.load_weights(list(walk) if own else walk, version=self._next_version())
 
     # ---- generation --------------------------------------------------------------------------------------------
     def _image_data(self, images: list[list[Any] | None] | None, count: int) -> list[Any] | None:
