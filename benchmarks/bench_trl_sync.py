@@ -18,6 +18,10 @@ serve one engine per process), each timing ``sync_weights()`` of its generator `
               parameters either way). Run only where vLLM is installed: with ``--backend sglang`` in SGLang's
               site (which has no vLLM) that row is "not run", and the vllm run gives it.
 
+genengine's side also splits one sync (``breakdown``): TRL's parameter walk alone, the engine's writes (its
+``_apply_weights`` calls: vLLM's loader, SGLang's calls) and how many, the cache flush, and the rest (genengine's
+checks, bucketing and bookkeeping). Goal (issue 41): genengine's sync at least 2x faster than TRL's own (``goal_2x``).
+
 Each side then proves its syncs land: 16 one-token samples after the timed syncs must be far from uniform
 (the engine holds the policy's random weights, not the dummy ones, whose logits are nearly flat), and after the
 policy's final norm is zeroed and synced, uniform (every logprob -log(vocab) within 1e-2). GPU memory: the
@@ -95,6 +99,52 @@ def _peak_extra_gib(fn: Any, device: str) -> float | None:
     return round((torch.cuda.max_memory_allocated() - before) / GIB, 3)
 
 
+def _sync_breakdown(gen: Any, engine: Any, device: str) -> dict[str, Any]:
+    """One ``sync_weights()`` split: TRL's walk (timed alone, before), the engine's writes and calls, the flush,
+    and the rest (genengine's checks, bucketing, bookkeeping: the total less the other three)."""
+    _sync(device)
+    t = time.perf_counter()
+    walked = sum(1 for _ in gen._named_tensors())
+    walk_s = time.perf_counter() - t
+    seconds = {"_apply_weights": 0.0, "_finish_weights": 0.0}
+    calls = {"_apply_weights": 0, "_finish_weights": 0}
+
+    def timing(name: str) -> Any:
+        real = getattr(engine, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - t
+                calls[name] += 1
+
+        return wrapper
+
+    for name in seconds:
+        setattr(engine, name, timing(name))
+    _sync(device)
+    t = time.perf_counter()
+    try:
+        gen.sync_weights()
+        _sync(device)
+    finally:
+        total = time.perf_counter() - t
+        for name in seconds:
+            delattr(engine, name)  # the class's own method again
+    writes, flush = seconds["_apply_weights"], seconds["_finish_weights"]
+    return {
+        "total_s": round(total, 4),
+        "trl_walk_s": round(walk_s, 4),
+        "tensors": walked,
+        "engine_writes_s": round(writes, 4),
+        "engine_write_calls": calls["_apply_weights"],
+        "flush_s": round(flush, 4),
+        "genengine_rest_s": round(total - walk_s - writes - flush, 4),
+    }
+
+
 def _policy(model_dir: str, device: str) -> Any:
     """The trainer's model: real HF modules under HF names (what TRL walks), random weights."""
     import torch
@@ -156,6 +206,7 @@ def side_genengine(model_dir: str, backend: str, device: str, reps: int) -> dict
         engine = gen.engine
         ours = _timed(gen.sync_weights, reps, device)
         peak = _peak_extra_gib(gen.sync_weights, device)
+        breakdown = _sync_breakdown(gen, engine, device)
 
         def per_param() -> None:  # TRL's colocate loop, against the same engine
             for name, param in gen._iter_named_params():
@@ -172,6 +223,7 @@ def side_genengine(model_dir: str, backend: str, device: str, reps: int) -> dict
                 "tensors": report.num_tensors,
                 "buckets": report.num_buckets,
                 "bytes": report.num_bytes,
+                "breakdown": breakdown,
                 **landing,
             },
             "per_param_into_genengine": {"seconds": loop, "calls": report.num_tensors},
@@ -244,6 +296,7 @@ def _summarise(results: dict[str, Any]) -> None:
         "per_param_into_genengine": loop / ours if ours and loop else None,
         "trl_vllm_per_param": trl / ours if ours and trl else None,
     }
+    results["goal_2x"] = trl / ours >= 2 if ours and trl else None
     sides = {k: results.get(k) for k in ("genengine", "trl_vllm_per_param")}
     results["landed"] = {k: row["landed"] for k, row in sides.items() if row}
 
@@ -347,6 +400,14 @@ def main() -> int:
                 if "landed" in row
                 else ""
             )
+        )
+    split = results["genengine"].get("breakdown")
+    if split:
+        print(
+            f"  genengine's sync split: TRL walk {split['trl_walk_s']:.4f} s, engine writes"
+            f" {split['engine_writes_s']:.4f} s ({split['engine_write_calls']} calls),"
+            f" flush {split['flush_s']:.4f} s, genengine's checks and bookkeeping {split['genengine_rest_s']:.4f} s;"
+            f" goal >= 2x TRL's own: {results.get('goal_2x')}"
         )
     print("BENCH_TRL_SYNC_RESULT " + json.dumps(results))
     _write(results, out)

@@ -89,8 +89,11 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 
 def _storage_bytes_needed(tensor: torch.Tensor) -> int:
-    if tensor.numel() == 0:
+    numel = tensor.numel()
+    if numel == 0:
         return 0
+    if tensor.is_contiguous():  # the common case, without a Python loop over the strides (a load checks every tensor)
+        return int(tensor.storage_offset() + numel) * tensor.element_size()
     last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
     return int(last + 1) * tensor.element_size()
 
@@ -103,13 +106,18 @@ def check_storage(name: str, tensor: Any) -> None:
     if type(tensor) in (torch.Tensor, torch.nn.Parameter) and not tensor.is_meta:  # DTensor: its own memory
         if tensor.is_nested or tensor.layout != torch.strided:
             return
-        have, need = tensor.untyped_storage().nbytes(), _storage_bytes_needed(tensor)
-        if have < need:
-            # FSDP frees unsharded parameters so.
-            raise WeightLoadError(
-                f"weight {name!r} has no data: its storage holds {have} bytes, its shape needs {need} "
-                f"(was it freed, e.g. by FSDP's reshard, before load_weights wrote it?); {_ALLOWED}"
-            )
+        _check_storage_bytes(name, tensor)
+
+
+def _check_storage_bytes(name: str, tensor: torch.Tensor) -> None:
+    """``check_storage`` for a plain strided tensor with data (the caller has checked its kind)."""
+    have, need = tensor.untyped_storage().nbytes(), _storage_bytes_needed(tensor)
+    if have < need:
+        # FSDP frees unsharded parameters so.
+        raise WeightLoadError(
+            f"weight {name!r} has no data: its storage holds {have} bytes, its shape needs {need} "
+            f"(was it freed, e.g. by FSDP's reshard, before load_weights wrote it?); {_ALLOWED}"
+        )
 
 
 def _check_data(name: str, tensor: torch.Tensor, info: WeightInfo) -> None:
@@ -121,7 +129,8 @@ def _check_data(name: str, tensor: torch.Tensor, info: WeightInfo) -> None:
     if tensor.is_nested or tensor.layout != torch.strided:
         kind = "nested" if tensor.is_nested else str(tensor.layout)
         raise WeightLoadError(f"weight {name!r} is a {kind} tensor; {_ALLOWED} (convert it with .to_dense())")
-    check_storage(name, tensor)
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter):  # check_storage, its kind checked just above
+        _check_storage_bytes(name, tensor)
     if not tensor.is_floating_point():
         raise WeightLoadError(
             f"weight {name!r} has dtype {tensor.dtype}; a floating dtype is required "
@@ -148,6 +157,9 @@ class WeightValidator:
         self.spec = spec
         self.check_finite = check_finite
         self.seen: set[str] = set()
+        self.checked_just_before = False
+        """Set by ``iter_buckets`` when it checked the whole source after pulling it: no trainer code runs
+        between those checks and the writes, so ``prepare`` need not check the metadata again."""
 
     def check(self, index: int, item: Any) -> tuple[str, torch.Tensor]:
         import torch
@@ -178,17 +190,18 @@ class WeightValidator:
     def prepare(self, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
         """A checked bucket as ``_apply_weights`` takes it, right before it is written.
 
-        The metadata is checked again: a trainer may free or re-point a tensor after handing it over (the
-        engine holds up to a bucket of them), and reading freed storage crashes the process. DTensors are
-        gathered with ``full_tensor()``, a collective over their mesh: every rank reaches it in stream order,
-        since every rank prepares the same buckets in order. Views are made contiguous.
+        The metadata is checked again (unless ``checked_just_before``): a trainer may free or re-point a tensor
+        after handing it over (the engine holds up to a bucket of them), and reading freed storage crashes the
+        process. DTensors are gathered with ``full_tensor()``, a collective over their mesh: every rank reaches
+        it in stream order, since every rank prepares the same buckets in order. Views are made contiguous.
         """
         import torch
 
         ready = []
         with torch.no_grad():
             for name, tensor in bucket:
-                _check_data(name, tensor, self.spec[name])
+                if not self.checked_just_before:
+                    _check_data(name, tensor, self.spec[name])
                 if _is_dtensor(tensor):
                     tensor = tensor.full_tensor()  # type: ignore[attr-defined]
                     if self.check_finite:
@@ -224,6 +237,7 @@ def iter_buckets(
         # the trainer released after handing it over (see WeightValidator.prepare) is caught here too.
         pulled = list(source)
         source_iter: Iterable[tuple[str, torch.Tensor]] = [validator.check(i, item) for i, item in enumerate(pulled)]
+        validator.checked_just_before = True
     else:
         source_iter = (validator.check(i, item) for i, item in enumerate(source))
     bucket: list[tuple[str, torch.Tensor]] = []

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import gc
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import ItemsView, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from genengine.backend import (
@@ -112,6 +112,14 @@ class VLLMEngine(AsyncEngineBase):
     supported_tags = (TAG_WEIGHTS, TAG_KV_CACHE)
     supports_images: ClassVar[bool] = True
     wake_before_shutdown: ClassVar[bool] = True  # vLLM's allocator cannot free memory it unmapped for sleep
+    _prefix_caching = True  # vLLM's enable_prefix_caching, read once it has started
+    _caches_clean = False
+    """vLLM's prefix, multimodal and encoder caches are empty: its sleep (level >= 1) reset them
+    (``EngineCore.sleep`` → ``pause_scheduler(clear_cache=True)`` → ``_reset_caches``, v1/engine/core.py) and
+    nothing has been scheduled since, so a flush now would drop nothing (it is the one ``wake(["kv_cache"])``
+    owes after a load while the KV cache slept: a loop over every KV block, ~76k at 7B)."""
+    _in_place_source = False  # the running load_weights' source holds its tensors (see _bucket_cost)
+    _load_device: Any = None  # this rank's GPU (a torch.device), where vLLM's parameters are
 
     def __init__(self, settings: VLLMSettings, topology: Topology | None) -> None:
         super().__init__(sleep_enabled=settings.enable_sleep, bucket_bytes=settings.bucket_bytes)
@@ -198,12 +206,15 @@ class VLLMEngine(AsyncEngineBase):
             )
         self._max_model_len = int(llm.model_config.max_model_len)
         self._multimodal = bool(getattr(llm.model_config, "is_multimodal_model", False))
+        cache_config = getattr(getattr(llm.llm_engine, "vllm_config", None), "cache_config", None)
+        self._prefix_caching = bool(getattr(cache_config, "enable_prefix_caching", True))
         import torch
 
         if torch.cuda.is_available():
             # vLLM made this thread's current stream its own while it started (it keeps one per thread):
             # the async driver thread steps on the same device and stream.
             self._cuda = (torch.cuda.current_device(), torch.cuda.current_stream())
+            self._load_device = torch.device("cuda", self._cuda[0])
 
     @property
     def weight_sync_mode(self) -> str:
@@ -252,9 +263,31 @@ class VLLMEngine(AsyncEngineBase):
     ) -> LoadReport:
         self._check_open()
         self._check_tp_consistent(("load_weights", bucket_bytes, check_finite, version, self.state))
-        return super().load_weights(
-            named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
-        )
+        self._in_place_source = isinstance(named_tensors, (list, tuple, Mapping, ItemsView))
+        try:
+            return super().load_weights(
+                named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
+            )
+        finally:
+            self._in_place_source = False
+
+    def _bucket_cost(self, tensor: torch.Tensor) -> int:
+        """vLLM's loader copies each tensor straight into its parameter (``param.data.copy_``): nothing is
+        staged. A dense tensor on this rank's GPU from a source that holds its tensors anyway (a list, tuple or
+        dict: no reference is kept that the caller does not keep) costs no memory, so all such tensors go in
+        one ``apply_model`` call (the per-call loader setup was ~80 us x 30 buckets at 7B). A generator's
+        tensors may be fresh copies, and gathered DTensors and views made contiguous are copies: those count
+        in full, so ``bucket_bytes`` still bounds what a load holds. Every TP rank counts alike (its own GPU)."""
+        import torch
+
+        if (
+            self._in_place_source
+            and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+            and tensor.device == self._load_device
+            and tensor.is_contiguous()
+        ):
+            return 0
+        return super()._bucket_cost(tensor)
 
     def begin_load(self, *, check_finite: bool = False, version: int | None = None) -> LoadSession:
         self._check_open()
@@ -338,6 +371,7 @@ class VLLMEngine(AsyncEngineBase):
     def _generate(self, requests: list[Request]) -> list[GenerationResult]:
         self._check_not_held()
         self._check_requests(requests)
+        self._caches_clean = False  # from here vLLM may cache blocks computed with the weights in force
         prompts: list[dict[str, Any]] = []
         params: list[Any] = []
         owners: list[int] = []
@@ -399,6 +433,7 @@ class VLLMEngine(AsyncEngineBase):
     def _async_start(self, request: AsyncRequest) -> None:
         self._check_requests([request.request])
         inputs = self._vllm_requests(request.request, one_per_sample=True)
+        self._caches_clean = False
         with self._lock():
             driver = self._async_driver()
             driver.start(request, inputs)
@@ -438,6 +473,7 @@ class VLLMEngine(AsyncEngineBase):
             # is back when this returns (one more full gc here would only cost time in every RL step).
             self._llm.sleep(level=level)
             torch.cuda.synchronize()
+            self._caches_clean = True  # the sleep reset vLLM's caches (see _caches_clean)
 
     def _resume(self, tags: tuple[str, ...]) -> None:
         with self._lock():
@@ -481,14 +517,19 @@ class VLLMEngine(AsyncEngineBase):
 
     def _flush_cache(self) -> None:
         with self._lock():
+            if self._caches_clean:
+                return  # nothing was cached since vLLM's sleep emptied the caches
             driver = self._driver
-            if driver is not None and driver.held and driver.kept_kv:
+            if not self._prefix_caching:
+                pass  # no block is ever cached (vLLM's reset would walk every block to clear hashes none has)
+            elif driver is not None and driver.held and driver.kept_kv:
                 # pause(keep, clear_cache=False): the held requests keep their KV blocks, which vLLM's reset
                 # refuses (BlockPool.reset_prefix_cache); the driver takes every block out of the prefix cache instead.
                 driver.evict_prefix_cache()
             elif not self._llm.reset_prefix_cache():
                 raise EngineStateError("vLLM could not reset its prefix cache (requests still running)")
-            self._llm.llm_engine.reset_encoder_cache()  # vision embeddings computed with the old weights
+            if self._multimodal:
+                self._llm.llm_engine.reset_encoder_cache()  # vision embeddings computed with the old weights
 
     def _shutdown(self) -> None:
         driver, self._driver = self._driver, None

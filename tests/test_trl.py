@@ -727,3 +727,49 @@ def test_import_genengine_loads_no_integration() -> None:
     code = "import genengine, sys; print(sorted(m for m in ('trl', 'genengine.integrations.trl') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@needs_trl
+@pytest.mark.parametrize("walk", ["parameters", "zero3", "fsdp2"])
+def test_sync_hands_the_engine_a_list_only_of_the_models_own_parameters(walk: str) -> None:
+    """Where TRL's walk yields the model's own parameters, ``sync_weights`` hands the engine a list of them (no
+    memory held that the model does not hold; the engine checks the whole sync first and, on vLLM, loads it in
+    one call); where the walk makes a tensor per parameter (ZeRO-3: copies; FSDP2: ``full_tensor()`` gathers,
+    stood in for here by fresh copies), a stream, bounded by buckets."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from genengine.integrations.trl import GenEngineGeneration
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    seen: list[Any] = []
+
+    def load_weights(tensors: Any, version: int) -> str:
+        seen.append(tensors)
+        seen.append(list(tensors))
+        return "report"
+
+    gen = GenEngineGeneration.__new__(GenEngineGeneration)
+    gen.model, gen.enable_sleep_mode, gen.weight_version_fn, gen._syncs = model, False, None, 0
+    gen._dist = SimpleNamespace(
+        is_zero3=walk == "zero3",
+        fsdp_version=2 if walk == "fsdp2" else None,
+        is_fsdp=walk == "fsdp2",
+        gather_params=lambda params: contextlib.nullcontext(),
+    )
+    if walk == "fsdp2":
+        gen._iter_named_params = lambda: ((n, p.detach().clone()) for n, p in model.named_parameters())
+    gen.engine = SimpleNamespace(load_weights=load_weights)
+    gen.sync_weights()
+    source, pairs = seen
+    assert [name for name, _ in pairs] == [name for name, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    if walk == "parameters":
+        assert isinstance(source, list)
+        assert all(t.data_ptr() == params[n].data_ptr() for n, t in pairs)
+    else:
+        assert not isinstance(source, list)
+        assert all(t.data_ptr() != params[n].data_ptr() and torch.equal(t, params[n]) for n, t in pairs)
+    assert gen.last_load == "report"

@@ -234,3 +234,37 @@ def test_tensors_read_in_place_do_not_count_towards_a_bucket(
         assert report.num_buckets == _bucket_count(copied, largest)
         assert engine.load_weights([(n, t) for n, t in items if t.dim() == 1], bucket_bytes=1).num_buckets == 1
         assert engine.generate(PROMPTS, GREEDY)  # what was loaded in shared buckets is the model
+
+
+def test_each_tensor_is_checked_once_when_the_whole_source_was_checked_just_before(
+    model_dir: str, weights: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A list is checked whole right before its buckets are written (no trainer code runs in between), so the
+    metadata is read once per tensor; a one-pass stream's tensors are checked again before their bucket (the
+    trainer may have released them meanwhile: test_tensor_released_after_handover_is_rejected_before_its_bucket)."""
+    from genengine import weights as weights_module
+
+    checked: list[str] = []
+    real = weights_module._check_data
+    monkeypatch.setattr(weights_module, "_check_data", lambda name, *a: (checked.append(name), real(name, *a))[1])
+    items = list(weights["A"].items())
+    with StreamingTransformersEngine(model_dir, dtype="float32") as engine:
+        engine.load_weights(items, bucket_bytes=1)
+        assert sorted(checked) == sorted(n for n, _ in items)
+        checked.clear()
+        engine.load_weights(iter(items), bucket_bytes=1)
+        assert sorted(checked) == sorted(n for n, _ in items for _ in range(2))
+
+
+def test_a_contiguous_tensor_past_the_end_of_its_storage_is_refused() -> None:
+    """The storage bound of a contiguous tensor (computed without a walk over its strides) counts its offset."""
+    import torch
+
+    from genengine.weights import check_storage
+
+    base = torch.ones(10)
+    view = base[2:]  # contiguous, 8 elements from element 2: needs 40 bytes of storage
+    check_storage("w", view)
+    base.untyped_storage().resize_(36)
+    with pytest.raises(WeightLoadError, match="weight 'w' has no data: its storage holds 36 bytes, its shape needs 40"):
+        check_storage("w", view)

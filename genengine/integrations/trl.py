@@ -451,11 +451,15 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
             engine.shutdown()
 
     # ---- weights -----------------------------------------------------------------------------------------------
+    def _walk_moves(self) -> bool:
+        """True where TRL's walk takes each tensor back as it moves on: ZeRO-3 re-partitions a parameter, FSDP1
+        frees the summoned one and PEFT unmerges the adapter."""
+        return bool(is_peft_model(self.model) or self._dist.is_zero3 or self._dist.fsdp_version == 1)
+
     def _named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """TRL's own parameter walk (FSDP1/FSDP2, ZeRO-3, PEFT merged), with each tensor copied where the walk
-        takes it back: ZeRO-3 re-partitions a parameter, FSDP1 frees the summoned one and PEFT unmerges the
-        adapter as soon as the walk moves on, while the engine holds up to a bucket of tensors before it writes."""
-        moves = is_peft_model(self.model) or self._dist.is_zero3 or self._dist.fsdp_version == 1
+        takes it back (``_walk_moves``), while the engine holds up to a bucket of tensors before it writes."""
+        moves = self._walk_moves()
         with torch.no_grad():
             for name, tensor in self._iter_named_params():
                 yield name, (tensor.detach().clone() if moves else tensor)
@@ -472,7 +476,13 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
             _vllm_generation.empty_cache()  # as TRL: avoids an OOM when the weights come back
             engine.wake([TAG_WEIGHTS])
             self._llm_weights_sleeping = False
-        self.last_load = engine.load_weights(self._named_tensors(), version=self._next_version())
+        walk = self._named_tensors()
+        # Without FSDP, ZeRO-3 or PEFT the walk yields the model's own parameters: a list of them holds no memory
+        # the model does not hold, and the engine then checks the whole sync before the first write and reads the
+        # tensors in place (vLLM: one call, not one per bucket). Any other walk makes a tensor per parameter (a
+        # copy, or FSDP2's full_tensor() gather): it stays a stream, bounded by the engine's buckets.
+        own = not (self._walk_moves() or self._dist.is_fsdp)
+        self.last_load = engine.load_weights(list(walk) if own else walk, version=self._next_version())
 
     # ---- generation --------------------------------------------------------------------------------------------
     def _image_data(self, images: list[list[Any] | None] | None, count: int) -> list[Any] | None:
