@@ -234,3 +234,42 @@ def test_template_passes_its_own_tests_in_the_fresh_venv(fresh_venv: FreshVenv) 
     # The conformance suite really ran through the installed entry point (not skipped wholesale).
     assert int(re.search(r"(\d+) passed", summary).group(1)) >= 50, summary  # type: ignore[union-attr]
     print("fresh-venv timings (s):", {k: round(v, 1) for k, v in fresh_venv.timings.items()})
+
+
+_SHOUTY = '''
+from typing import Any
+
+from genengine_template.engine import TemplateEngine
+from genengine.testing.conformance import EngineConformance
+
+
+class Shouty(TemplateEngine):
+    """A bug for the suite to find: every output's text ends in "!"."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        decode = self._decode
+        self._decode = lambda ids: decode(ids) + "!"
+
+
+class TestShouty(EngineConformance):
+    def make_engine(self, model_dir: str, **options: Any) -> Any:
+        return Shouty(model_dir, dtype="float32", device="cpu", **options)
+'''
+
+
+def test_a_failed_check_shows_its_values_where_genengine_is_installed(fresh_venv: FreshVenv, tmp_path: Path) -> None:
+    """pytest rewrites no asserts in an installed package by itself: the suite registers its modules for it, so
+    a plugin author sees what was compared, not a bare AssertionError."""
+    (tmp_path / "test_shouty.py").write_text(_SHOUTY)
+    proc = subprocess.run(
+        [str(fresh_venv.python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_output_fields"],
+        cwd=tmp_path,
+        env=fresh_venv.env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert "1 failed" in out.strip().splitlines()[-1], out[-4000:]
+    assert re.search(r"E\s+AssertionError: assert '[^'\n]*!' == '", out), out[-4000:]

@@ -266,6 +266,20 @@ class AsyncEngineBase(EngineBase):
             for index in request.unfinished():
                 request.finish(index, "abort")
 
+    def _abort_now(self, request: AsyncRequest) -> None:
+        """Abort one request without awaiting its end (its caller is being cancelled): a request queued during
+        a pause ends "abort" at once and never starts; one the engine runs is handed to ``_async_abort``."""
+        state = self._async_state()
+        with state.lock:
+            queued = request in state.queued
+            if queued:
+                state.queued.remove(request)
+        if queued:
+            for index in request.unfinished():
+                request.finish(index, "abort")
+        elif not request.done:
+            self._async_abort([request])
+
     def _after_shutdown(self) -> None:
         """No stream outlives the engine unfinished: requests the backend did not end (queued ones, or held
         ones it lost) end "abort" with what they have. The registry lets go of every request, so that an
@@ -372,7 +386,7 @@ class RequestStream(StreamBase):
 
     async def _abort(self, *, cancelled: bool) -> None:
         if cancelled:
-            self._engine._async_abort([self._request])  # now, without awaiting: the caller is being cancelled
+            self._engine._abort_now(self._request)  # without awaiting: the caller is being cancelled
         else:
             await self._engine.abort(self.request_id)
 

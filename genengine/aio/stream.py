@@ -54,9 +54,14 @@ class StreamBase(abc.ABC):
 
     async def collect(self) -> GenerationResult:
         """Read the chunks not read yet and return the result; a caller cancelled meanwhile aborts the request."""
+        task = asyncio.current_task()
+        cancels = _cancels(task)
         try:
             async for _ in self:
-                pass
+                if _cancels(task) > cancels:
+                    # A cancellation that an ``asyncio.wait_for`` inside ``__anext__`` swallowed (before Python
+                    # 3.12 it returns the inner result when that finished at the same moment): honoured here.
+                    raise asyncio.CancelledError
         except asyncio.CancelledError:
             if not self.done:
                 await self._abort(cancelled=True)
@@ -78,3 +83,9 @@ class StreamBase(abc.ABC):
         if not self.done:
             await self._abort(cancelled=False)
         await self._close()
+
+
+def _cancels(task: asyncio.Task[object] | None) -> int:
+    """The cancellations requested of ``task`` and not withdrawn (Python 3.11+; 0 before, or with no task)."""
+    cancelling = getattr(task, "cancelling", None)
+    return int(cancelling()) if cancelling is not None else 0

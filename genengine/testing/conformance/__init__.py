@@ -18,7 +18,34 @@ logprobs and greedy decoding is transformers itself, run on the CPU in float32 f
 Importable without a GPU; imports torch and transformers only inside fixtures and tests.
 """
 
-from genengine.testing.conformance.base import GREEDY, PROMPTS, load_checkpoint, reference_logprobs
-from genengine.testing.conformance.suite import EngineConformance
+import pytest
 
-__all__ = ["GREEDY", "PROMPTS", "EngineConformance", "load_checkpoint", "reference_logprobs"]
+# pytest rewrites the asserts of test files only, not of an installed package: registered before they are
+# imported, the suite's modules are rewritten too, so that a failed check shows its values (with pytest's
+# default --assert=rewrite; outside pytest this does nothing).
+pytest.register_assert_rewrite(
+    *(
+        f"genengine.testing.conformance.{name}"
+        for name in ("base", "generate", "sleep_wake", "weights", "asynchronous", "suite", "transport")
+    )
+)
+
+from genengine.testing.conformance.base import (  # noqa: E402
+    GREEDY,
+    PROMPTS,
+    ConformanceWarning,
+    EngineSlot,
+    load_checkpoint,
+    reference_logprobs,
+)
+from genengine.testing.conformance.suite import EngineConformance  # noqa: E402
+
+__all__ = [
+    "GREEDY",
+    "PROMPTS",
+    "ConformanceWarning",
+    "EngineConformance",
+    "EngineSlot",
+    "load_checkpoint",
+    "reference_logprobs",
+]

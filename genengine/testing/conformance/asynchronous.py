@@ -53,6 +53,15 @@ async def _read(stream: Any, count: int) -> list[int]:
     return tokens
 
 
+async def _settled(engine: Any) -> int:
+    """``in_flight`` once it reached 0, or after ``CHUNK_TIMEOUT_S`` (an abort may take a scheduler step)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CHUNK_TIMEOUT_S
+    while (count := int(engine.in_flight)) and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    return count
+
+
 _SWITCH = SamplingParams(temperature=0.0, max_new_tokens=160, ignore_eos=True, logprobs=True)
 """Long enough that the request still runs when the pause lands, 4 tokens in, on a loaded 2-core machine too
 (with 40, a run that raced to the end before the pause was seen once)."""
@@ -444,6 +453,55 @@ class AsyncTests(ConformanceBase):
         running, after, long = _run(main())
         assert running == 1 and long.outputs[0].finish_reason == "abort"
         assert [o.token_ids for o in after.outputs] == [o.token_ids for o in baseline[1].outputs]
+
+    # ---- callers that give up ---------------------------------------------------------------------------------
+    def test_a_cancelled_collect_or_generate_async_aborts_its_request(
+        self, async_engine: Any, baseline: list[GenerationResult]
+    ) -> None:
+        """A caller that gives up on ``generate_async`` or ``collect`` (``wait_for`` timing out, its task
+        cancelled) aborts the request it waited for, running or queued during a pause: ``in_flight`` returns to
+        0 and the engine may sleep. Left running unread, it would hold its memory and refuse every sleep."""
+        engine = async_engine
+
+        async def main() -> dict[str, int]:
+            left: dict[str, int] = {}
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(engine.generate_async(PROMPTS[0], _LONGEST), 0.2)
+            left["wait_for(generate_async) timed out"] = await _settled(engine)
+
+            stream = engine.stream(PROMPTS[1], _LONGEST)
+            await _read(stream, 1)
+            collecting = asyncio.ensure_future(stream.collect())
+            await asyncio.sleep(0.05)
+            collecting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await collecting
+            left["collect() task cancelled"] = await _settled(engine)
+
+            await engine.pause_generation("abort")
+            queued = asyncio.ensure_future(engine.generate_async(PROMPTS[2], _LONGEST))
+            await asyncio.sleep(0.05)
+            left["queued during a pause, before the cancel"] = engine.in_flight
+            queued.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            left["queued generate_async task cancelled"] = await _settled(engine)
+            await engine.resume_generation()
+            await asyncio.sleep(0.05)
+            left["after the resume"] = await _settled(engine)
+            return left
+
+        left = _run(main())
+        assert left == {
+            "wait_for(generate_async) timed out": 0,
+            "collect() task cancelled": 0,
+            "queued during a pause, before the cancel": 1,
+            "queued generate_async task cancelled": 0,
+            "after the resume": 0,
+        }, f"requests in flight after each cancellation: {left}"
+        engine.sleep(1)  # nothing runs any more: allowed
+        engine.wake()
+        self.assert_baseline(engine, baseline)
 
     # ---- under load ------------------------------------------------------------------------------------------
     def test_200_concurrent_requests_with_random_aborts(self, async_engine: Any) -> None:

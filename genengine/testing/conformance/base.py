@@ -6,7 +6,9 @@ engine per class, a fresh one on other weights for the references); the test mix
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +20,15 @@ from genengine.protocol import GenerationEngine, GenerationResult, SamplingParam
 from genengine.testing.parity import parity_bound
 from genengine.testing.tiny_model import tiny_model_dir
 
-__all__ = ["GREEDY", "PROMPTS", "ConformanceBase", "load_checkpoint", "reference_logprobs"]
+__all__ = [
+    "GREEDY",
+    "PROMPTS",
+    "ConformanceBase",
+    "ConformanceWarning",
+    "EngineSlot",
+    "load_checkpoint",
+    "reference_logprobs",
+]
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "In a distant galaxy far away", "Hello"]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, logprobs=True)
@@ -94,6 +104,56 @@ def _breaking_stream(items: list[tuple[str, Any]], count: int, error: BaseExcept
     """The first ``count`` pairs, then ``error``: a trainer whose weight stream dies part-way."""
     yield from items[:count]
     raise error
+
+
+class ConformanceWarning(UserWarning):
+    """What the suite did about a failed test's engine (replaced it, or skips the rest of the class)."""
+
+
+class EngineSlot:
+    """The engine a conformance class shares; ``broken`` (a reason) once none could be made usable again."""
+
+    def __init__(self, engine: GenerationEngine) -> None:
+        self.engine = engine
+        self.broken: str | None = None
+
+
+def _restore(engine: GenerationEngine, weights: dict[str, Any] | None, baseline: list[GenerationResult]) -> str | None:
+    """Bring an engine a failed test left behind back to the suite's starting state (loading ``weights``, the
+    original ones, unless None: a fresh engine serves its checkpoint); None once it serves the baseline
+    again, else what is wrong."""
+    import asyncio
+
+    from genengine.protocol import is_async_engine
+
+    if engine.state.closed:
+        return "it was shut down"
+    step = "aborting an open load session"
+    try:
+        session = getattr(engine, "_EngineBase__session", None)
+        if session is not None:
+            session.abort()
+        if is_async_engine(engine):
+            step = "aborting its requests"
+            asyncio.run(asyncio.wait_for(engine.abort(), 60))
+        step = "waking it"
+        if engine.is_sleeping:
+            engine.wake()
+        if weights is not None:
+            step = "loading the original weights"
+            engine.load_weights(weights.items())
+        if is_async_engine(engine) and engine.paused is not None:
+            step = "resuming generation"
+            asyncio.run(asyncio.wait_for(engine.resume_generation(), 60))
+        step = "generating the baseline"
+        got = _tokens(engine.generate(PROMPTS, GREEDY))
+    except Exception as exc:
+        return f"{step} raised {exc!r}"
+    want = _tokens(baseline)
+    if got != want:
+        i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+        return f"its greedy tokens for PROMPTS[{i}] are {got[i]}, the baseline's {want[i]}"
+    return None
 
 
 class ConformanceBase:
@@ -204,24 +264,70 @@ class ConformanceBase:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def engine(cls, model_dir: str, other_record: dict[str, Any]) -> Iterator[GenerationEngine]:
-        engine = cls().make_engine(model_dir)
+    def engine_slot(cls, model_dir: str, other_record: dict[str, Any]) -> Iterator[EngineSlot]:
+        """The class's shared engine (built after ``other_record``'s is shut down), in a slot: a test that fails
+        and leaves it broken gets it replaced by a fresh one, so that one bug does not fail every later test."""
+        slot = EngineSlot(cls().make_engine(model_dir))
         try:
-            yield engine
+            yield slot
         finally:
-            engine.shutdown()
+            slot.engine.shutdown()
+
+    @pytest.fixture
+    def engine(self, engine_slot: EngineSlot) -> GenerationEngine:
+        """The class's shared engine (the same object from test to test unless a failed test broke it)."""
+        if engine_slot.broken is not None:
+            pytest.skip(engine_slot.broken)
+        return engine_slot.engine
 
     @pytest.fixture(scope="class")
     @classmethod
-    def baseline(cls, engine: GenerationEngine) -> list[GenerationResult]:
+    def baseline(cls, engine_slot: EngineSlot) -> list[GenerationResult]:
         """Greedy outputs of the class engine on ``PROMPTS`` with its original weights."""
-        return engine.generate(PROMPTS, GREEDY)
+        return engine_slot.engine.generate(PROMPTS, GREEDY)
 
     @pytest.fixture(autouse=True)
-    def _leave_engine_awake(self, engine: GenerationEngine) -> Iterator[None]:
+    def _leave_engine_awake(self, request: pytest.FixtureRequest, engine_slot: EngineSlot) -> Iterator[None]:
+        """After a test: awake; after a failed one, restored (or replaced) so later tests do not fail with it."""
+        failed = request.session.testsfailed
         yield
+        if request.session.testsfailed > failed:
+            self._recover(request, engine_slot)
+            return
+        engine = engine_slot.engine
         if not engine.state.closed and engine.is_sleeping:
             engine.wake()
+
+    # ---- after a failed test -----------------------------------------------------------------------------
+    def _recover(self, request: pytest.FixtureRequest, slot: EngineSlot) -> None:
+        """Put the shared engine back as every test expects it (awake, unpaused, idle, the original weights,
+        the baseline's outputs); if it cannot be, shut it down and build a fresh one. Said in a warning."""
+        if slot.broken is not None:
+            return
+        try:
+            baseline = request.getfixturevalue("baseline")
+            weights = request.getfixturevalue("original_weights")
+        except Exception:  # the references themselves failed: each later test reports that on its own
+            return
+        test = request.node.name
+        why = _restore(slot.engine, weights, baseline)
+        if why is None:
+            return
+        message = f"{test} failed and left the shared engine unusable ({why})"
+        with contextlib.suppress(Exception):
+            slot.engine.shutdown()
+        try:
+            slot.engine = self.make_engine(request.getfixturevalue("model_dir"))
+        except Exception as exc:
+            slot.broken = f"{message}; a fresh engine could not be built ({exc!r}): not run"
+            warnings.warn(ConformanceWarning(slot.broken), stacklevel=1)
+            return
+        again = _restore(slot.engine, None, baseline)
+        if again is not None:
+            slot.broken = f"{message}; a fresh engine is not usable either ({again}): not run"
+            warnings.warn(ConformanceWarning(slot.broken), stacklevel=1)
+            return
+        warnings.warn(ConformanceWarning(f"{message}: later tests run on a fresh engine"), stacklevel=1)
 
     @contextmanager
     def restoring(self, engine: GenerationEngine, weights: dict[str, Any]) -> Iterator[None]:
