@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import importlib.util
 import inspect
+import logging
 import re
 import sys
 import threading
@@ -56,6 +57,8 @@ KNOWN_BACKENDS: Mapping[str, str] = {
     "vllm": "pip install 'genengine[vllm]'",
 }
 """Backends we ship or know of, with how to install them: named in "unknown backend" errors."""
+
+_log = logging.getLogger(__name__)
 
 _PROTOCOL_METHODS = ("generate", "sleep", "wake", "load_weights", "flush_cache", "shutdown")
 
@@ -445,7 +448,9 @@ def create_engine(config: Any = None, /, **kwargs: Any) -> GenerationEngine:
     if _is_engine_instance(backend):
         return backend
     if _is_engine_class(backend):
-        return backend.from_config(cfg) if hasattr(backend, "from_config") else backend(cfg)
+        engine = backend.from_config(cfg) if hasattr(backend, "from_config") else backend(cfg)
+        _log_start(engine, cfg, f"{backend.__module__}.{backend.__qualname__}")
+        return engine  # type: ignore[no-any-return]
     if not isinstance(backend, str):
         raise ConfigError(
             f"backend={backend!r} is neither a backend name nor an engine class or instance "
@@ -454,7 +459,31 @@ def create_engine(config: Any = None, /, **kwargs: Any) -> GenerationEngine:
     info = get_backend(backend)
     if cfg.model is None:
         raise ConfigError(f"backend {backend!r} needs a model: pass model=PATH")
-    return load_factory(info)(cfg)
+    engine = load_factory(info)(cfg)
+    _log_start(engine, cfg, backend)
+    return engine  # type: ignore[no-any-return]
+
+
+def _log_start(engine: Any, cfg: EngineConfig, backend: str) -> None:
+    """One INFO line per engine started, so a user (or a trainer's log) sees that genengine generates, and
+    with what. Device and dtype are the engine's own where it says (``engine.device``, ``engine.dtype``, or
+    its ``settings``), else the config's."""
+    if not _log.isEnabledFor(logging.INFO):
+        return
+    settings = getattr(engine, "settings", None)
+    device = getattr(engine, "device", None) or cfg.options.get("device")
+    if device is None:
+        torch = sys.modules.get("torch")  # imported by any engine that could be on a GPU; never imported here
+        device = "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
+    dtype = getattr(engine, "dtype", None) or getattr(settings, "dtype", None) or cfg.dtype
+    _log.info(
+        "genengine: started engine backend=%s device=%s dtype=%s model=%s tp=%d",
+        backend,
+        device,
+        str(dtype).removeprefix("torch."),
+        cfg.model,
+        cfg.tp_size,
+    )
 
 
 def load_factory(info: BackendInfo) -> Callable[[EngineConfig], Any]:

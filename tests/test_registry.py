@@ -329,3 +329,22 @@ def test_live_engine_tracking_is_per_class_and_drops_closed_engines() -> None:
     finally:
         for engine in (a, b, c):
             untrack_engine(engine)
+
+
+def test_engine_start_is_logged_once_with_what_runs(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 40 (A6): one INFO line per engine started says backend, device, dtype (the engine's: "auto" is
+    what the checkpoint holds), model and tp."""
+    import logging
+
+    from genengine.testing.tiny_model import tiny_model_dir
+
+    model = str(tiny_model_dir())
+    with caplog.at_level(logging.INFO, logger="genengine"):
+        with create_engine(backend="transformers", model=model, dtype="auto", max_batch_size=2):
+            pass
+        create_engine(backend=_Engine, model="m", tp_size=2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "genengine.registry" and r.levelno == logging.INFO]
+    assert lines == [
+        f"genengine: started engine backend=transformers device=cpu dtype=bfloat16 model={model} tp=1",  # not 'auto'
+        f"genengine: started engine backend={__name__}._Engine device=cpu dtype=bfloat16 model=m tp=2",
+    ]
