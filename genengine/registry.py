@@ -39,6 +39,7 @@ __all__ = [
     "TransportInfo",
     "available_backends",
     "available_transports",
+    "check_engine_config",
     "create_engine",
     "get_backend",
     "get_plugin_manager",
@@ -450,18 +451,45 @@ def create_engine(config: Any = None, /, **kwargs: Any) -> GenerationEngine:
     if _is_engine_class(backend):
         engine = backend.from_config(cfg) if hasattr(backend, "from_config") else backend(cfg)
         _log_start(engine, cfg, f"{backend.__module__}.{backend.__qualname__}")
-        return engine  # type: ignore[no-any-return]
+        return engine
     if not isinstance(backend, str):
-        raise ConfigError(
-            f"backend={backend!r} is neither a backend name nor an engine class or instance "
-            f"(an engine has {', '.join(_PROTOCOL_METHODS)})"
-        )
+        raise _not_a_backend(backend)
     info = get_backend(backend)
     if cfg.model is None:
         raise ConfigError(f"backend {backend!r} needs a model: pass model=PATH")
     engine = load_factory(info)(cfg)
     _log_start(engine, cfg, backend)
-    return engine  # type: ignore[no-any-return]
+    return engine
+
+
+def _not_a_backend(backend: Any) -> ConfigError:
+    return ConfigError(
+        f"backend={backend!r} is neither a backend name nor an engine class or instance "
+        f"(an engine has {', '.join(_PROTOCOL_METHODS)})"
+    )
+
+
+def check_engine_config(config: Any = None, /, **kwargs: Any) -> EngineConfig:
+    """What ``create_engine`` would refuse with the same arguments, found without starting an engine or
+    reading a model, so a caller can refuse before slow work of its own (the CLI before it builds its tiny
+    model): the config's values, the backend (registered, installed, its factory importable; the engine's
+    module is imported) and, where the engine class has a ``check_config`` classmethod (every
+    ``FromConfig`` engine has), its option names and values. ``model`` may still be missing. Returns the
+    resolved config."""
+    cfg = resolve_config(config, kwargs)
+    backend = cfg.backend
+    if _is_engine_instance(backend):
+        return cfg
+    if _is_engine_class(backend):
+        owner: Any = backend
+    elif isinstance(backend, str):
+        owner = getattr(load_factory(get_backend(backend)), "__self__", None)  # a classmethod's class
+    else:
+        raise _not_a_backend(backend)
+    check = getattr(owner, "check_config", None)
+    if isinstance(owner, type) and callable(check):
+        check(cfg)
+    return cfg
 
 
 def _log_start(engine: Any, cfg: EngineConfig, backend: str) -> None:
