@@ -126,6 +126,16 @@ def test_demo_refuses_before_building_the_model(
     assert work == []
 
 
+@pytest.mark.parametrize("mode", [[], ["--async"], ["--pool"]])
+def test_bench_refuses_an_option_typo_before_building_the_model(
+    mode: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = _spy(monkeypatch)
+    assert main(["bench", "--quiet", *mode, "--option", "devcie=cpu"]) == 2
+    assert "did you mean 'device'" in capsys.readouterr().err
+    assert work == []
+
+
 def test_async_demo_refuses_before_building_the_model(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Iterator
 
-from genengine.cli.args import HelpFormatter, add_engine_arguments, add_parallel_arguments
+from genengine.cli.args import HelpFormatter, add_engine_arguments, add_parallel_arguments, check_engine_args
 from genengine.errors import InvalidArgumentError
 
 
@@ -131,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
         why = plot_unavailable()
         if why is not None:
             raise InvalidArgumentError(f"--plot {args.plot} needs matplotlib ({why}): {PLOT_INSTALL}, or no --plot")
+    if ":" not in args.backend:  # a registered name (not module:EngineClass): its options checked before any work
+        check_engine_args(args)
     with _threads(args.threads):
         return _run(args)
 
