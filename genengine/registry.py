@@ -308,6 +308,11 @@ class _Registry:
         """Record a backend; a name taken already keeps its first owner, and the newcomer is isolated as a
         broken plugin is: a warning, and a row that is not loadable (under its plugin's name) saying why."""
         old = self.backends.get(info.name)
+        if old is not None and old.error is not None and info.error is None:
+            # A broken plugin's row under its entry point's name gives way to a backend of that name.
+            moved = self._free_name(old.name, old.plugin)
+            self.backends[moved] = dataclasses.replace(old, name=moved)
+            old = None
         if old is None:
             self.backends[info.name] = info
             return

@@ -348,3 +348,20 @@ def test_engine_start_is_logged_once_with_what_runs(caplog: pytest.LogCaptureFix
         f"genengine: started engine backend=transformers device=cpu dtype=bfloat16 model={model} tp=1",  # not 'auto'
         f"genengine: started engine backend={__name__}._Engine device=cpu dtype=bfloat16 model=m tp=2",
     ]
+
+
+def test_a_broken_plugins_row_gives_way_to_a_backend_of_its_name() -> None:
+    """A plugin that failed under its entry point's name does not set aside a working backend of that name."""
+    import warnings
+
+    from genengine.registry import BackendInfo, _Registry
+
+    registry = _Registry()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        registry._fail("foo", "genengine-foo", "1.0", ImportError("no bar"), "import")
+        registry._add(BackendInfo("foo", "other", "genengine-other", "2.0", factory=_Engine))
+        registry._add(BackendInfo("foo", "third", "genengine-third", "3.0", factory=_Engine))
+    rows = {name: (b.plugin, b.loadable) for name, b in registry.backends.items()}
+    assert rows == {"foo": ("other", True), "foo@foo": ("foo", False), "third": ("third", False)}
+    assert "'foo' is registered twice" in str(registry.backends["third"].error)
