@@ -205,13 +205,24 @@ class FromConfig:
         return {"dtype": config.dtype, "enable_sleep": config.enable_sleep, "seed": config.seed, **config.options}
 
     @classmethod
-    def from_config(cls: type[_E], config: Any) -> _E:
-        """Build from an ``EngineConfig`` (or anything ``EngineConfig.from_any`` takes); checks come first."""
+    def check_config(cls, config: Any) -> EngineConfig:
+        """The checks of :meth:`from_config` that need no model (option names, ``tp_size``, a ``device``
+        option's value), alone: ``genengine.registry.check_engine_config`` runs them before a caller's own
+        slow work (building a model, loading a policy)."""
         config = EngineConfig.from_any(config)
         name = cls.backend_name or cls.__name__
         check_options(name, config.options, cls.config_options)
         if cls.single_device and config.tp_size != 1:
             raise ConfigError(f"tp_size={config.tp_size}: the {name} backend runs on one device (tp_size=1)")
+        if "device" in cls.config_options and "device" in config.options:
+            check_device(config.options["device"])
+        return config
+
+    @classmethod
+    def from_config(cls: type[_E], config: Any) -> _E:
+        """Build from an ``EngineConfig`` (or anything ``EngineConfig.from_any`` takes); checks come first."""
+        config = cls.check_config(config)
+        name = cls.backend_name or cls.__name__
         if config.model is None:
             raise ConfigError(f"the {name} backend needs a model: pass model=PATH")
         return cast(Any, cls)(config.model, **cls.engine_kwargs(config))  # type: ignore[no-any-return]

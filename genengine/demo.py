@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from genengine._optional import PLOT_INSTALL, plot_unavailable
 from genengine.environ import malloc_trim
-from genengine.errors import InvalidArgumentError
+from genengine.errors import ConfigError, InvalidArgumentError
 from genengine.protocol import SamplingParams
 
 __all__ = [
@@ -84,6 +85,7 @@ class DemoConfig:
     progress: bool = True
 
     def check(self) -> None:
+        """Reject bad settings, a model folder that is not one, and a plot without matplotlib, before any work."""
         for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -98,6 +100,30 @@ class DemoConfig:
             raise InvalidArgumentError(f"cpu_threads={self.cpu_threads!r} must be a positive integer or None")
         if self.sleep_level not in (1, 2):
             raise InvalidArgumentError(f"sleep_level={self.sleep_level!r}: allowed are 1 and 2")
+        if self.model is not None and not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ConfigError(
+                f"model={self.model!r} is not a model directory (no config.json there): the demo's trainer and "
+                "engine load it from disk"
+            )
+        if self.plot:
+            why = plot_unavailable()
+            if why is not None:
+                raise InvalidArgumentError(
+                    f"plot={self.plot!r} needs matplotlib ({why}): {PLOT_INSTALL}, or no plot (plot=None, --no-plot)"
+                )
+
+    @property
+    def engine_dtype(self) -> str:
+        """``dtype``, or float32 for the embedded backend (exact logprobs) and bfloat16 for the others."""
+        return self.dtype or ("bfloat16" if self.backend != "transformers" else "float32")
+
+    def check_engine(self) -> None:
+        """What ``create_engine`` would refuse in these settings (backend, options), before the model is built."""
+        from genengine.registry import check_engine_config
+
+        check_engine_config(
+            backend=self.backend, model=self.model, dtype=self.engine_dtype, seed=self.seed, **self.options
+        )
 
 
 @dataclass(frozen=True)
@@ -166,10 +192,11 @@ def _engine_device(cfg: DemoConfig) -> str:
 
 def run_demo(cfg: DemoConfig | None = None, *, echo: Callable[[str], None] | None = None) -> DemoResult:
     """Run the loop; print a per-step table (through ``echo``) and write the reward plot if ``cfg.plot``."""
-    import torch
-
     cfg = cfg or DemoConfig()
     cfg.check()
+    cfg.check_engine()
+    import torch
+
     threads = torch.get_num_threads()
     if cfg.cpu_threads is not None:
         torch.set_num_threads(cfg.cpu_threads)
@@ -277,7 +304,7 @@ class Trainer:
         from genengine.testing.tiny_model import tiny_model_dir
 
         model = cfg.model or str(tiny_model_dir())
-        dtype = cfg.dtype or ("bfloat16" if cfg.backend != "transformers" else "float32")
+        dtype = cfg.engine_dtype
         on_gpu = _engine_device(cfg).startswith("cuda") and torch.cuda.is_available()
         device = cfg.trainer_device or ("cuda" if on_gpu else "cpu")
         torch.manual_seed(cfg.seed)

@@ -52,10 +52,11 @@ def run_async_demo(
     cfg: DemoConfig | None = None, *, with_sync: bool = True, echo: Callable[[str], None] | None = None
 ) -> AsyncDemoResult:
     """The async loop (and, with ``with_sync``, the synchronous one on the same settings, for the plot)."""
-    import torch
-
     cfg = cfg or DemoConfig()
     cfg.check()
+    cfg.check_engine()
+    import torch
+
     say = echo or print
     sync = run_demo(replace(cfg, plot=None), echo=echo) if with_sync else None
     threads = torch.get_num_threads()

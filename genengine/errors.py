@@ -44,7 +44,8 @@ class BackendImportError(GenEngineError, ImportError):
 
 
 class DuplicateBackendError(GenEngineError):
-    """Two plugins registered the same backend name."""
+    """Two plugins registered the same backend name: the first is kept, and this error is the second's
+    reason for being listed as not loadable (chained under the ``BackendImportError`` selecting it raises)."""
 
 
 # --- input ------------------------------------------------------------------------------------------

@@ -1,22 +1,27 @@
 """Finding backends and weight transports: entry points → pluggy → ``create_engine`` / ``get_transport_info``.
 
 Plugins load on first use. A plugin that fails to import, whose hook does not match the hookspec, whose
-hook raises, or that registers no backend does not break listing or the other backends (it is reported
+hook raises, that registers no backend, or that registers a name taken already (the first owner keeps it;
+genengine's own backends register first) does not break listing or the other backends (it is reported
 with a warning and as not loadable); selecting it raises an error naming its distribution with the
 original exception chained.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import inspect
+import logging
+import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, cast
 
 import pluggy
 
@@ -34,10 +39,12 @@ __all__ = [
     "TransportInfo",
     "available_backends",
     "available_transports",
+    "check_engine_config",
     "create_engine",
     "get_backend",
     "get_plugin_manager",
     "get_transport_info",
+    "load_factory",
     "resolve_config",
     "resolve_ref",
 ]
@@ -51,6 +58,8 @@ KNOWN_BACKENDS: Mapping[str, str] = {
     "vllm": "pip install 'genengine[vllm]'",
 }
 """Backends we ship or know of, with how to install them: named in "unknown backend" errors."""
+
+_log = logging.getLogger(__name__)
 
 _PROTOCOL_METHODS = ("generate", "sleep", "wake", "load_weights", "flush_cache", "shutdown")
 
@@ -80,8 +89,25 @@ class BackendInfo:
         return tuple(m for m in self.requires if importlib.util.find_spec(m) is None)
 
     @property
+    def factory_problem(self) -> str | None:
+        """Why the factory string cannot be imported, when that shows without importing anything new: its
+        module is absent although the package holding it is imported already (a typo in the module path).
+        A typo in the attribute part shows only when the backend is selected (``create_engine`` says so)."""
+        if not isinstance(self.factory, str):
+            return None
+        module = self.factory.partition(":")[0]
+        parent = module.rpartition(".")[0]
+        if parent and parent not in sys.modules:
+            return None  # finding it would import the parent package: left to create_engine
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"its factory {self.factory!r} names module {module!r}, which does not exist"
+
+    @property
     def loadable(self) -> bool:
-        return self.error is None and not self.missing
+        return self.error is None and not self.missing and self.factory_problem is None
 
     @property
     def _failure(self) -> str:
@@ -94,8 +120,28 @@ class BackendInfo:
             return f"plugin {self._failure}"
         missing = self.missing
         if missing:
-            return "not installed: " + (self.install_hint or f"missing module(s) {', '.join(missing)}")
+            hint = self.useful_install_hint
+            return f"not installed: missing module(s) {', '.join(missing)}" + (f"; {hint}" if hint else "")
+        problem = self.factory_problem
+        if problem:
+            return f"broken registration: {problem} (distribution {self.distribution!r})"
         return None
+
+    @property
+    def useful_install_hint(self) -> str | None:
+        """``install_hint``, unless it only reinstalls the plugin's own distribution (already installed,
+        and what is missing is its requirement): ``pip install 'genengine[sglang]'`` is kept,
+        ``pip install genengine-foo`` from the plugin ``genengine-foo`` is not."""
+        hint = self.install_hint
+        if not hint or self.distribution is None:
+            return hint
+        own = _normalize(self.distribution)
+        words = [w.strip("'\"") for w in hint.split()]
+        if "install" in words:
+            targets = [w for w in words[words.index("install") + 1 :] if not w.startswith("-")]
+            if targets and all(_normalize(t) == own for t in targets):
+                return None
+        return hint
 
 
 @dataclass(frozen=True)
@@ -109,6 +155,12 @@ class TransportInfo:
     description: str = ""
     error: BaseException | None = None
     """Set when the plugin's ``register_weight_transports`` hook raised (then ``name`` is the plugin's)."""
+
+
+def _normalize(requirement: str) -> str:
+    """A distribution name as pip compares them (PEP 503), any version or marker cut off."""
+    name = re.split(r"[\s;<>=!~@]", requirement.strip(), maxsplit=1)[0]
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def _describe(exc: BaseException) -> str:
@@ -153,7 +205,9 @@ class _Registry:
                 continue
             contributed[ep.name] = False
         self.pm.register(importlib.import_module(BUILTIN_TRANSPORTS_PLUGIN), name=BUILTIN_TRANSPORTS_PLUGIN)
-        for impl in self.pm.hook.register_backends.get_hookimpls():
+        # genengine's own plugins first, so that a plugin reusing a built-in name is the one set aside.
+        impls = self.pm.hook.register_backends.get_hookimpls()
+        for impl in sorted(impls, key=lambda i: self.sources.get(i.plugin_name, (None, None))[0] != "genengine"):
             self._call(impl.plugin_name, impl.function)
         for impl in self.pm.hook.register_weight_transports.get_hookimpls():
             self._call_transports(impl.plugin_name, impl.function)
@@ -220,8 +274,6 @@ class _Registry:
 
         try:
             hook(register=register)
-        except DuplicateBackendError:
-            raise
         except Exception as exc:
             self._fail(plugin, dist, version, exc, "register")
 
@@ -253,14 +305,37 @@ class _Registry:
             self.transports.setdefault(plugin, TransportInfo(plugin, plugin, dist, error=exc))
 
     def _add(self, info: BackendInfo) -> None:
+        """Record a backend; a name taken already keeps its first owner, and the newcomer is isolated as a
+        broken plugin is: a warning, and a row that is not loadable (under its plugin's name) saying why."""
         old = self.backends.get(info.name)
-        if old is not None:
-            raise DuplicateBackendError(
-                f"backend {info.name!r} is registered twice: by plugin {old.plugin!r} "
-                f"(distribution {old.distribution!r}) and by plugin {info.plugin!r} "
-                f"(distribution {info.distribution!r}); uninstall one of them"
-            )
-        self.backends[info.name] = info
+        if old is not None and old.error is not None and info.error is None:
+            # A broken plugin's row under its entry point's name gives way to a backend of that name.
+            moved = self._free_name(old.name, old.plugin)
+            self.backends[moved] = dataclasses.replace(old, name=moved)
+            old = None
+        if old is None:
+            self.backends[info.name] = info
+            return
+        if info.error is not None:  # a failure record whose name is taken: listed under a name of its own
+            name = self._free_name(info.name, info.plugin)
+            self.backends[name] = dataclasses.replace(info, name=name)
+            return
+        exc = DuplicateBackendError(
+            f"backend {info.name!r} is registered twice: by plugin {old.plugin!r} "
+            f"(distribution {old.distribution!r}) and by plugin {info.plugin!r} "
+            f"(distribution {info.distribution!r}); the first is used, this one is not: uninstall one of them"
+        )
+        warnings.warn(f"genengine plugin {info.plugin!r}: {exc}", RuntimeWarning, stacklevel=4)
+        name = self._free_name(info.plugin, info.name)
+        self.backends[name] = dataclasses.replace(info, name=name, error=exc, stage="register", factory=None)
+
+    def _free_name(self, name: str, qualifier: str) -> str:
+        """``name``, or ``name@qualifier`` (then numbered) when a backend holds ``name`` already."""
+        candidate, n = name, 1
+        while candidate in self.backends:
+            candidate = f"{name}@{qualifier}" + (f"-{n}" if n > 1 else "")
+            n += 1
+        return candidate
 
 
 _lock = threading.Lock()
@@ -317,7 +392,7 @@ def get_backend(name: str) -> BackendInfo:
         ) from info.error
     absent = info.missing
     if absent:
-        hint = f"; to install: {info.install_hint}" if info.install_hint else ""
+        hint = f"; to install: {info.useful_install_hint}" if info.useful_install_hint else ""
         raise BackendImportError(f"backend {name!r} is not installed (missing module(s): {', '.join(absent)}){hint}")
     return info
 
@@ -379,19 +454,84 @@ def create_engine(config: Any = None, /, **kwargs: Any) -> GenerationEngine:
     if _is_engine_instance(backend):
         return backend
     if _is_engine_class(backend):
-        return backend.from_config(cfg) if hasattr(backend, "from_config") else backend(cfg)
+        engine = backend.from_config(cfg) if hasattr(backend, "from_config") else backend(cfg)
+        _log_start(engine, cfg, f"{backend.__module__}.{backend.__qualname__}")
+        return engine
     if not isinstance(backend, str):
-        raise ConfigError(
-            f"backend={backend!r} is neither a backend name nor an engine class or instance "
-            f"(an engine has {', '.join(_PROTOCOL_METHODS)})"
-        )
+        raise _not_a_backend(backend)
     info = get_backend(backend)
     if cfg.model is None:
         raise ConfigError(f"backend {backend!r} needs a model: pass model=PATH")
+    engine = load_factory(info)(cfg)
+    _log_start(engine, cfg, backend)
+    return engine
+
+
+def _not_a_backend(backend: Any) -> ConfigError:
+    return ConfigError(
+        f"backend={backend!r} is neither a backend name nor an engine class or instance "
+        f"(an engine has {', '.join(_PROTOCOL_METHODS)})"
+    )
+
+
+def check_engine_config(config: Any = None, /, **kwargs: Any) -> EngineConfig:
+    """What ``create_engine`` would refuse with the same arguments, found without starting an engine or
+    reading a model, so a caller can refuse before slow work of its own (the CLI before it builds its tiny
+    model): the config's values, the backend (registered, installed, its factory importable; the engine's
+    module is imported) and, where the engine class has a ``check_config`` classmethod (every
+    ``FromConfig`` engine has), its option names and values. ``model`` may still be missing. Returns the
+    resolved config."""
+    cfg = resolve_config(config, kwargs)
+    backend = cfg.backend
+    if _is_engine_instance(backend):
+        return cfg
+    if _is_engine_class(backend):
+        owner: Any = backend
+    elif isinstance(backend, str):
+        owner = getattr(load_factory(get_backend(backend)), "__self__", None)  # a classmethod's class
+    else:
+        raise _not_a_backend(backend)
+    check = getattr(owner, "check_config", None)
+    if isinstance(owner, type) and callable(check):
+        check(cfg)
+    return cfg
+
+
+def _log_start(engine: Any, cfg: EngineConfig, backend: str) -> None:
+    """One INFO line per engine started, so a user (or a trainer's log) sees that genengine generates, and
+    with what. Device and dtype are the engine's own where it says (``engine.device``, ``engine.dtype``, or
+    its ``settings``), else the config's."""
+    if not _log.isEnabledFor(logging.INFO):
+        return
+    settings = getattr(engine, "settings", None)
+    device = getattr(engine, "device", None) or cfg.options.get("device")
+    if device is None:
+        torch = sys.modules.get("torch")  # imported by any engine that could be on a GPU; never imported here
+        device = "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
+    dtype = getattr(engine, "dtype", None) or getattr(settings, "dtype", None) or cfg.dtype
+    _log.info(
+        "genengine: started engine backend=%s device=%s dtype=%s model=%s tp=%d",
+        backend,
+        device,
+        str(dtype).removeprefix("torch."),
+        cfg.model,
+        cfg.tp_size,
+    )
+
+
+def load_factory(info: BackendInfo) -> Callable[[EngineConfig], Any]:
+    """The backend's factory, imported now; a ``BackendImportError`` naming the backend, its distribution and
+    the factory string when the string does not lead to a callable (a missing module, a misspelt name)."""
+    where = f"backend {info.name!r} (distribution {info.distribution!r})"
     try:
         factory = resolve_ref(info.factory)
     except ImportError as exc:
+        raise BackendImportError(f"{where} failed to import its engine {info.factory!r}: {exc}") from exc
+    except AttributeError as exc:
         raise BackendImportError(
-            f"backend {backend!r} (distribution {info.distribution!r}) failed to import its engine: {exc}"
+            f"{where} registers the factory {info.factory!r}, which does not exist: {exc}; the plugin's "
+            "register(name, 'module:attribute') has a typo"
         ) from exc
-    return factory(cfg)
+    if not callable(factory):
+        raise BackendImportError(f"{where} registers the factory {info.factory!r}, which is not callable: {factory!r}")
+    return cast(Callable[[EngineConfig], Any], factory)

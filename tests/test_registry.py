@@ -26,7 +26,7 @@ PLUGINS = Path(__file__).parent / "plugins"
 def plugin_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("plugins")
     dirs = {}
-    for name in ("example", "broken", "duplicate", "badhook"):
+    for name in ("example", "broken", "duplicate", "badhook", "typo"):
         target = root / name
         build = tmp_path_factory.mktemp(f"src-{name}")
         subprocess.run(["cp", "-r", f"{PLUGINS / name}/.", str(build)], check=True)
@@ -66,7 +66,7 @@ def test_builtin_backends_listed_with_install_hints() -> None:
     assert infos["transformers"].loadable and infos["transformers"].distribution == "genengine"
     for name in ("sglang", "vllm"):
         if not infos[name].loadable:  # on the CPU machine
-            assert infos[name].reason == f"not installed: pip install 'genengine[{name}]'"
+            assert infos[name].reason == f"not installed: missing module(s) {name}; pip install 'genengine[{name}]'"
 
 
 def test_cli_backends_table_lists_all_three() -> None:
@@ -166,20 +166,91 @@ def test_misspelt_hooks_break_only_their_own_plugin(plugin_dirs: dict[str, Path]
     assert "error registering genengine plugin 'badparam' (distribution 'genengine-badhook-backend')" in proc.stderr
 
 
-def test_duplicate_backend_names_both_plugins(plugin_dirs: dict[str, Path]) -> None:
+def test_duplicate_backend_name_keeps_the_first_and_isolates_the_second(plugin_dirs: dict[str, Path]) -> None:
+    """Issue 40 (A9c): a second plugin registering 'example' made every registry call raise, built-ins too."""
+    dirs = [plugin_dirs["example"], plugin_dirs["duplicate"]]
     code = (
-        "import genengine\n"
-        "from genengine.errors import DuplicateBackendError\n"
+        "import json, warnings\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import genengine\n"
+        "    rows = {b.name: [b.loadable, b.reason, b.distribution] for b in genengine.available_backends()}\n"
+        "from genengine.errors import BackendImportError, DuplicateBackendError\n"
+        "e = genengine.create_engine(backend='example', model='m')\n"
         "try:\n"
-        "    genengine.available_backends()\n"
-        "except DuplicateBackendError as e:\n"
-        "    print(e)\n"
+        "    genengine.create_engine(backend='duplicate', model='m')\n"
+        "except BackendImportError as exc:\n"
+        "    error = [str(exc), type(exc.__cause__).__name__]\n"
+        "print(json.dumps({'rows': rows, 'engine': type(e).__name__, 'error': error,\n"
+        "                  'warnings': [str(w.message) for w in caught]}))\n"
     )
-    msg = run_with([plugin_dirs["example"], plugin_dirs["duplicate"]], code).stdout
-    assert "'example' is registered twice" in msg
-    assert "genengine-example-backend" in msg and "genengine-duplicate-backend" in msg
-    proc = cli_with([plugin_dirs["example"], plugin_dirs["duplicate"]], "backends")
-    assert proc.returncode == 2 and "registered twice" in proc.stderr
+    proc = run_with(dirs, code)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    rows = got["rows"]
+    assert rows["example"] == [True, None, "genengine-example-backend"]  # the first one is kept and works
+    assert got["engine"] == "EchoEngine" and rows["transformers"][:2] == [True, None]
+    loadable, reason, dist = rows["duplicate"]  # the second, under its plugin's name, not usable
+    assert not loadable and dist == "genengine-duplicate-backend"
+    assert "'example' is registered twice" in reason and "genengine-example-backend" in reason
+    assert [w for w in got["warnings"] if "'example' is registered twice" in w and "the first is used" in w]
+    msg, cause = got["error"]
+    assert "'duplicate' cannot be used" in msg and "genengine-duplicate-backend" in msg
+    assert cause == "DuplicateBackendError"
+
+    proc = cli_with(dirs, "backends")
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    assert "loadable" in lines["example"] and "loadable" in lines["transformers"]
+    assert "registered twice" in lines["duplicate"] and "registered twice" in proc.stderr
+
+
+def test_plugin_registration_mistakes_are_named(plugin_dirs: dict[str, Path]) -> None:
+    """Issue 40 (A9a, b, c): a missing requirement is named (not "pip install <the plugin itself>"), a misspelt
+    factory is a BackendImportError naming backend, distribution and string, and a built-in's name taken by a
+    plugin leaves the built-in in place."""
+    code = (
+        "import json, warnings\n"
+        "warnings.simplefilter('ignore')\n"
+        "import genengine\n"
+        "from genengine.errors import BackendImportError\n"
+        "rows = {b.name: [b.loadable, b.reason, b.distribution] for b in genengine.available_backends()}\n"
+        "errors = {}\n"
+        "for name in ('needsdep', 'typoattr', 'typomodule'):\n"
+        "    try:\n"
+        "        genengine.create_engine(backend=name, model='m')\n"
+        "    except BackendImportError as e:\n"
+        "        errors[name] = str(e)\n"
+        "print(json.dumps({'rows': rows, 'errors': errors}))\n"
+    )
+    proc = run_with([plugin_dirs["typo"]], code)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    rows, errors = got["rows"], got["errors"]
+    dist = "genengine-typo-backend"
+    # (a) the missing module is named; the hint that only reinstalls the plugin is dropped
+    assert rows["needsdep"] == [
+        False, "not installed: missing module(s) genengine_dependency_that_does_not_exist", dist
+    ]  # fmt: skip
+    assert "genengine_dependency_that_does_not_exist" in errors["needsdep"]
+    assert "pip install genengine-typo-backend" not in errors["needsdep"]
+    # (b) a misspelt attribute: listed loadable (finding out would import the engine), refused clearly
+    msg = errors["typoattr"]
+    assert "'typoattr'" in msg and dist in msg and "'genengine_typo_backend:Engin'" in msg, msg
+    # (b) a misspelt module: seen without importing anything, so listed as not loadable, and refused clearly
+    loadable, reason, _ = rows["typomodule"]
+    assert not loadable and "'genengine_typo_backendd'" in reason and dist in reason, reason
+    msg = errors["typomodule"]
+    assert "'typomodule'" in msg and dist in msg and "'genengine_typo_backendd:Engine'" in msg, msg
+    # (c) 'transformers' again: the built-in is kept, the plugin's copy is listed under the plugin's name
+    assert rows["transformers"] == [True, None, "genengine"]
+    assert not rows["typo"][0] and "'transformers' is registered twice" in rows["typo"][1]
+
+    proc = cli_with([plugin_dirs["typo"]], "backends")
+    assert proc.returncode == 0, proc.stderr
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    assert "loadable" in lines["transformers"] and lines["transformers"].split()[1] == "genengine"
+    assert "missing module(s) genengine_dependency_that_does_not_exist" in lines["needsdep"]
 
 
 def test_unknown_backend_lists_installed_and_how_to_install() -> None:
@@ -258,3 +329,39 @@ def test_live_engine_tracking_is_per_class_and_drops_closed_engines() -> None:
     finally:
         for engine in (a, b, c):
             untrack_engine(engine)
+
+
+def test_engine_start_is_logged_once_with_what_runs(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 40 (A6): one INFO line per engine started says backend, device, dtype (the engine's: "auto" is
+    what the checkpoint holds), model and tp."""
+    import logging
+
+    from genengine.testing.tiny_model import tiny_model_dir
+
+    model = str(tiny_model_dir())
+    with caplog.at_level(logging.INFO, logger="genengine"):
+        with create_engine(backend="transformers", model=model, dtype="auto", max_batch_size=2):
+            pass
+        create_engine(backend=_Engine, model="m", tp_size=2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "genengine.registry" and r.levelno == logging.INFO]
+    assert lines == [
+        f"genengine: started engine backend=transformers device=cpu dtype=bfloat16 model={model} tp=1",  # not 'auto'
+        f"genengine: started engine backend={__name__}._Engine device=cpu dtype=bfloat16 model=m tp=2",
+    ]
+
+
+def test_a_broken_plugins_row_gives_way_to_a_backend_of_its_name() -> None:
+    """A plugin that failed under its entry point's name does not set aside a working backend of that name."""
+    import warnings
+
+    from genengine.registry import BackendInfo, _Registry
+
+    registry = _Registry()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        registry._fail("foo", "genengine-foo", "1.0", ImportError("no bar"), "import")
+        registry._add(BackendInfo("foo", "other", "genengine-other", "2.0", factory=_Engine))
+        registry._add(BackendInfo("foo", "third", "genengine-third", "3.0", factory=_Engine))
+    rows = {name: (b.plugin, b.loadable) for name, b in registry.backends.items()}
+    assert rows == {"foo": ("other", True), "foo@foo": ("foo", False), "third": ("third", False)}
+    assert "'foo' is registered twice" in str(registry.backends["third"].error)

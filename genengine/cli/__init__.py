@@ -21,10 +21,12 @@ _SUBCOMMAND_MODULES = (
 
 def build_parser() -> argparse.ArgumentParser:
     from genengine import __version__
+    from genengine.cli.args import HelpFormatter
 
     parser = argparse.ArgumentParser(
         prog="genengine",
         description="Generation engines for RL post-training: generate, sleep, wake, load_weights.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"genengine {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

@@ -12,15 +12,28 @@ from typing import Any
 
 __all__ = [
     "MEM_UTIL_HELP",
+    "HelpFormatter",
     "add_engine_arguments",
     "add_parallel_arguments",
+    "check_engine_args",
     "engine_kwargs",
     "parallel_kwargs",
     "parse_option",
     "report_error",
 ]
 
-MEM_UTIL_HELP = "share of GPU memory the engine may take"
+MEM_UTIL_HELP = "share of GPU memory the engine may take (default: the backend's)"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default: argparse's ``(default: X)``, unless the help says it in its
+    own words (a default that depends on something, such as ``--repeats``); a flag is off unless given."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text.lower() or action.nargs == 0 or action.default is None:
+            return text
+        return super()._get_help_string(action)
 
 
 def parse_option(text: str) -> tuple[str, Any]:
@@ -36,32 +49,58 @@ def parse_option(text: str) -> tuple[str, Any]:
         return key, value
 
 
+DTYPE_HELP = "engine dtype: auto, bfloat16, float16, float32 (default: auto for transformers, else bfloat16)"
+
+
 def add_engine_arguments(
-    p: argparse.ArgumentParser, *, backend_help: str = "a registered backend (default: transformers)"
+    p: argparse.ArgumentParser, *, backend_help: str = "a registered backend", dtype_help: str = DTYPE_HELP
 ) -> None:
     """The arguments that choose and configure an engine (shared by ``genengine generate``, ``demo`` and ``bench``)."""
     p.add_argument("--backend", default="transformers", help=backend_help)
     p.add_argument("--model", default=None, help="local HF model folder (default: build the tiny random model)")
-    p.add_argument("--dtype", default=None, help="engine dtype: auto, bfloat16, float16, float32")
+    p.add_argument("--dtype", default=None, help=dtype_help)
     p.add_argument(
         "--option",
         action="append",
         type=parse_option,
         default=[],
         metavar="KEY=VALUE",
-        help="backend option (repeatable), VALUE read as YAML, e.g. --option device=cpu",
+        help="backend option (repeatable), VALUE read as YAML, e.g. --option device=cpu (default: none)",
     )
 
 
 def add_parallel_arguments(p: argparse.ArgumentParser, *, mem_util_help: str | None = MEM_UTIL_HELP) -> None:
     """``--tp-size`` (default 1) and ``--mem-util`` (default: the backend's); ``mem_util_help=None``: no help line."""
-    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size of the engine")
     p.add_argument("--mem-util", type=float, default=None, help=mem_util_help)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """``create_engine`` keyword arguments from the shared engine arguments; the tiny model if none given."""
+def _fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The shared engine arguments as ``create_engine`` keywords, the model left out."""
     kwargs: dict[str, Any] = {"backend": args.backend, **dict(args.option)}
+    if args.dtype is not None:
+        kwargs["dtype"] = args.dtype
+    elif args.backend == "transformers":
+        kwargs["dtype"] = "auto"
+    return kwargs
+
+
+def check_engine_args(args: argparse.Namespace, **extra: Any) -> None:
+    """Refuse what ``create_engine`` would refuse (unknown or missing backend, an option's typo or bad value,
+    ``--tp-size`` the backend cannot run) before any slow work: the tiny model takes seconds to build.
+    ``extra``: more ``create_engine`` keywords (``parallel_kwargs(args)``)."""
+    from genengine.registry import check_engine_config
+
+    kwargs = {**_fields(args), **extra}
+    if args.model is not None:
+        kwargs["model"] = args.model
+    check_engine_config(**kwargs)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``create_engine`` keyword arguments from the shared engine arguments; the tiny model if none given
+    (call :func:`check_engine_args` first, so that a typo is not found after the model is built)."""
+    kwargs = _fields(args)
     if args.model is None:
         from genengine.testing.tiny_model import tiny_model_dir
 
@@ -69,10 +108,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["model"] = str(tiny_model_dir())
     else:
         kwargs["model"] = args.model
-    if args.dtype is not None:
-        kwargs["dtype"] = args.dtype
-    elif args.backend == "transformers":
-        kwargs["dtype"] = "auto"
     return kwargs
 
 

@@ -7,7 +7,11 @@ import json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser("backends", help="list the installed backends and whether each can be loaded")
+    from genengine.cli.args import HelpFormatter
+
+    p = sub.add_parser(
+        "backends", help="list the installed backends and whether each can be loaded", formatter_class=HelpFormatter
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 
-from genengine.cli.args import add_engine_arguments, add_parallel_arguments
+from genengine.cli.args import HelpFormatter, add_engine_arguments, add_parallel_arguments, check_engine_args
 from genengine.errors import InvalidArgumentError
 
 
@@ -23,6 +25,7 @@ def _levels(text: str) -> tuple[int, ...]:
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "bench",
+        formatter_class=HelpFormatter,
         help="measure generate throughput, load_weights, sleep and wake of a backend",
         description=(
             "Measure one backend through the GenerationEngine protocol: generation throughput (beside the raw "
@@ -33,22 +36,44 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
             "stragglers carried over) against the synchronous generate on a long-tailed batch."
         ),
     )
-    add_engine_arguments(p, backend_help="a registered backend, or module:EngineClass")
-    add_parallel_arguments(p, mem_util_help=None)
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
-    p.add_argument("--prompt-len", type=int, default=32)
+    add_engine_arguments(
+        p,
+        backend_help="a registered backend, or module:EngineClass",
+        dtype_help="engine dtype: auto, bfloat16, float16, float32 (default: the tiny model's, float32 on a CPU "
+        "and bfloat16 on a GPU; with --model, bfloat16)",
+    )
+    add_parallel_arguments(p)
     p.add_argument(
-        "--max-new-tokens", type=int, default=None, help="tokens per sample; with --async the length cap (32 / 256)"
+        "--threads",
+        type=_positive,
+        default=None,
+        help="torch CPU threads in this process (default: 1 on a machine without CUDA, where more threads "
+        "oversubscribe a busy machine and slow the run several times; torch's own with CUDA)",
+    )
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens per random prompt")
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens per sample (default: 32; with --async the length cap, default 256)",
     )
     p.add_argument(
         "--repeats", type=int, default=None, help="runs per measurement, the median reported (default 3; --pool: 5)"
     )
     p.add_argument("--bucket-mb", type=float, default=None, help="load_weights bucket size (default: the backend's)")
-    p.add_argument("--sleep-levels", type=_levels, default=(1, 2), help="comma-separated, e.g. '1,2' (default)")
+    p.add_argument("--sleep-levels", type=_levels, default=(1, 2), help="comma-separated (default: '1,2')")
     p.add_argument("--no-raw", action="store_true", help="skip the raw engine's throughput")
     p.add_argument("--no-per-parameter", action="store_true", help="skip the one-call-per-tensor weight sync")
-    p.add_argument("--json", metavar="FILE", default=None, help="write the report as JSON ('-' for stdout)")
-    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw the figures into a PNG")
+    p.add_argument(
+        "--json", metavar="FILE", default=None, help="write the report as JSON ('-' for stdout; default: no JSON)"
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        default=None,
+        help="draw the figures into a PNG (default: none; needs matplotlib, checked before measuring)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     pool = p.add_argument_group("--pool", "a one-replica colocated Ray EnginePool against the same engine in-process")
     pool.add_argument("--pool", action="store_true", help="run the pool comparison instead (needs genengine[ray])")
@@ -71,11 +96,54 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
+    return value
+
+
+@contextlib.contextmanager
+def _threads(count: int | None) -> Iterator[None]:
+    """torch's CPU threads set to ``count`` (None: 1 without CUDA, else left alone) while measuring."""
+    import torch
+
+    if count is None and not torch.cuda.is_available():
+        count = 1
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.async_ and args.pool:
         raise InvalidArgumentError("--async and --pool are two different comparisons: pass one of them")
     if args.sync and (args.async_ or args.pool):
         raise InvalidArgumentError("--sync is its own measurement (the pool's phases come with --pool): pass one")
+    if args.plot:  # refused now, not after the measurements
+        if args.async_:
+            raise InvalidArgumentError(
+                f"--plot {args.plot}: --async prints a table; the default comparison, --sync and --pool draw figures"
+            )
+        from genengine._optional import PLOT_INSTALL, plot_unavailable
+
+        why = plot_unavailable()
+        if why is not None:
+            raise InvalidArgumentError(f"--plot {args.plot} needs matplotlib ({why}): {PLOT_INSTALL}, or no --plot")
+    if ":" not in args.backend:  # a registered name (not module:EngineClass): its options checked before any work
+        check_engine_args(args)
+    with _threads(args.threads):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.sync:
         return _run_sync(args)
     if args.async_:
@@ -106,11 +174,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _write(args, report, format_report(report))
     if args.plot:
-        try:
-            print(f"wrote {plot_report(report, args.plot)}")
-        except ImportError as exc:  # the measurements above are still printed and saved
-            print(f"genengine bench: cannot draw {args.plot}: {exc} (pip install 'genengine[plot]')", file=sys.stderr)
-            return 1
+        print(f"wrote {plot_report(report, args.plot)}")
     return 0
 
 

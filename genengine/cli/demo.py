@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 __all__ = ["add_parser", "run"]
 
 
+DEFAULT_PLOT = "out/demo_reward.png"
+DEFAULT_ASYNC_PLOT = "out/demo_async_reward.png"
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from genengine.cli.args import add_engine_arguments
+    from genengine.cli.args import HelpFormatter, add_engine_arguments
 
     p = sub.add_parser(
         "demo",
+        formatter_class=HelpFormatter,
         help="run a small RL loop (generate, sleep, train, wake, load_weights) and plot the reward",
         description=(
             "A GRPO-style loop that uses only the engine protocol. With no arguments it builds a tiny model "
@@ -19,18 +25,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
             "PATH runs the same loop on a GPU."
         ),
     )
-    add_engine_arguments(p)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--prompts-per-step", type=int, default=8)
+    add_engine_arguments(
+        p,
+        dtype_help="engine dtype: auto, bfloat16, float16, float32 (default: float32 for transformers, so that "
+        "engine and trainer logprobs agree; else bfloat16)",
+    )
+    p.add_argument("--steps", type=int, default=40, help="RL steps (one optimizer step each)")
+    p.add_argument("--prompts-per-step", type=int, default=8, help="prompts sampled per step")
     p.add_argument("--group-size", type=int, default=8, help="samples per prompt (the GRPO group)")
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sleep-level", type=int, default=2, choices=(1, 2))
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per sample")
+    p.add_argument("--lr", type=float, default=1e-3, help="the trainer's Adam learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seeds the trainer, the prompts and the engine")
+    p.add_argument("--sleep-level", type=int, default=2, choices=(1, 2), help="the engine's sleep while training")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the tiny model is too small)")
     p.add_argument("--trainer-device", default=None, help="default: cuda for GPU backends, else cpu")
-    p.add_argument("--plot", default="out/demo_reward.png", help="PNG of reward per step")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help=f"PNG of reward per step (default: {DEFAULT_PLOT}, with --async {DEFAULT_ASYNC_PLOT}; skipped with a "
+        "note when matplotlib is missing, while an explicit --plot without it is refused at once)",
+    )
+    p.add_argument("--no-plot", action="store_true", help="draw no plot")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--async",
@@ -40,6 +56,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "over); runs the synchronous loop too and plots both",
     )
     p.set_defaults(func=run)
+
+
+def plot_path(args: argparse.Namespace) -> str | None:
+    """Where to draw: an explicit ``--plot`` as given (refused later, up front, if matplotlib is missing); by
+    default the default path, or none with one line saying how to get it when matplotlib is missing."""
+    if args.no_plot:
+        return None
+    if args.plot is not None:
+        return str(args.plot)
+    from genengine._optional import PLOT_INSTALL, plot_unavailable
+
+    why = plot_unavailable()
+    if why is not None:
+        print(f"genengine demo: no reward plot ({why}); for one: {PLOT_INSTALL}", file=sys.stderr)
+        return None
+    return DEFAULT_ASYNC_PLOT if args.async_rollouts else DEFAULT_PLOT
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,14 +91,12 @@ def run(args: argparse.Namespace) -> int:
         trainer_device=args.trainer_device,
         options=dict(args.option),
         cpu_threads=args.threads,
-        plot=None if args.no_plot else args.plot,
+        plot=plot_path(args),
         progress=not args.no_progress,
     )
     if args.async_rollouts:
         from genengine.demo_async import run_async_demo
 
-        if args.plot == "out/demo_reward.png":
-            cfg.plot = None if args.no_plot else "out/demo_async_reward.png"
         both = run_async_demo(cfg)
         result = both.rollout
     else:

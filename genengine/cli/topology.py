@@ -18,8 +18,11 @@ COLUMNS = ("rank", "node", "local_rank", "tp_group", "tp_rank", "dp_rank", "lead
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``topology`` on an ``argparse`` subparsers object; ``args.func`` is :func:`run`."""
+    from genengine.cli.args import HelpFormatter
+
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "topology",
+        formatter_class=HelpFormatter,
         help="print every rank's TP group, leader, GPUs and engine port",
         description=(
             "Print the engine topology of a torch.distributed world: TP groups of contiguous ranks, "
