@@ -136,6 +136,58 @@ def test_routing_is_sticky_and_balanced(pool: EnginePool) -> None:
     assert [r.load for r in pool.replicas] == [0, 0]
 
 
+def test_streams_with_n_leave_no_load_and_keep_their_prefix_home(pool: EnginePool) -> None:
+    """Streams of ``n > 1`` through the pool, ended every way a caller ends one: read to the end, closed
+    early, aborted by id and left unread, all aborted at once, and a ``collect`` cancelled by a timeout. After
+    each, every replica's load is 0 again (a load left behind would push the prompt's prefix off the replica
+    whose cache holds it, past ``max_imbalance``), and the prefix still goes to its replica."""
+    prompt = PROMPTS[1]
+    short = SamplingParams(temperature=1.0, max_new_tokens=6, n=3, seed=5)
+    long = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True, n=3, seed=5)
+
+    async def idle(what: str) -> None:
+        # a stream's end reaches the router as the replica reports it: give it a moment, not a test's length
+        deadline = time.monotonic() + 10
+        while [r.load for r in pool.replicas] != [0, 0] and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert [r.load for r in pool.replicas] == [0, 0], what
+
+    async def streams() -> int:
+        first = pool.stream(prompt, short)
+        home = first.replica_index
+        assert home is not None and pool.replicas[home].load == 3  # n samples count as n units of work
+        assert len((await first.collect()).outputs) == 3
+        await idle("read to the end")
+        closed = pool.stream(prompt, long)
+        assert closed.replica_index == home
+        await closed.__anext__()
+        await closed.aclose()
+        await idle("closed early")
+        aborted = pool.stream(prompt, long)
+        await aborted.__anext__()  # on the engine: the abort reaches it
+        assert await pool.abort(aborted.request_id) == [aborted.request_id]
+        await idle("aborted by id, never read again")
+        several = [pool.stream(prompt, long, session_id=f"n-{i}") for i in range(3)]
+        for s in several:
+            await s.__anext__()
+        assert sorted(await pool.abort()) == sorted(s.request_id for s in several)
+        await idle("all aborted, never read again")
+        cancelled = pool.stream(prompt, long)
+        await cancelled.__anext__()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(cancelled.collect(), 0.2)
+        await idle("collect cancelled")
+        return home
+
+    hits, moved = pool.router.stats.hits, pool.router.stats.moved
+    home = asyncio.run(streams())
+    assert pool.in_flight == 0
+    pool.generate([prompt], GREEDY)
+    assert pool.router._keys[prefix_key(prompt)] == home
+    assert pool.router.stats.moved == moved and pool.router.stats.hits > hits
+    assert [r.load for r in pool.replicas] == [0, 0]
+
+
 def test_control_calls_reach_every_replica(pool: EnginePool, local: Any, other_weights: dict[str, Any]) -> None:
     pool.sleep(1)
     assert all(info(r)["state"].released_tags == {"weights", "kv_cache"} for r in pool.replicas)
