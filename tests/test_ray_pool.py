@@ -294,6 +294,38 @@ def test_a_killed_replica_comes_back_with_the_current_weights(pool: EnginePool, 
     assert tokens(pool.generate(PROMPTS, GREEDY)) == tokens(local.generate(PROMPTS, GREEDY))
 
 
+def test_a_replica_restarted_while_paused_comes_back_paused(pool: EnginePool, other_weights: dict[str, Any]) -> None:
+    """``restart_replica`` during a ``keep`` pause: the replica is restored paused, so the requests routed to
+    it queue (they do not run on the weights it was refilled with); the next ``load_weights`` reaches it, and
+    ``resume_generation`` starts its queued requests on that load's version."""
+    restarted = 0
+    old_pid = pool.replicas[restarted].pid
+    version = pool.weight_version + 1
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+
+    async def paused_restart() -> None:
+        await pool.pause_generation("keep")
+        try:
+            pool.restart_replica(restarted)
+            pool.check_health()
+            assert pool.replicas[restarted].pid != old_pid and pool.paused == "keep"
+            streams = [pool.stream(p, params, session_id=f"paused-{i}") for i, p in enumerate(PROMPTS[:2])]
+            assert sorted(s.replica_index for s in streams) == [0, 1]  # least-loaded: one on each
+            tasks = [asyncio.ensure_future(s.collect()) for s in streams]
+            await asyncio.sleep(1.0)
+            assert not any(t.done() for t in tasks) and pool.in_flight == 2  # queued on both replicas
+            await asyncio.to_thread(pool.load_weights, other_weights.items(), version=version)
+            assert [info(r)["weight_version"] for r in pool.replicas] == [version, version]
+        finally:
+            await pool.resume_generation()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        assert {o.weight_versions for r in results for o in r.outputs} == {((0, version),)}
+
+    asyncio.run(paused_restart())
+    assert pool.paused is None and pool.weight_version == version and pool.in_flight == 0
+    assert [(r.status, r.load) for r in pool.replicas] == [("healthy", 0)] * 2
+
+
 def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> None:
     """The flush waits behind a generate that holds each replica for seconds (sixteen 900-token rows a
     replica) and gives up after 0.2 s. A flush that got to a replica before the generate did returns at once:
