@@ -21,7 +21,7 @@ from genengine.backend import (
     InvalidArgumentError,
     check_reference_args,
 )
-from genengine.distributed import EngineGroup, topology_from_env
+from genengine.distributed import EngineGroup, check_tp_group_ranks, topology_from_env
 from genengine_sglang._group import collective_timeout, torch_dist
 from genengine_sglang._weightsync import LoadCall
 from genengine_sglang.engine import SGLangEngine
@@ -145,22 +145,37 @@ def _reference_construction(
     tp_group_cpu: Any = None, num_gpu_per_node: int = 8, **kwargs: Any
 ) -> tuple[SGLangSettings, EngineGroup | None]:
     """``RLGenerationEngine(tp_group_cpu, num_gpu_per_node, **kwargs)`` as ``SGLangEngine``'s arguments;
-    without ``tp_group_cpu`` the group is left to ``SGLangEngine`` (this rank alone)."""
+    without ``tp_group_cpu`` the group is left to ``SGLangEngine`` (this rank alone). The group's layout is
+    checked first, so that a wrong one is refused on every rank before anything else is resolved."""
     if tp_group_cpu is None:
         return _settings_from_engine_kwargs(kwargs, None), None
+    ranks = _check_tp_group_cpu(tp_group_cpu, num_gpu_per_node)
+    settings = _settings_from_engine_kwargs(kwargs, len(ranks))
+    topo = topology_from_env(len(ranks), base_port=settings.base_port)
+    return settings, EngineGroup(topo, tp_group_cpu, tp_group_cpu, "gloo", collective_timeout(settings))
+
+
+def _check_tp_group_cpu(pg: Any, num_gpu_per_node: Any) -> tuple[int, ...]:
+    """The ranks of the reference's ``tp_group_cpu`` once it is this rank's TP group of contiguous ranks (a
+    gloo group on one node); else ``DistributedSetupError`` (an ``AssertionError``, as the reference's layout
+    errors, raised explicitly so ``python -O`` keeps it). A wrong group (``[0, 2]`` in a world of 4) is seen
+    alike by each of its members, and a rank that ``new_group`` left out gets a placeholder: every rank raises."""
+    if isinstance(num_gpu_per_node, bool) or not isinstance(num_gpu_per_node, int) or num_gpu_per_node < 1:
+        raise InvalidArgumentError(f"num_gpu_per_node={num_gpu_per_node!r} must be an integer >= 1")
     dist = torch_dist()
     if not (dist.is_available() and dist.is_initialized()):
         raise DistributedSetupError("tp_group_cpu was given but torch.distributed is not initialised")
-    settings = _settings_from_engine_kwargs(kwargs, dist.get_world_size(tp_group_cpu))
-    return settings, _group_from_process_group(tp_group_cpu, settings, num_gpu_per_node)
-
-
-def _group_from_process_group(pg: Any, settings: SGLangSettings, num_gpu_per_node: int) -> EngineGroup:
-    """An ``EngineGroup`` over the reference's ``tp_group_cpu`` (a gloo group of contiguous ranks)."""
-    dist = torch_dist()
-    if not (dist.is_available() and dist.is_initialized()):
-        raise DistributedSetupError("tp_group_cpu was given but torch.distributed is not initialised")
-    ranks = tuple(dist.get_process_group_ranks(pg))
+    if not isinstance(pg, dist.ProcessGroup):
+        if isinstance(pg, int) and pg == dist.GroupMember.NON_GROUP_MEMBER:
+            raise DistributedSetupError(
+                f"rank {dist.get_rank()} is not a member of tp_group_cpu (torch.distributed.new_group gives the "
+                "ranks it does not list a placeholder): each rank must pass the TP group of contiguous ranks it "
+                "belongs to, as torch.distributed.new_subgroups_by_enumeration returns it"
+            )
+        raise InvalidArgumentError(
+            f"tp_group_cpu={pg!r} must be a torch.distributed ProcessGroup (this rank's TP group, gloo) or None"
+        )
+    ranks = tuple(int(r) for r in dist.get_process_group_ranks(pg))
     if len(ranks) > num_gpu_per_node:
         raise DistributedSetupError(
             f"a TP group of {len(ranks)} ranks spans more than num_gpu_per_node={num_gpu_per_node} GPUs: "
@@ -169,13 +184,8 @@ def _group_from_process_group(pg: Any, settings: SGLangSettings, num_gpu_per_nod
     backend = str(dist.get_backend(pg))
     if backend != "gloo":
         raise DistributedSetupError(f"tp_group_cpu must be a gloo group (it carries pickled objects), got {backend!r}")
-    topo = topology_from_env(len(ranks), base_port=settings.base_port)
-    if ranks != topo.tp_group_ranks:
-        raise DistributedSetupError(
-            f"tp_group_cpu holds ranks {list(ranks)}, but rank {topo.rank}'s TP group of contiguous ranks is "
-            f"{list(topo.tp_group_ranks)}"
-        )
-    return EngineGroup(topo, pg, pg, "gloo", collective_timeout(settings))
+    check_tp_group_ranks(ranks, topology_from_env(len(ranks)), what="tp_group_cpu")
+    return ranks
 
 
 def _settings_from_engine_kwargs(kwargs: dict[str, Any], tp_size: int | None) -> SGLangSettings:

@@ -243,6 +243,47 @@ def _ports(held_port: int) -> list[tuple[int, str, str]]:
     return out
 
 
+def _tp_group_cpu(model: str) -> dict[str, Any]:
+    """LightRFT's constructor, ``RLGenerationEngine(tp_group_cpu, model_path=...)``, on every rank of a world of
+    4 with groups of the right size (2) but the wrong ranks: ``[0, 2]`` and ``[1, 3]``; then
+    ``new_group([0, 2])``, which ranks 1 and 3 are not in; then the right ``[0, 1]`` and ``[2, 3]``. The engine's
+    start is replaced by a recorder, so "refused before any engine starts" is seen, SGLang installed or not."""
+    import torch
+    import torch.distributed as dist
+
+    from genengine_sglang.engine import SGLangEngine
+    from genengine_sglang.lightrft import RLGenerationEngine
+
+    started: list[str] = []
+
+    def record_start(self: Any, *args: Any, **kwargs: Any) -> None:
+        started.append(case)
+        raise RuntimeError("the engine's start was reached")
+
+    out: dict[str, Any] = {}
+    groups = {
+        "crossed": dist.new_subgroups_by_enumeration([[0, 2], [1, 3]], backend="gloo")[0],
+        "listed": dist.new_group([0, 2], backend="gloo"),
+        "right": dist.new_subgroups_by_enumeration([[0, 1], [2, 3]], backend="gloo")[0],
+    }
+    original = SGLangEngine.__init__
+    SGLangEngine.__init__ = record_start  # type: ignore[method-assign]
+    try:
+        for case, group in groups.items():
+            try:
+                RLGenerationEngine(group, model_path=model)
+                out[case] = ("ok", "", False)
+            except Exception as exc:
+                out[case] = (type(exc).__name__, str(exc), isinstance(exc, AssertionError))
+    finally:
+        SGLangEngine.__init__ = original  # type: ignore[method-assign]
+    out["started"] = started
+    total = torch.ones(1)
+    dist.all_reduce(total)  # nobody was left hanging
+    out["after"] = total.item()
+    return out
+
+
 SCENARIOS: dict[str, Callable[..., Any]] = {
     "helpers": _helpers,
     "multi_node": _multi_node,
@@ -251,6 +292,7 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
     "absent": _absent,
     "dies": _dies,
     "ports": _ports,
+    "tp_group_cpu": _tp_group_cpu,
 }
 
 

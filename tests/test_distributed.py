@@ -224,9 +224,13 @@ OPTIMIZED_SCRIPT = textwrap.dedent(
             out.append(f"{name}: {type(exc).__name__}: {exc}")
     probe("not initialised", lambda: gd.engine_group(1))
     probe("pure", lambda: gd.compute_topology(0, 6, 0, 6, 4))
+    probe("wrong ranks", lambda: gd.check_tp_group_ranks((0, 2), gd.compute_topology(0, 4, 0, 4, 2), what="pg"))
     path = os.path.join(tempfile.mkdtemp(), "store")
     dist.init_process_group("gloo", init_method="file://" + path, rank=0, world_size=1)
     probe("world of 1, tp 2", lambda: gd.engine_group(2, check_port=False))
+    from genengine_sglang.lightrft import RLGenerationEngine
+    outside = dist.GroupMember.NON_GROUP_MEMBER
+    probe("not a member", lambda: RLGenerationEngine(outside, model_path=tempfile.mkdtemp()))
     dist.destroy_process_group()
     print("\\n".join(out))
     """
@@ -239,7 +243,9 @@ def test_checks_survive_python_O() -> None:
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("not initialised: DistributedSetupError: torch.distributed is not initialised")
     assert lines[1].startswith("pure: DistributedSetupError: world size 6 is not divisible by tp_size 4")
-    assert lines[2].startswith("world of 1, tp 2: DistributedSetupError: world size 1 is not divisible by tp_size 2")
+    assert lines[2].startswith("wrong ranks: DistributedSetupError: pg holds ranks [0, 2], but rank 0's TP group")
+    assert lines[3].startswith("world of 1, tp 2: DistributedSetupError: world size 1 is not divisible by tp_size 2")
+    assert lines[4].startswith("not a member: DistributedSetupError: rank 0 is not a member of tp_group_cpu")
 
 
 def test_import_stays_light() -> None:
@@ -422,6 +428,30 @@ def test_consistency_majority_and_per_group(pool: Any) -> None:
     # A leader outvoted by its group is the one named.
     results = pool.run("consistency", 4, tp_size=4, odd_ranks=[0])
     assert all(r.raised("InconsistentInputsError") and "rank(s) [0] of" in r.message for r in results)
+
+
+def test_lightrft_tp_group_cpu_of_the_wrong_ranks_is_refused_on_every_rank(pool: Any, tmp_path: Path) -> None:
+    """B10: ``RLGenerationEngine(tp_group_cpu)`` with a group of the right size but the wrong ranks (``[0, 2]``
+    in a world of 4) raises the reference's AssertionError on every rank, before any engine starts: the
+    crossed groups on all four ranks, and ``new_group([0, 2])`` on its members and on the ranks it left out."""
+    (tmp_path / "config.json").write_text("{}")  # a model directory as far as the settings look (no engine starts)
+    values = _ok(pool.run("tp_group_cpu", 4, model=str(tmp_path)))
+    for rank, v in enumerate(values):
+        mine = [0, 1] if rank < 2 else [2, 3]
+        crossed = [0, 2] if rank % 2 == 0 else [1, 3]
+        kind, message, is_assertion = v["crossed"]
+        assert (kind, is_assertion) == ("DistributedSetupError", True), (rank, v["crossed"])
+        assert f"tp_group_cpu holds ranks {crossed}, but rank {rank}'s TP group" in message, (rank, message)
+        assert f"contiguous ranks is {mine}" in message, (rank, message)
+        kind, message, is_assertion = v["listed"]
+        assert (kind, is_assertion) == ("DistributedSetupError", True), (rank, v["listed"])
+        if rank in (0, 2):
+            assert f"tp_group_cpu holds ranks [0, 2], but rank {rank}'s" in message, (rank, message)
+        else:
+            assert f"rank {rank} is not a member of tp_group_cpu" in message, (rank, message)
+        # the right groups pass the check and reach the engine's start; the wrong ones never did
+        assert v["right"] == ("RuntimeError", "the engine's start was reached", False), (rank, v["right"])
+        assert v["started"] == ["right"] and v["after"] == 4.0, (rank, v)
 
 
 # How long an absent rank stays away at most. It leaves as soon as its group's callers have given up, so

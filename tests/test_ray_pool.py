@@ -96,6 +96,9 @@ def test_a_bad_backend_option_names_the_replica_and_leaves_nothing(cluster: Any,
     before = (pool_actors(cluster), pool_placement_groups(cluster))
     with pytest.raises(ConfigError, match=r"replica 0 \(actor [0-9a-f]+, node .*: start: .*did you mean 'device'"):
         EnginePool(backend="transformers", model=model, devcie="cpu", num_gpus=0, num_cpus=0.1)
+    deadline = time.monotonic() + 60  # ray.kill returns before the cluster lists the actor as dead
+    while (pool_actors(cluster), pool_placement_groups(cluster)) != before and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert (pool_actors(cluster), pool_placement_groups(cluster)) == before
 
 
@@ -133,6 +136,58 @@ def test_routing_is_sticky_and_balanced(pool: EnginePool) -> None:
     # one session goes to one replica, whatever the prompts
     pool.generate(PROMPTS, GREEDY, session_id="conversation-1")
     assert list(pool.router._keys).count("conversation-1") == 1
+    assert [r.load for r in pool.replicas] == [0, 0]
+
+
+def test_streams_with_n_leave_no_load_and_keep_their_prefix_home(pool: EnginePool) -> None:
+    """Streams of ``n > 1`` through the pool, ended every way a caller ends one: read to the end, closed
+    early, aborted by id and left unread, all aborted at once, and a ``collect`` cancelled by a timeout. After
+    each, every replica's load is 0 again (a load left behind would push the prompt's prefix off the replica
+    whose cache holds it, past ``max_imbalance``), and the prefix still goes to its replica."""
+    prompt = PROMPTS[1]
+    short = SamplingParams(temperature=1.0, max_new_tokens=6, n=3, seed=5)
+    long = SamplingParams(temperature=1.0, max_new_tokens=960, ignore_eos=True, n=3, seed=5)  # cut short each time
+
+    async def idle(what: str) -> None:
+        # a stream's end reaches the router as the replica reports it: give it a moment, not a test's length
+        deadline = time.monotonic() + 10
+        while [r.load for r in pool.replicas] != [0, 0] and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert [r.load for r in pool.replicas] == [0, 0], what
+
+    async def streams() -> int:
+        first = pool.stream(prompt, short)
+        home = first.replica_index
+        assert home is not None and pool.replicas[home].load == 3  # n samples count as n units of work
+        assert len((await first.collect()).outputs) == 3
+        await idle("read to the end")
+        closed = pool.stream(prompt, long)
+        assert closed.replica_index == home
+        await closed.__anext__()
+        await closed.aclose()
+        await idle("closed early")
+        aborted = pool.stream(prompt, long)
+        await aborted.__anext__()  # on the engine: the abort reaches it
+        assert await pool.abort(aborted.request_id) == [aborted.request_id]
+        await idle("aborted by id, never read again")
+        several = [pool.stream(prompt, long, session_id=f"n-{i}") for i in range(3)]
+        for s in several:
+            await s.__anext__()
+        assert sorted(await pool.abort()) == sorted(s.request_id for s in several)
+        await idle("all aborted, never read again")
+        cancelled = pool.stream(prompt, long)
+        await cancelled.__anext__()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(cancelled.collect(), 0.05)
+        await idle("collect cancelled")
+        return home
+
+    hits, moved = pool.router.stats.hits, pool.router.stats.moved
+    home = asyncio.run(streams())
+    assert pool.in_flight == 0
+    pool.generate([prompt], GREEDY)
+    assert pool.router._keys[prefix_key(prompt)] == home
+    assert pool.router.stats.moved == moved and pool.router.stats.hits > hits
     assert [r.load for r in pool.replicas] == [0, 0]
 
 
@@ -240,6 +295,38 @@ def test_a_killed_replica_comes_back_with_the_current_weights(pool: EnginePool, 
     assert [r.status for r in pool.check_health()] == ["healthy", "healthy"]
     assert [info(r)["weight_version"] for r in pool.replicas] == [version, version]
     assert tokens(pool.generate(PROMPTS, GREEDY)) == tokens(local.generate(PROMPTS, GREEDY))
+
+
+def test_a_replica_restarted_while_paused_comes_back_paused(pool: EnginePool, other_weights: dict[str, Any]) -> None:
+    """``restart_replica`` during a ``keep`` pause: the replica is restored paused, so the requests routed to
+    it queue (they do not run on the weights it was refilled with); the next ``load_weights`` reaches it, and
+    ``resume_generation`` starts its queued requests on that load's version."""
+    restarted = 0
+    old_pid = pool.replicas[restarted].pid
+    version = pool.weight_version + 1
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+
+    async def paused_restart() -> None:
+        await pool.pause_generation("keep")
+        try:
+            pool.restart_replica(restarted)
+            pool.check_health()
+            assert pool.replicas[restarted].pid != old_pid and pool.paused == "keep"
+            streams = [pool.stream(p, params, session_id=f"paused-{i}") for i, p in enumerate(PROMPTS[:2])]
+            assert sorted(s.replica_index for s in streams) == [0, 1]  # least-loaded: one on each
+            tasks = [asyncio.ensure_future(s.collect()) for s in streams]
+            await asyncio.sleep(1.0)
+            assert not any(t.done() for t in tasks) and pool.in_flight == 2  # queued on both replicas
+            await asyncio.to_thread(pool.load_weights, other_weights.items(), version=version)
+            assert [info(r)["weight_version"] for r in pool.replicas] == [version, version]
+        finally:
+            await pool.resume_generation()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        assert {o.weight_versions for r in results for o in r.outputs} == {((0, version),)}
+
+    asyncio.run(paused_restart())
+    assert pool.paused is None and pool.weight_version == version and pool.in_flight == 0
+    assert [(r.status, r.load) for r in pool.replicas] == [("healthy", 0)] * 2
 
 
 def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> None:

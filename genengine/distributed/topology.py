@@ -19,6 +19,7 @@ __all__ = [
     "DEFAULT_BASE_PORT",
     "Topology",
     "check_port_free",
+    "check_tp_group_ranks",
     "compute_topology",
     "parse_cuda_visible_devices",
     "topology_from_env",
@@ -237,6 +238,27 @@ def compute_topology(
         physical_gpu_ids=physical,
         port=base_port + leader % local_world_size,
     )
+
+
+def check_tp_group_ranks(ranks: Sequence[int], topology: Topology, *, what: str = "the TP group") -> None:
+    """Refuse a TP group handed in by the trainer (LightRFT's ``tp_group_cpu``) that is not ``topology``'s
+    group of contiguous ranks, e.g. ``[0, 2]`` in a world of 4 with ``tp_size`` 2.
+
+    Every member of such a group sees the same ranks, and none of them has that group as its own block (a
+    block belongs to all its members or to none), so the whole group raises together, before any engine starts.
+
+    Raises:
+        DistributedSetupError: the ranks differ (an ``AssertionError``, as the reference's layout errors,
+            raised explicitly so ``python -O`` keeps it).
+    """
+    got = tuple(int(r) for r in ranks)
+    if got != topology.tp_group_ranks:
+        groups = ", ".join(_fmt_ranks(g) for g in topology.all_tp_group_ranks())
+        raise DistributedSetupError(
+            f"{what} holds ranks {_fmt_ranks(got)}, but rank {topology.rank}'s TP group of {topology.tp_size} "
+            f"contiguous ranks is {_fmt_ranks(topology.tp_group_ranks)}: a world of {topology.world_size} splits "
+            f"into the TP groups {groups} (torch.distributed.new_subgroups_by_enumeration builds them)"
+        )
 
 
 # --- topology (from the environment) ---------------------------------------------------------------------

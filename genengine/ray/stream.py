@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -45,6 +46,9 @@ class PoolStream(StreamBase):
         self._done = False
         self._final: GenerationResult | None = None
         self._failure: BaseException | None = None
+        self._lock = threading.Lock()
+        self._charge: tuple[Replica, str] | None = None
+        """The replica (and its incarnation) whose router load counts this request until it ends there."""
 
     @property
     def request_id(self) -> str:
@@ -53,6 +57,11 @@ class PoolStream(StreamBase):
     @property
     def done(self) -> bool:
         return self._done
+
+    @property
+    def running(self) -> bool:
+        """Its request has not ended on its replica (it may have ended there with chunks left unread)."""
+        return self._charge is not None and not self._done
 
     @property
     def replica_index(self) -> int | None:
@@ -65,6 +74,7 @@ class PoolStream(StreamBase):
         ((index, _),) = fleet.route([(self._key, request.params.n)], [0]).items()
         replica = fleet.replicas[index]
         self._replica = replica
+        charge = self._charge = (replica, replica.incarnation)
         self._gen = replica.actor.stream.options(num_returns="streaming").remote(
             replica.incarnation,
             request.prompt,
@@ -73,12 +83,25 @@ class PoolStream(StreamBase):
             request.image,
             self._request_id,
         )
+        # The load is the replica's work, not the reader's: it ends when the replica's generator does (finished,
+        # aborted, or the actor gone), whether or not anybody reads the chunks left.
+        self._gen.completed().future().add_done_callback(lambda _: self._release(charge))
+
+    def _release(self, charge: tuple[Replica, str] | None = None) -> None:
+        """Take this request's ``n`` off its replica's router load, once per submission (``charge``: only if it
+        is still the current one). A replica restored since (a new incarnation, its load counted afresh) is left
+        alone."""
+        with self._lock:
+            if self._charge is None or (charge is not None and charge is not self._charge):
+                return
+            (replica, incarnation), self._charge = self._charge, None
+        if self._fleet.replicas.get(replica.index) is replica and replica.incarnation == incarnation:
+            self._fleet.router.done(replica.index, self._request.params.n)
 
     def _finish(self) -> None:
         if not self._done:
             self._done = True
-            if self._replica is not None:
-                self._fleet.router.done(self._replica.index, self._request.params.n)
+            self._release()
 
     def __aiter__(self) -> PoolStream:
         return self
@@ -106,7 +129,7 @@ class PoolStream(StreamBase):
             except Exception as exc:
                 error = self._fleet.translate(replica, exc, f"stream {self._request_id!r}")
                 if isinstance(error, StaleReplicaError) and not self._yielded:
-                    self._fleet.router.done(replica.index, self._request.params.n)
+                    self._release()
                     await asyncio.to_thread(self.submit)  # it never ran: send it elsewhere
                     continue
                 self._fail(error)
@@ -150,19 +173,20 @@ class StreamRegistry:
 
     def check_new(self, request_id: str) -> None:
         known = self._streams.get(request_id)
-        if known is not None and not known.done:
+        if known is not None and known.running:
             raise InvalidArgumentError(f"request_id={request_id!r} is already in flight")
 
     def add(self, stream: PoolStream) -> None:
-        for rid in [rid for rid, s in self._streams.items() if s.done]:
+        for rid in [rid for rid, s in self._streams.items() if not s.running]:
             del self._streams[rid]
         self._streams[stream.request_id] = stream
 
     def by_replica(self, request_ids: Sequence[str] | None = None) -> dict[int, list[str]]:
-        """The ids of the streams not finished (of ``request_ids``, else all), by the replica serving each."""
+        """The ids of the streams whose request has not ended on its replica (of ``request_ids``, else all), by
+        that replica."""
         chosen = list(self._streams.values()) if request_ids is None else [self._streams.get(r) for r in request_ids]
         out: dict[int, list[str]] = {}
         for stream in chosen:
-            if stream is not None and not stream.done and stream.replica_index is not None:
+            if stream is not None and stream.running and stream.replica_index is not None:
                 out.setdefault(stream.replica_index, []).append(stream.request_id)
         return out
