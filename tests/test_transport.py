@@ -149,6 +149,39 @@ def test_a_sender_failing_to_pack_a_bucket_raises_its_own_error(pool: tw.Pool, e
         assert second["after"]["version"] == 4 and second["after"]["digests"] == expected["B"]["digests"], rank
 
 
+def test_an_engine_without_load_sessions_refuses_a_non_finite_sync_and_keeps_its_weights(
+    pool: tw.Pool, expected: dict[str, Any]
+) -> None:
+    """An engine with ``load_weights`` alone (a third-party one, no ``begin_load``) receiving with ``check_finite``
+    a sync whose bucket 2 holds a NaN: refused on both replicas, and nothing of it reaches the engines (no
+    write, no flush), which keep serving their old weights under their old version: one ``load_weights`` a
+    bucket would have loaded buckets 0 and 1, a mix such an engine cannot refuse to serve. The next whole sync
+    lands bit for bit through the same engines."""
+    spec = _spec()
+    jobs = {"spec": spec, "syncs": 2, "check_finite": True, "sessions": False}
+    pool.submit({r: ("receive", {**jobs, "rank": r}) for r in (1, 2)})
+    sender = get_transport("gloo").sender(TransportSpec(**spec))
+    try:
+        refused = tw.send_one(sender, {"weights": "B", "version": 3, "nan_bucket": 2})
+        whole = tw.send_one(sender, {"weights": "B", "version": 4})
+    finally:
+        sender.close()
+    got = pool.collect([1, 2])
+    assert all(r.status == "ok" for r in got.values()), got
+    message = _error(refused, "TransportError")
+    assert "report" in whole, whole
+    for rank in (1, 2):
+        assert f"rank {rank}: its engine failed to load it at bucket 2" in message, message
+        before, (first, second) = got[rank].value["before"], got[rank].value["syncs"]
+        assert "NaN or infinite" in _error(first, "WeightLoadError") and first["buckets_loaded"] == 0, first
+        assert first["probe"] == {"flushes": 0, "writes": 0, "versions_at_writes": []}, first["probe"]
+        after = first["after"]
+        assert after["version"] == 0 and after["digests"] == before["digests"], rank  # not one weight changed
+        assert after["outputs"] == before["outputs"], rank  # and it serves them whole
+        assert second["report"] == whole["report"], second
+        assert second["after"]["version"] == 4 and second["after"]["digests"] == expected["B"]["digests"], rank
+
+
 # ---- peers that never come or die ----------------------------------------------------------------------------
 def test_a_receiver_that_never_joins_is_named_by_the_sender(pool: tw.Pool) -> None:
     spec = _spec(timeout_s=3.0)

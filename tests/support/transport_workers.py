@@ -160,6 +160,7 @@ def _error_row(exc: BaseException) -> dict[str, Any]:
         "error": type(exc).__name__,
         "message": str(exc),
         "mro": [c.__name__ for c in type(exc).__mro__],
+        "buckets_loaded": getattr(exc, "buckets_loaded", None),  # a receiver's: how many reached its engine
         "trace": "".join(traceback.format_exception(exc))[-4000:],
     }
 
@@ -201,6 +202,17 @@ class _DiesInLoad:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class _OnlyLoadWeights:
+    """A real engine seen through ``load_weights`` alone, no ``begin_load``: a third-party engine without load
+    sessions, which the transports load with one ``load_weights`` a bucket."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def load_weights(self, named_tensors: Any, **kwargs: Any) -> Any:
+        return self._inner.load_weights(named_tensors, **kwargs)
 
 
 def plan(stream: list[tuple[str, Any]], spec: Any, version: int = 0) -> Any:
@@ -264,11 +276,17 @@ def scenario_send(spec: dict[str, Any], syncs: list[dict[str, Any]]) -> list[dic
 
 
 def scenario_receive(
-    spec: dict[str, Any], rank: int, syncs: int, die_in_load: int | None = None, check_finite: bool = False
+    spec: dict[str, Any],
+    rank: int,
+    syncs: int,
+    die_in_load: int | None = None,
+    check_finite: bool = False,
+    sessions: bool = True,
 ) -> dict[str, Any]:
     """A replica: start from checkpoint A at version 0, join, receive ``syncs`` syncs (observing the engine
     after each, and what its :class:`LoadProbe` counted), close. ``seconds`` of each receive is measured so a
-    timeout's promptness can be asserted. ``die_in_load``: the process dies writing that (1-based) bucket."""
+    timeout's promptness can be asserted. ``die_in_load``: the process dies writing that (1-based) bucket.
+    ``sessions=False``: the engine is offered with ``load_weights`` alone (:class:`_OnlyLoadWeights`)."""
     from genengine.testing.conformance.transport import LoadProbe
     from genengine.transport import TransportSpec, get_transport
 
@@ -279,6 +297,8 @@ def scenario_receive(
     real.load_weights(trainer_stream("A"), version=0)
     before = observe(real)
     target = real if die_in_load is None else _DiesInLoad(real, die_in_load)
+    if not sessions:
+        target = _OnlyLoadWeights(target)
     try:
         receiver = get_transport(spec["transport"]).receiver(TransportSpec(**spec), rank)
     except Exception as exc:
