@@ -390,6 +390,41 @@ def test_shared_entries_take_no_room_in_a_bucket_and_travel_in_the_metadata() ->
         plan.buckets[0].views(buf)
 
 
+def test_views_at_an_offset_and_transposed_tensors_are_planned_and_packed_exactly() -> None:
+    """The CPU side of what tests/gpu/test_ray_gpu.py syncs over ``cuda_ipc`` into each engine
+    (``tw.awkward_weights``): the stream holds views at a nonzero storage offset and transposed tensors with the
+    values of ``random_weights``; ``cuda_ipc``'s choice (``shareable``) reads the dense offset views in place
+    and packs the transposed ones; packed and read back through the layout, every tensor is bit for bit."""
+    import torch
+
+    from genengine.bench.pool import random_weights
+    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.transport import _layout
+    from genengine.transport.cuda_ipc import shareable
+
+    model = str(tiny_model_dir())
+    plain = dict(random_weights(model, 3, "cpu"))
+    stream = tw.awkward_weights(model, 3, "cpu")
+    assert [n for n, _ in stream] == list(plain) and all(torch.equal(t, plain[n]) for n, t in stream)
+    offset = {n for n, t in stream if t.storage_offset() > 0 and t.is_contiguous()}
+    transposed = {n for n, t in stream if not t.is_contiguous()}
+    assert len(offset) > 3 and len(transposed) > 3, (offset, transposed)
+    plan = _layout.plan(stream, version=3, bucket_bytes=BUCKET, checksum=True, share=shareable(torch.device("cpu")))
+    entries = {e.name: e for b in plan.buckets for e in b.entries}
+    assert all(entries[n].shared for n in offset) and not any(entries[n].shared for n in transposed)
+    lent = {n: t for n, t in stream if entries[n].shared}
+    buf = torch.zeros(plan.buffer_bytes, dtype=torch.uint8)
+    got: dict[str, Any] = {}
+    for k, bucket in enumerate(plan.buckets):
+        view = buf[: bucket.nbytes + _layout.TRAILER]
+        _layout.pack(plan, k, view)
+        assert int(_layout.checksum_of(view, bucket.nbytes)) == _layout.read_trailer(view, bucket)[1]
+        got.update((n, t.clone()) for n, t in bucket.views(view, lent))
+    assert sorted(got) == sorted(plain)
+    wrong = [n for n, t in plain.items() if not torch.equal(got[n], t)]
+    assert wrong == [], wrong
+
+
 def test_ipc_dumps_pickles_as_torch_does_for_memory_this_process_owns() -> None:
     """``genengine.ipc.dumps`` (SGLang's payloads) is torch's ForkingPickler for everything but memory opened from
     another process (passed on under the trainer's spare share, checked on the GPU): the same bytes here."""

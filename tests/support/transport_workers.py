@@ -31,6 +31,7 @@ __all__ = [
     "PackFault",
     "Pool",
     "Result",
+    "awkward_weights",
     "configure",
     "engine",
     "free_port",
@@ -111,6 +112,30 @@ def trainer_stream(which: str) -> list[tuple[str, Any]]:
             big[7:].copy_(tensor.reshape(-1))
             tensor = big[7:].view(tensor.shape)  # a view at an odd element offset of a larger storage
         out.append((name, tensor))
+    return out
+
+
+def awkward_weights(model_dir: str, version: int, device: str) -> list[tuple[str, Any]]:
+    """``genengine.bench.pool.random_weights`` laid out as a trainer may hold them, with the same values: every
+    third 2-D tensor transposed in memory (not contiguous: ``cuda_ipc`` packs it into a bucket), every third + 1
+    a view at an odd element offset of a larger allocation (dense: ``cuda_ipc`` shares it in place, at that
+    offset). The pool benchmark's ``weights`` in tests/gpu/test_ray_gpu.py, so each engine's replica reads
+    both kinds, by both ways of sharing, and must serve what the in-process engine loaded from them."""
+    import torch
+
+    from genengine.bench.pool import random_weights
+
+    out: list[tuple[str, Any]] = []
+    for i, (name, tensor) in enumerate(random_weights(model_dir, version, device)):
+        if i % 3 == 0 and tensor.dim() == 2 and min(tensor.shape) > 1:
+            tensor = tensor.t().contiguous().t()
+        elif i % 3 == 1:
+            big = torch.empty(tensor.numel() + 7, dtype=tensor.dtype, device=tensor.device)
+            big[7:].copy_(tensor.reshape(-1))
+            tensor = big[7:].view(tensor.shape)
+        out.append((name, tensor))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
     return out
 
 
