@@ -199,7 +199,10 @@ def test_a_receiver_that_never_joins_is_named_by_the_sender(pool: tw.Pool) -> No
 
 
 def test_a_receiver_dying_mid_sync_makes_the_sender_raise_naming_it(pool: tw.Pool) -> None:
-    spec = _spec(timeout_s=5.0)
+    """Rank 2 dies writing bucket 2: the sender raises naming it, at once (its connection reset), and the
+    survivor too, not at the group's timeout: the broken group is released on the sender's side as it fails
+    (gloo keeps a group's connections open while anything holds it, and the survivor waited them out)."""
+    spec = _spec(timeout_s=20.0)
     pool.submit(
         {
             1: ("receive", {"spec": spec, "rank": 1, "syncs": 1}),
@@ -213,12 +216,12 @@ def test_a_receiver_dying_mid_sync_makes_the_sender_raise_naming_it(pool: tw.Poo
             sender.send(tw.trainer_stream("B"), version=3)
     finally:
         sender.close()
-    assert time.monotonic() - start < 5.0 + 3.0
+    assert time.monotonic() - start < 10.0
     assert "rank(s) [2] died" in str(info.value), info.value
     got = pool.collect([1, 2])
     assert got[2].status == "died"
     row = got[1].value["syncs"][0]
-    assert "TransportTimeoutError" in row["mro"] and row["seconds"] < 5.0 + 3.0
+    assert "TransportTimeoutError" in row["mro"] and row["seconds"] < 10.0, row
     assert row["after"]["version"] == 0
     with pytest.raises(TransportError, match="is broken"):
         sender.send([], version=4)

@@ -341,23 +341,27 @@ class BroadcastSender(SenderBase):
         stream = side_stream(self._device)
         pending: deque[tuple[int, Work]] = deque()
         error: BaseException | None = None
-        for k, bucket in enumerate(plan.buckets):
-            if len(pending) == 2:  # the buffer about to be packed is still in flight
-                done, work = pending.popleft()
-                g.wait(work, f"broadcasting {plan.buckets[done].describe(done)}", receivers)
-            buf = bufs[k % 2][: bucket.nbytes + layout.TRAILER]
-            with on_stream(stream):
-                try:
-                    layout.pack(plan, k, buf)
-                except Exception as exc:  # e.g. a DTensor gather failing: stop every rank here, in step
-                    error = exc
-                    layout.mark_aborted(buf, bucket)
-                pending.append((k, g.broadcast(buf, data=True)))
-            if error is not None:
-                break
-        while pending:
-            done, work = pending.popleft()
-            g.wait(work, f"broadcasting {plan.buckets[done].describe(done)}", receivers)
+        try:
+            for k, bucket in enumerate(plan.buckets):
+                if len(pending) == 2:  # the buffer about to be packed is still in flight
+                    done = pending[0][0]
+                    g.wait(pending.popleft()[1], f"broadcasting {plan.buckets[done].describe(done)}", receivers)
+                buf = bufs[k % 2][: bucket.nbytes + layout.TRAILER]
+                with on_stream(stream):
+                    try:
+                        layout.pack(plan, k, buf)
+                    except Exception as exc:  # e.g. a DTensor gather failing: stop every rank here, in step
+                        error = exc
+                        layout.mark_aborted(buf, bucket)
+                    pending.append((k, g.broadcast(buf, data=True)))
+                if error is not None:
+                    break
+            while pending:
+                done = pending[0][0]
+                g.wait(pending.popleft()[1], f"broadcasting {plan.buckets[done].describe(done)}", receivers)
+        except BaseException:
+            pending.clear()  # the group is broken: nothing here may keep its process groups (and connections) alive
+            raise
         if stream is not None:
             stream.synchronize()
         statuses = g.gather_status(STATUS_WIDTH, "waiting for every replica to load the sync")
