@@ -23,7 +23,7 @@ from support.ray_pool import (  # noqa: E402
     tokens,
 )
 
-from genengine.errors import InvalidArgumentError, WeightsNotLoadedError  # noqa: E402
+from genengine.errors import GenEngineError, InvalidArgumentError, WeightLoadError, WeightsNotLoadedError  # noqa: E402
 from genengine.ray import EnginePool, ReplicaDiedError, prefix_key  # noqa: E402
 from genengine.testing.conformance import load_checkpoint  # noqa: E402
 
@@ -199,3 +199,100 @@ class TestGlooSync:
         assert gloo.transport_group == group and [r.needs_weights for r in gloo.replicas] == [False, False]
         assert [info(r)["weight_version"] for r in gloo.replicas] == [18, 18]
         assert tokens(gloo.generate(PROMPTS, GREEDY)) == _reference(local, other_weights, 18)
+
+
+# ---- what a sync must never lose (issue 40: B2, B3, B6) --------------------------------------------------------
+def test_transport_options_win_over_the_pools_defaults(model: str) -> None:
+    """The pool's defaults for its groups (checksums on, its own ``timeout_s``) give way to the user's
+    ``transport_options`` (EnginePool's real defaults; nothing is started)."""
+    import inspect
+
+    from genengine.ray.options import PoolOptions
+
+    empty = inspect.Parameter.empty
+    defaults = {
+        n: p.default
+        for n, p in inspect.signature(EnginePool.__init__).parameters.items()
+        if p.default is not empty and n not in ("config", "max_imbalance")
+    }
+
+    def merged(**kw: Any) -> dict[str, Any]:
+        args = {**defaults, "num_gpus": 0, "transport": "gloo", **kw}
+        return dict(PoolOptions.check(None, {"backend": "transformers", "model": model}, **args).transport_options)
+
+    assert merged(transport_options={"timeout_s": 900, "checksum": False}) == {"timeout_s": 900, "checksum": False}
+    assert merged() == {"timeout_s": defaults["timeout_s"], "checksum": True}
+    assert merged(timeout_s=120, transport_options={"bucket_bytes": 4096}) == {
+        "timeout_s": 120,
+        "checksum": True,
+        "bucket_bytes": 4096,
+    }
+
+
+def test_the_weight_sync_group_is_formed_with_the_users_transport_options(gloo: EnginePool) -> None:
+    """The group the replicas joined: the fixture's ``timeout_s=60`` and ``bucket_bytes``, not the pool's
+    ``timeout_s=120``; ``checksum`` not given, so the pool's default (on)."""
+    gloo.load_weights([], version=gloo.weight_version)  # forms the group if no sync did yet
+    spec = gloo._sync._sender.group.spec
+    assert (spec.timeout_s, spec.bucket_bytes, spec.checksum) == (60, 1 << 20, True), spec
+
+
+def test_a_non_finite_tensor_is_refused_for_every_replica_and_changes_none(
+    gloo: EnginePool, other_weights: dict[str, Any]
+) -> None:
+    """``load_weights(check_finite=True)`` through the group with a NaN in the sync's last tensor (its last
+    bucket): refused, and no replica changes weights or version; both keep serving, whole. (Checked by each
+    replica bucket by bucket, the buckets before the NaN would have been written everywhere, leaving every
+    replica refusing to serve until the next whole sync.)"""
+    version = gloo.weight_version
+    want = tokens(gloo.generate(PROMPTS, GREEDY))
+    poisoned = dict(other_weights)
+    last = list(poisoned)[-1]
+    poisoned[last] = poisoned[last].clone()
+    poisoned[last].view(-1)[poisoned[last].numel() // 2] = float("nan")
+    with pytest.raises(WeightLoadError, match=rf"weight {re.escape(repr(last))} holds NaN or infinite") as caught:
+        gloo.load_weights(poisoned.items(), version=version + 1, check_finite=True)
+    assert f"weight version stays {version}" in str(caught.value), caught.value
+    infos = [info(r) for r in gloo.replicas]
+    assert [i["weight_version"] for i in infos] == [version] * 2 and gloo.weight_version == version
+    assert all(i["state"].weights_loaded for i in infos), infos
+    assert [r.needs_weights for r in gloo.replicas] == [False, False] and gloo.router.replicas == (0, 1)
+    served_by_both(gloo, want, "after-a-refused-nan")
+
+
+def test_a_replica_lost_mid_sync_of_a_generator_raises_and_moves_no_version(
+    gloo: EnginePool, local: Any, model: str, faults: Path
+) -> None:
+    """A trainer's stream read once (a generator, as ``model.named_parameters()`` is) and a replica whose process
+    dies writing a bucket in the middle of the sync: the stream cannot be sent again to the survivor, so
+    ``load_weights`` raises, and the pool's weight version stays; no replica serves part of the sync (one that
+    took traffic serves the old weights, or the new ones whole), and it raises at once, not at the group's
+    timeout. A later whole sync reaches both."""
+    version = gloo.weight_version
+    old = tokens(gloo.generate(PROMPTS, GREEDY))
+    disk = load_checkpoint(model)
+    names = list(disk)
+    (faults / "die-weight").write_text(names[len(names) // 2])  # in a middle bucket of the sync
+
+    def named_parameters() -> Iterator[tuple[str, Any]]:
+        yield from disk.items()
+
+    start = time.monotonic()
+    with pytest.raises(GenEngineError) as caught:
+        gloo.load_weights(named_parameters(), version=version + 1)
+    # at once, not at the group's 60 s timeout (the survivor waited it out to report to a sender that had failed)
+    assert time.monotonic() - start < 30, caught.value
+    assert not (faults / "die-weight").exists()  # claimed: a replica did die in the sync
+    assert f"the pool's weight version stays {version}" in str(caught.value), caught.value
+    assert gloo.weight_version == version
+    new = _reference(local, disk, version + 1)
+    try:
+        got = tokens(gloo.generate(PROMPTS, GREEDY, session_id=[f"lost-mid-sync-{i}" for i in range(len(PROMPTS))]))
+    except WeightsNotLoadedError:
+        got = None  # nothing takes traffic until a whole sync
+    assert got is None or got in (old, new), got
+    gloo.check_health()
+    gloo.load_weights(list(disk.items()), version=version + 2)
+    assert [info(r)["weight_version"] for r in gloo.replicas] == [version + 2] * 2
+    assert gloo.weight_version == version + 2 and gloo.router.replicas == (0, 1)
+    served_by_both(gloo, _reference(local, disk, version + 2), "after-a-replica-lost-mid-sync")

@@ -10,9 +10,11 @@ neither Ray nor torch.
 from __future__ import annotations
 
 import contextlib
+import gc
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -54,6 +56,50 @@ def _host_tensor(tensor: Any) -> Any:
     if device is not None and device.type not in ("cpu", "meta"):
         return tensor.detach().cpu()
     return tensor.detach() if hasattr(tensor, "detach") else tensor
+
+
+def _refuse_non_finite(pairs: list[Any], what: str, version: int) -> None:
+    """``check_finite`` in the trainer's process, before anything is sent: a replica checks a bucket only once
+    the buckets before it were written, so a NaN in a later bucket would leave every replica refusing (a mix
+    under the old label) instead of unchanged. DTensors are left to the replicas (reading one here would be a
+    collective the other trainer ranks do not join); what is not a tensor, to the sender's own checks."""
+    import torch
+
+    from genengine.weights import _check_finite
+
+    for item in pairs:
+        if not isinstance(item, tuple) or len(item) != 2:
+            continue
+        name, tensor = item
+        if (
+            not isinstance(name, str)
+            or type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+            or tensor.layout != torch.strided
+            or tensor.is_meta
+            or not tensor.is_floating_point()
+        ):
+            continue
+        check_storage(name, tensor)  # a freed tensor's "values" are whatever memory follows it
+        try:
+            _check_finite(name, tensor)
+        except WeightLoadError as exc:
+            raise WeightLoadError(
+                f"{what}: {exc}; refused in the trainer's process before anything was sent: every replica keeps "
+                f"its weights and the pool's weight version stays {version}"
+            ) from None
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Free what the finished frames of a failed send hold (its process groups' pending work): gloo closes a
+    group's connections only once nothing holds it, and until then a replica waiting to report to rank 0 waits
+    out the group's timeout (60 s in a test, with a replica that died mid-sync) instead of failing at once."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
 
 
 def _partial(outcome: Outcome) -> bool:
@@ -256,12 +302,17 @@ class WeightSync:
         from genengine.transport import TransportError, TransportTimeoutError
 
         fleet = self.fleet
+        pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        label = fleet.version if version is None else version
+        if check_finite:  # the sender pulls every pair before it sends anything anyway (references only)
+            pairs = list(pairs)
+            _refuse_non_finite(
+                pairs, f"load_weights of version {label} over transport {self.transport!r}", fleet.version
+            )
         self._ensure_group(replicas)
         group = self._group_name
         ranks = {r.index: rank for rank, r in enumerate(replicas, 1)}
         calls = [(r, r.actor.transport_receive.remote(r.incarnation, check_finite)) for r in replicas]
-        pairs = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        label = fleet.version if version is None else version
         sent: BaseException | None = None
         try:
             self._sender.send(pairs, version=label)
@@ -272,6 +323,7 @@ class WeightSync:
                 # fail at once (their connections drop) instead of at the group's timeout.
                 with contextlib.suppress(Exception):
                     self._sender.close()
+                _drop_frames(exc)
         # A receiver raises within the group's timeout of the sender's last word; the margin covers Ray.
         outcomes = fleet.wait("load_weights", calls, self.transport_options["timeout_s"] + fleet.timeout_s)
         failed = [o for o in outcomes if o.error is not None]

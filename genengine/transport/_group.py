@@ -95,6 +95,7 @@ class Group:
             message += f" ({type(exc).__name__}: {text[:400]})"
         self.broken = message
         self._abort()
+        self.close()  # gloo closes a group's connections only once nothing holds it: the peers fail at once
         raise TransportTimeoutError(message) from exc
 
     def check_usable(self) -> None:
@@ -236,8 +237,10 @@ class Group:
         try:
             done = work.wait(timedelta(seconds=seconds))
         except RuntimeError as exc:
+            del work  # an error's frames must not keep the failed group alive (see fail)
             self.fail(op, ranks, exc)
         if done is False:
+            del work
             self.fail(op, ranks)
 
     def broadcast_bytes(self, data: bytes | None, op: str) -> bytes:
@@ -287,6 +290,7 @@ class Group:
             if done is False:
                 missing.append(r)
         if missing:
+            works.clear()
             self.fail(op, missing, first)
         return {r: row.tolist() for r, row in rows.items()}
 

@@ -75,22 +75,47 @@ def check_spec(spec: TransportSpec, name: str, device: str) -> None:
 
 class _PerBucketLoads:
     """The load session of an engine that has only ``load_weights``: one call a bucket, the last (empty) one
-    carrying the version. Each call checks and flushes on its own; engines with ``begin_load`` avoid that."""
+    carrying the version. Each call checks and flushes on its own; engines with ``begin_load`` avoid that.
+
+    With ``check_finite`` nothing reaches the engine before the whole sync arrived finite: each bucket is checked
+    as it arrives and held (a host copy: the transport reuses its buffers), and the commit loads them in one
+    ``load_weights``. One bucket a call would have loaded the buckets before a NaN, and an engine without
+    sessions cannot refuse to serve that mix: it would serve it under the old version."""
 
     def __init__(self, engine: GenerationEngine, check_finite: bool, version: int) -> None:
         self._engine, self._check_finite, self._version = engine, check_finite, version
         self._reports: list[LoadReport] = []
+        self._held: list[tuple[str, torch.Tensor]] | None = [] if check_finite else None
+
+    @property
+    def holds_writes(self) -> bool:
+        """Whether the buckets written so far are held here, none of them in the engine yet."""
+        return self._held is not None
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._reports.append(self._engine.load_weights(named_tensors, check_finite=self._check_finite))
+        if self._held is None:
+            self._reports.append(self._engine.load_weights(named_tensors, check_finite=self._check_finite))
+            return
+        from genengine.weights import _check_finite
+
+        pairs = list(named_tensors)
+        for name, tensor in pairs:
+            _check_finite(name, tensor)
+        self._held.extend((name, tensor.detach().to("cpu", copy=True)) for name, tensor in pairs)
 
     def commit(self) -> LoadReport:
+        if self._held is not None:
+            held, self._held = self._held, None  # from here on the engine may hold part of it
+            one = self._engine.load_weights(held, check_finite=True, version=self._version)
+            return LoadReport(one.num_tensors, one.num_bytes, 1 if held else 0, one.seconds)
         self._engine.load_weights([], version=self._version)
         r = self._reports
         return LoadReport(sum(x.num_tensors for x in r), sum(x.num_bytes for x in r), len(r), sum(x.seconds for x in r))
 
     def abort(self, exc: BaseException | None = None) -> None:
-        return  # each bucket's load_weights already settled the engine's state
+        if self._held is not None:
+            self._held.clear()  # nothing of the sync reached the engine
+        # otherwise each bucket's load_weights already settled the engine's state
 
     def __enter__(self) -> _PerBucketLoads:
         return self
@@ -105,6 +130,11 @@ def begin_load(engine: GenerationEngine, version: int, check_finite: bool) -> We
     if isinstance(engine, SupportsLoadSessions):
         return engine.begin_load(check_finite=check_finite, version=version)
     return _PerBucketLoads(engine, check_finite, version)
+
+
+def written(session: WeightLoadSession | None, loaded: int) -> int:
+    """How many of the ``loaded`` buckets reached the engine: none while the session holds them for its commit."""
+    return 0 if getattr(session, "holds_writes", False) else loaded
 
 
 def open_session(
@@ -311,23 +341,27 @@ class BroadcastSender(SenderBase):
         stream = side_stream(self._device)
         pending: deque[tuple[int, Work]] = deque()
         error: BaseException | None = None
-        for k, bucket in enumerate(plan.buckets):
-            if len(pending) == 2:  # the buffer about to be packed is still in flight
-                done, work = pending.popleft()
-                g.wait(work, f"broadcasting {plan.buckets[done].describe(done)}", receivers)
-            buf = bufs[k % 2][: bucket.nbytes + layout.TRAILER]
-            with on_stream(stream):
-                try:
-                    layout.pack(plan, k, buf)
-                except Exception as exc:  # e.g. a DTensor gather failing: stop every rank here, in step
-                    error = exc
-                    layout.mark_aborted(buf, bucket)
-                pending.append((k, g.broadcast(buf, data=True)))
-            if error is not None:
-                break
-        while pending:
-            done, work = pending.popleft()
-            g.wait(work, f"broadcasting {plan.buckets[done].describe(done)}", receivers)
+        try:
+            for k, bucket in enumerate(plan.buckets):
+                if len(pending) == 2:  # the buffer about to be packed is still in flight
+                    done = pending[0][0]
+                    g.wait(pending.popleft()[1], f"broadcasting {plan.buckets[done].describe(done)}", receivers)
+                buf = bufs[k % 2][: bucket.nbytes + layout.TRAILER]
+                with on_stream(stream):
+                    try:
+                        layout.pack(plan, k, buf)
+                    except Exception as exc:  # e.g. a DTensor gather failing: stop every rank here, in step
+                        error = exc
+                        layout.mark_aborted(buf, bucket)
+                    pending.append((k, g.broadcast(buf, data=True)))
+                if error is not None:
+                    break
+            while pending:
+                done = pending[0][0]
+                g.wait(pending.popleft()[1], f"broadcasting {plan.buckets[done].describe(done)}", receivers)
+        except BaseException:
+            pending.clear()  # the group is broken: nothing here may keep its process groups (and connections) alive
+            raise
         if stream is not None:
             stream.synchronize()
         statuses = g.gather_status(STATUS_WIDTH, "waiting for every replica to load the sync")
@@ -359,7 +393,7 @@ class BroadcastReceiver(Endpoint):
                 g.wait(works.pop(k), f"receiving {bucket.describe(k)} of {len(buckets)}", [0])
                 flag, expected = layout.read_trailer(slices[k], bucket)
                 if flag == layout.FLAG_ABORT:
-                    failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, loaded))
+                    failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, written(session, loaded)))
                     break
                 if k + 1 < len(buckets):
                     works[k + 1] = g.broadcast(slices[k + 1], data=True)  # in flight while bucket k loads
@@ -368,7 +402,7 @@ class BroadcastReceiver(Endpoint):
                 if meta["checksum"]:
                     actual = int(layout.checksum_of(slices[k], bucket.nbytes).item())
                     if actual != expected:
-                        failure = (CHECKSUM, k, checksum_error(g, version, bucket, k, loaded))
+                        failure = (CHECKSUM, k, checksum_error(g, version, bucket, k, written(session, loaded)))
                         continue
                 try:
                     session.write(bucket.views(slices[k]))
@@ -386,7 +420,7 @@ class BroadcastReceiver(Endpoint):
         code, at = (failure[0], failure[1]) if failure else (OK, -1)
         g.send_status([code, at, int(meta["seq"])], "reporting the sync's outcome to the sender")
         if failure is not None:
-            raise_failure(failure, loaded)
+            raise_failure(failure, written(session, loaded))  # after the commit: a held sync reached it there
         return SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
 
 

@@ -48,6 +48,7 @@ from genengine.transport.broadcast import (
     raise_for_status,
     read_metadata,
     side_stream,
+    written,
 )
 from genengine.transport.errors import TransportError
 from genengine.transport.spec import SyncReport, TransportSpec
@@ -284,6 +285,7 @@ class CudaIpcReceiver(Endpoint):
         trace.mark("open")
         tensors = nbytes = loaded = 0
         session, failure = (None, unreachable) if unreachable else open_session(engine, version, check_finite)
+        opened = session  # ``session`` is None once committed
         first_pass = ipc.passes()
         trace.mark("session")
         try:
@@ -302,7 +304,7 @@ class CudaIpcReceiver(Endpoint):
                     flag, expected = (layout.FLAG_ABORT if int(notice[1]) else layout.FLAG_OK), 0
                 trace.mark("copy")
                 if flag == layout.FLAG_ABORT:
-                    failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, loaded))
+                    failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, written(session, loaded)))
                     if mapped is not None:  # closed before the sender hears of it (it lets go of its tensors)
                         _release(mapped, g, lent, shared)
                         mapped = None
@@ -313,7 +315,7 @@ class CudaIpcReceiver(Endpoint):
                     and meta["checksum"]
                     and int(layout.checksum_of(buf, bucket.nbytes).item()) != expected
                 ):
-                    failure = (CHECKSUM, k, checksum_error(g, version, bucket, k, loaded))
+                    failure = (CHECKSUM, k, checksum_error(g, version, bucket, k, written(session, loaded)))
                 trace.mark("checksum")
                 if failure is None and session is not None:
                     try:
@@ -357,7 +359,7 @@ class CudaIpcReceiver(Endpoint):
             if mapped is not None:
                 _release(mapped, g, {}, [])  # lent and shared dropped above
         if failure is not None:
-            raise_failure(failure, loaded)
+            raise_failure(failure, written(opened, loaded))
         report = SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
         trace.write(seq, report, handles=handles)
         return report

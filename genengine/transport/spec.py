@@ -140,7 +140,8 @@ class WeightReceiver(Protocol):
     def receive(self, engine: GenerationEngine, *, check_finite: bool = False) -> SyncReport:
         """Receive one whole sync into one load session of ``engine`` (``begin_load``, a ``write`` per bucket,
         one ``commit`` with ``version=<the sender's>``: one check, one cache flush and one version change per
-        sync; an engine without sessions gets one ``load_weights`` a bucket). ``check_finite`` refuses NaN/inf.
+        sync; an engine without sessions gets one ``load_weights`` a bucket, or with ``check_finite`` one at the end).
+        ``check_finite`` refuses NaN/inf.
         Returns once the sync is committed, or raises TransportError / TransportTimeoutError / ChecksumError
         (the session aborted: the old version stays)."""
         ...

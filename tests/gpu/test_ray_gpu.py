@@ -3,10 +3,12 @@ its placement-group bundle, the replica synced over ``cuda_ipc`` (genengine/benc
 size). Every engine importable here is measured (``GENENGINE_RAY_BACKENDS=sglang,vllm`` to choose).
 
 Checked: three syncs (checksums on) of new weights from the trainer actor's CUDA tensors, which the replica
-reads in place by the CUDA driver's IPC handles (the default) and torch's in turn (one bucket a sync; the
-packed, checksummed buckets are tests/gpu/test_transport_gpu.py's), reach the replica, whose greedy outputs then
-equal the in-process engine's on the same weights and differ from the previous version's, labelled with the
-sync's version; a sleep through the pool frees about what the in-process sleep frees (level 1; level 2 at 7B);
+reads in place by the CUDA driver's IPC handles (the default) and torch's in turn, reach the replica, whose
+greedy outputs then equal the in-process engine's on the same weights and differ from the previous version's,
+labelled with the sync's version. At the tiny scale a third of the tensors are views at an odd offset of a larger
+allocation (read in place at that offset) and a third transposed in memory (packed into checksummed buckets):
+``support.transport_workers.awkward_weights``, so each engine reads both kinds by both ways of sharing;
+a sleep through the pool frees about what the in-process sleep frees (level 1; level 2 at 7B);
 generate through the pool is not far off in-process speed (a loose sanity bound: the figure itself is
 ``benchmarks/bench_pool.py``'s, at 7B).
 
@@ -84,6 +86,7 @@ def _settings(backend: str) -> Any:
         handles=HANDLES,
         bucket_bytes=256 << 10,
         checksum=True,
+        weights="support.transport_workers:awkward_weights",
     )
 
 

@@ -157,7 +157,9 @@ def test_cuda_ipc_reads_dense_gpu_tensors_in_place(in_place_run: dict[str, Any])
     model is one bucket, one load and one flush; mixed with host tensors both land; the replica's
     ``check_finite`` sees a NaN in the trainer's memory (and, nothing written, keeps serving); every sync leaves
     what a direct load leaves. The same with one CUDA driver handle per allocation (``driver``), which both
-    ends' traces must show was the way taken."""
+    ends' traces must show was the way taken. Among the tensors: views at a nonzero storage offset (shared at
+    that offset) and transposed ones (packed), each arriving bit for bit (issue 40 B11; each engine's replica
+    reads both kinds in tests/gpu/test_ray_gpu.py)."""
     run, handles = in_place_run, in_place_run["handles"]
     # one per side for each whole sync (the refused and the unopened ones write none)
     ways = sorted((t["side"], t["handles"]) for t in run["traces"])
@@ -174,6 +176,14 @@ def test_cuda_ipc_reads_dense_gpu_tensors_in_place(in_place_run: dict[str, Any])
         assert after["digests"] == expected[which]["digests"], i
         assert [o[:2] for o in after["outputs"]] == [o[:2] for o in expected[which]["outputs"]], i
     assert run["sender"][1]["report"][3] >= 2, run["sender"][1]  # the host half filled buckets of its own
+    # Views at a nonzero offset of their storage (dense: read in place, at that offset, by this run's handles)
+    # and transposed tensors (not contiguous: packed) are in the stream, and each arrived bit for bit.
+    offset = [n for n, t in stream if t.storage_offset() > 0 and t.is_contiguous()]
+    transposed = [n for n, t in stream if not t.is_contiguous()]
+    held = [n for n in offset + transposed if n in expected["B"]["digests"]]
+    assert offset and transposed and len(held) >= len(offset + transposed) - 1, (offset, transposed)
+    got = rows[0]["after"]["digests"]
+    assert {n: got[n] for n in held} == {n: expected["B"]["digests"][n] for n in held}
     text = rows[2]["message"]
     assert "WeightLoadError" in rows[2]["mro"] and "NaN or infinite" in text, rows[2]
     # refused before anything was written (the whole model is one bucket): it still serves version 6

@@ -5,6 +5,9 @@ holding that tensor fails there, after its earlier buckets were written: a load 
 GPU engine's does when it runs out of memory. The embedded engine checks a whole stream before writing,
 so no bad input can do that on the CPU.
 
+Write a tensor's name to ``$GENENGINE_TEST_FAULTS_DIR/die-weight`` and the first replica to write a bucket holding
+that tensor kills its own process there: a replica lost in the middle of a weight sync.
+
 Create ``$GENENGINE_TEST_FAULTS_DIR/die-in-generate`` and the first replica to enter ``generate`` kills its
 own process there: a replica that dies during a call, by construction (no race with the call's end).
 
@@ -45,6 +48,13 @@ def install() -> None:
                 name = None  # no switch, or another replica claimed it
             if name is not None and name in {n for n, _ in bucket} and _claim(switch):
                 raise RuntimeError(f"injected fault while writing the bucket holding {name!r}")
+            doomed = Path(directory) / "die-weight"
+            try:
+                name = doomed.read_text()
+            except FileNotFoundError:
+                name = None
+            if name is not None and name in {n for n, _ in bucket} and _claim(doomed):
+                os._exit(20)  # the replica's process dies writing this bucket of a sync
         original(self, bucket)
 
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -31,6 +31,7 @@ __all__ = [
     "PackFault",
     "Pool",
     "Result",
+    "awkward_weights",
     "configure",
     "engine",
     "free_port",
@@ -114,6 +115,30 @@ def trainer_stream(which: str) -> list[tuple[str, Any]]:
     return out
 
 
+def awkward_weights(model_dir: str, version: int, device: str) -> list[tuple[str, Any]]:
+    """``genengine.bench.pool.random_weights`` laid out as a trainer may hold them, with the same values: every
+    third 2-D tensor transposed in memory (not contiguous: ``cuda_ipc`` packs it into a bucket), every third + 1
+    a view at an odd element offset of a larger allocation (dense: ``cuda_ipc`` shares it in place, at that
+    offset). The pool benchmark's ``weights`` in tests/gpu/test_ray_gpu.py, so each engine's replica reads
+    both kinds, by both ways of sharing, and must serve what the in-process engine loaded from them."""
+    import torch
+
+    from genengine.bench.pool import random_weights
+
+    out: list[tuple[str, Any]] = []
+    for i, (name, tensor) in enumerate(random_weights(model_dir, version, device)):
+        if i % 3 == 0 and tensor.dim() == 2 and min(tensor.shape) > 1:
+            tensor = tensor.t().contiguous().t()
+        elif i % 3 == 1:
+            big = torch.empty(tensor.numel() + 7, dtype=tensor.dtype, device=tensor.device)
+            big[7:].copy_(tensor.reshape(-1))
+            tensor = big[7:].view(tensor.shape)
+        out.append((name, tensor))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return out
+
+
 def observe(engine: Any) -> dict[str, Any]:
     """What a replica's engine now holds: greedy outputs (tokens and logprobs; or ``refused``, the message of a
     generate it refuses), weight version, weight digests."""
@@ -160,6 +185,7 @@ def _error_row(exc: BaseException) -> dict[str, Any]:
         "error": type(exc).__name__,
         "message": str(exc),
         "mro": [c.__name__ for c in type(exc).__mro__],
+        "buckets_loaded": getattr(exc, "buckets_loaded", None),  # a receiver's: how many reached its engine
         "trace": "".join(traceback.format_exception(exc))[-4000:],
     }
 
@@ -201,6 +227,17 @@ class _DiesInLoad:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+
+class _OnlyLoadWeights:
+    """A real engine seen through ``load_weights`` alone, no ``begin_load``: a third-party engine without load
+    sessions, which the transports load with one ``load_weights`` a bucket."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def load_weights(self, named_tensors: Any, **kwargs: Any) -> Any:
+        return self._inner.load_weights(named_tensors, **kwargs)
 
 
 def plan(stream: list[tuple[str, Any]], spec: Any, version: int = 0) -> Any:
@@ -264,11 +301,17 @@ def scenario_send(spec: dict[str, Any], syncs: list[dict[str, Any]]) -> list[dic
 
 
 def scenario_receive(
-    spec: dict[str, Any], rank: int, syncs: int, die_in_load: int | None = None, check_finite: bool = False
+    spec: dict[str, Any],
+    rank: int,
+    syncs: int,
+    die_in_load: int | None = None,
+    check_finite: bool = False,
+    sessions: bool = True,
 ) -> dict[str, Any]:
     """A replica: start from checkpoint A at version 0, join, receive ``syncs`` syncs (observing the engine
     after each, and what its :class:`LoadProbe` counted), close. ``seconds`` of each receive is measured so a
-    timeout's promptness can be asserted. ``die_in_load``: the process dies writing that (1-based) bucket."""
+    timeout's promptness can be asserted. ``die_in_load``: the process dies writing that (1-based) bucket.
+    ``sessions=False``: the engine is offered with ``load_weights`` alone (:class:`_OnlyLoadWeights`)."""
     from genengine.testing.conformance.transport import LoadProbe
     from genengine.transport import TransportSpec, get_transport
 
@@ -279,6 +322,8 @@ def scenario_receive(
     real.load_weights(trainer_stream("A"), version=0)
     before = observe(real)
     target = real if die_in_load is None else _DiesInLoad(real, die_in_load)
+    if not sessions:
+        target = _OnlyLoadWeights(target)
     try:
         receiver = get_transport(spec["transport"]).receiver(TransportSpec(**spec), rank)
     except Exception as exc:
