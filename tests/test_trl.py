@@ -531,8 +531,9 @@ def test_gpu_backend_settings_are_checked_before_the_model_loads(
     loads too; the engines are not installed here, so the registry's installed check is stood in for."""
     from genengine.errors import ConfigError
     from genengine.integrations import trl as integration
+    from genengine.integrations import trl_config
 
-    monkeypatch.setattr(integration, "get_backend", lambda name: None)
+    monkeypatch.setattr(trl_config, "get_backend", lambda name: None)
     with pytest.raises(ConfigError) as info:
         integration.GRPOTrainer(
             model=str(tiny_model_dir()), reward_funcs=lambda **_: [], args=grpo_config(tmp_path, 1), genengine=engine
@@ -584,13 +585,14 @@ def test_example_configs_work_as_they_are(path: Path, monkeypatch: pytest.Monkey
     file passes every check the trainer makes before the policy loads (for sglang and vllm, which are not
     installed here, their own settings checks, which run without the engine)."""
     from genengine.integrations import trl as integration
+    from genengine.integrations import trl_config
 
     assert {p.stem for p in EXAMPLE_CONFIGS} == {"transformers", "sglang", "vllm"}
     model = str(tiny_model_dir())
     config = integration.resolve_engine_config(str(path), {}, model_name=model, seed=5, process_index=2)
     assert config.backend == path.stem and config.model == model and config.seed == 0 + 2
     if path.stem != "transformers":
-        monkeypatch.setattr(integration, "get_backend", lambda name: None)
+        monkeypatch.setattr(trl_config, "get_backend", lambda name: None)
     integration.check_engine_config(config, model_given="model" in path.read_text())
 
 

@@ -28,7 +28,7 @@ from genengine.errors import ConfigError, GenEngineError, InvalidArgumentError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TINY_MODEL", "BenchSettings", "MemoryProbe", "run_bench"]
+__all__ = ["TINY_MODEL", "BenchSettings", "MemoryProbe", "random_weights", "run_bench"]
 
 GB = 1e9
 TINY_MODEL = {"num_params": 20_000_000, "vocab_size": 4096, "dtype": "float32"}
@@ -550,3 +550,29 @@ def _sleep_cycle(
     cycle["greedy_unchanged"] = got == reference
     bar.update(1)
     return cycle
+
+
+def random_weights(model_dir: str, version: int, device: str) -> list[tuple[str, Any]]:
+    """Every weight ``model_dir`` takes (its checkpoint's names and shapes, or the HF model's for a folder with
+    config.json alone), random with seed ``version``: norms at 1, the rest N(0, 0.02); bf16 on a GPU,
+    float32 on the CPU. Each tensor is its own allocation, as a trainer's parameters are."""
+    import torch
+
+    from genengine.checkpoint import read_model_config, weight_spec
+
+    config = read_model_config(model_dir)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    gen = torch.Generator(device=device).manual_seed(version)
+    out = []
+    for name, info in sorted(weight_spec(model_dir, config, "auto").items()):
+        if not info.required:
+            continue
+        tensor = torch.empty(info.shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, 0.02, generator=gen)
+        out.append((name, tensor))
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return out

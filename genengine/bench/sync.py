@@ -218,7 +218,7 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
         if any(Path(model).glob("*.safetensors")):
             trainer = _trainer_weights(model, device, settings.trainer_dtype or config.dtype)
         else:  # config.json alone (the engines' load_format="dummy"): random weights under the model's names
-            from genengine.bench.pool import random_weights
+            from genengine.bench.measure import random_weights
 
             cast = getattr(torch, settings.trainer_dtype or config.dtype or "bfloat16", None)
             trainer = {n: t.to(cast) if cast is not None else t for n, t in random_weights(model, 1, device)}
