@@ -8,7 +8,10 @@ alone. Forked from the server, a child starts with those modules in memory. It i
 ``spawn``: it does not re-run its imports, and it sees the environment the server started with (the
 session's, conftest.py's settings included), so a worker that needs a variable sets it itself, as the
 workers here do. Files whose subject is a process's start itself (the SGLang-like children of
-tests/test_cleanup.py, the engines' own start-ups) keep ``spawn``.
+tests/test_cleanup.py, the engines' own start-ups) keep ``spawn``, and so does tests/dist_worker.py's
+WorkerPool for now: forked, its 4-rank ``helpers`` job hung on rank 3 in two of three full runs of
+tests/test_distributed.py on a loaded machine (the spawned pool failed a 4-rank job there once too, with a
+gloo connection error; not yet understood).
 
 The server is started by the first worker of a pytest process and serves every file that process runs.
 """
