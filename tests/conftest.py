@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-pytest_plugins = ("support.ray_pool",)  # the Ray pool files' module-scoped fixtures (cluster, model, ...)
+# The Ray pool files' module-scoped fixtures (cluster, model, ...); per-file times with GENENGINE_FILE_TIMES set.
+pytest_plugins = ("support.ray_pool", "support.file_times")
 
 # OMP_NUM_THREADS=1, before anything imports torch, here and in every process a test starts (trainer children,
 # torchrun ranks, the Ray cluster's workers inherit it): the tiny models gain nothing from intra-op threads, and

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -31,6 +30,7 @@ from typing import Any
 
 import pytest
 from support.ports import free_port
+from support.start import worker_context
 
 from genengine.backends.transformers import TransformersEngine
 from genengine.protocol import GenerationEngine
@@ -255,7 +255,7 @@ def _run_world(
     (a ``multiprocessing.Queue``'s writers share one, which a rank killed while its feeder thread held it
     keeps forever; an ``Event``'s ``set`` waits for every waiter, a killed one too).
     """
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()  # forked from a server that imported torch once (support/start.py)
     release, release_all = ctx.Pipe(duplex=False)
     port = free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]

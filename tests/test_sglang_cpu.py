@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 from support.ports import free_port
+from support.start import worker_context
 
 from genengine.config import EngineConfig
 from genengine.errors import (
@@ -1227,7 +1228,7 @@ def _scenario(rank: int, world: int, port: int, model: str, out: Any) -> None:
 @needs_no_sglang
 def test_distributed_errors_reach_every_rank(model_dir: Path) -> None:
     """Two real ranks over gloo: the reference's AssertionErrors, and the leader's failure on both ranks."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()  # forked from a server that imported torch and transformers once (support/start.py)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_scenario, args=(r, 2, port, str(model_dir), queue)) for r in range(2)]

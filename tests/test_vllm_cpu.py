@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import importlib.util
 import math
-import multiprocessing as mp
 import os
 import random
 import subprocess
@@ -23,6 +22,7 @@ from typing import Any, ClassVar
 
 import pytest
 from support.ports import free_port
+from support.start import worker_context
 
 from genengine.config import EngineConfig
 from genengine.errors import (
@@ -927,7 +927,7 @@ def _rank_main(rank: int, world: int, port: int, model: str, results: Any) -> No
 
 @pytest.fixture(scope="module")
 def two_ranks(model_dir: Path) -> dict[int, dict[str, Any]]:
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()  # forked from a server that imported torch and transformers once (support/start.py)
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, 2, port, str(model_dir), results)) for r in range(2)]

@@ -10,7 +10,6 @@ NaN in one rank's shard must be refused by both ranks alike (neither may hang in
 from __future__ import annotations
 
 import importlib
-import multiprocessing as mp
 import os
 import queue
 import sys
@@ -23,6 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 dw = importlib.import_module("dist_worker")
+from support.start import worker_context  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -114,7 +114,7 @@ def ranks() -> list[dict[str, Any]]:
     from genengine.testing.tiny_model import tiny_model_dir
 
     model_a, model_b = str(tiny_model_dir()), str(tiny_model_dir(seed=1))
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()  # forked from a server that imported torch and transformers once (support/start.py)
     out = ctx.Queue()
     port = dw.free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, port, model_a, model_b, out), daemon=True) for r in range(WORLD)]

@@ -13,7 +13,6 @@ runs at import.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -25,6 +24,7 @@ from genengine.transport._layout import CORRUPT_ENV
 
 from .outcomes import Result
 from .ports import free_port
+from .start import worker_context
 
 __all__ = [
     "CORRUPT_ENV",
@@ -405,7 +405,7 @@ class Pool:
     every result (or notes its death)."""
 
     def __init__(self, indices: list[int], model_dir: str, devices: dict[int, str] | None = None) -> None:
-        self._ctx = mp.get_context("spawn")
+        self._ctx = worker_context()  # forked from a server that imported torch once (support/start.py)
         self._model_dir = model_dir
         self._devices = devices or {}
         self._results: Any = self._ctx.Queue()
