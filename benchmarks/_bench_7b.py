@@ -232,3 +232,14 @@ def torch_memory_breakdown(exclude: list[Any] | None = None, top: int = 8) -> di
         "pools_reserved_gib": pools,
         "largest_live_tensors": [f"{s / GIB:.3f} GiB {d}" for s, d in tensors[:top]],
     }
+
+
+def set_offline_env() -> None:
+    """The GPU machine has no network: every hub lookup would wait out its retries. Set before the engines import."""
+    for key, value in {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_NO_USAGE_STATS": "1",
+    }.items():
+        os.environ.setdefault(key, value)

@@ -46,13 +46,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_NO_USAGE_STATS": "1",
-}.items():
-    os.environ.setdefault(_key, _value)
+import _bench_7b
+
+_bench_7b.set_offline_env()
 
 PARTS = ("generate", "sync", "sleep_wake", "train")
 QWEN25_15B = {

@@ -47,13 +47,9 @@ import tempfile
 import time
 from typing import Any
 
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_NO_USAGE_STATS": "1",
-}.items():
-    os.environ.setdefault(_key, _value)
+import _bench_7b
+
+_bench_7b.set_offline_env()
 
 GIB = 1 << 30
 N_SAMPLES = 16  # one-token samples per landing check

@@ -64,6 +64,7 @@ from _bench_7b import (  # this folder is on sys.path when the script runs
     free_bytes,
     make_model_dir,
     prompts,
+    set_offline_env,
     staged_sleep_wake,
     timed,
     torch_memory_breakdown,
@@ -71,13 +72,7 @@ from _bench_7b import (  # this folder is on sys.path when the script runs
     warm_trainer_process,
 )
 
-for _key, _value in {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "VLLM_NO_USAGE_STATS": "1",
-}.items():
-    os.environ.setdefault(_key, _value)
+set_offline_env()
 if importlib.util.find_spec("flashinfer") is None:  # a setting of the GPU kit (flashinfer is not carried)
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
