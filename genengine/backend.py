@@ -68,6 +68,14 @@ from genengine.protocol import (
     is_async_engine,
 )
 from genengine.requests import Request
+from genengine.versions import (
+    ALLOW_UNVERIFIED_ENV,
+    ALLOW_UNVERIFIED_OPTION,
+    VerifiedRange,
+    VersionStatus,
+    check_engine_version,
+    installed_version,
+)
 from genengine.weights import DEFAULT_BUCKET_BYTES, WeightInfo
 
 if TYPE_CHECKING:
@@ -75,6 +83,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ALLOC_CONF",
+    "ALLOW_UNVERIFIED_ENV",
+    "ALLOW_UNVERIFIED_OPTION",
     "DEFAULT_BUCKET_BYTES",
     "PAUSE_MODES",
     "REFERENCE_DTYPES",
@@ -117,16 +127,20 @@ __all__ = [
     "Seeds",
     "StopStrings",
     "StreamChunk",
+    "VerifiedRange",
+    "VersionStatus",
     "WeightInfo",
     "WeightLoadError",
     "WeightsNotLoadedError",
     "at_exit",
     "check_device",
+    "check_engine_version",
     "check_options",
     "check_reference_args",
     "closest",
     "complete",
     "hookimpl",
+    "installed_version",
     "ipc_dumps",
     "is_async_engine",
     "live_engines",

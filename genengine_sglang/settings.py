@@ -25,6 +25,7 @@ from genengine.backend import (
     resolve_model_dir,
 )
 from genengine_sglang._server_args import SERVER_ARGS_FIELDS
+from genengine_sglang.compat import check_installed
 
 __all__ = [
     "BACKEND",
@@ -84,8 +85,9 @@ OUR_OPTIONS: dict[str, Any] = {
     "collective_timeout_s": None,
     "check_inputs": True,
     "server_args": {},
+    "allow_unverified_version": False,
 }
-"""genengine's own options, with defaults."""
+"""genengine's own options, with defaults (``allow_unverified_version``: see ``genengine_sglang.compat``)."""
 
 _RESERVED_SERVER_ARGS = {
     "model_path": "model",
@@ -178,6 +180,7 @@ def resolve_settings(config: EngineConfig, *, environ: Mapping[str, str] | None 
     options = {**options_from_env(environ), **dict(config.options)}
     passthrough = passthrough_options()
     check_options(BACKEND, options, OUR_OPTIONS, passthrough=sorted(passthrough), passthrough_from="sglang.ServerArgs")
+    check_installed(options)  # an SGLang outside the verified range: refused before any process starts
 
     mode = options.get("weight_sync_mode", OUR_OPTIONS["weight_sync_mode"])
     if mode not in WEIGHT_SYNC_MODES:

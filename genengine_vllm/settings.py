@@ -23,6 +23,7 @@ from genengine.backend import (
     read_model_config,
     resolve_model_dir,
 )
+from genengine_vllm.compat import check_installed
 
 __all__ = [
     "DTYPES",
@@ -44,8 +45,15 @@ LOGPROBS_MODE = "processed_logprobs"
 
 WEIGHT_SYNC_MODES = ("bucketed", "per_param")
 
-OUR_OPTIONS = ("skip_tokenizer_init", "disable_cuda_graph", "weight_sync_mode", "bucket_bytes")
-"""Backend options that genengine itself interprets; everything else allowed goes to ``vllm.LLM``."""
+OUR_OPTIONS = (
+    "skip_tokenizer_init",
+    "disable_cuda_graph",
+    "weight_sync_mode",
+    "bucket_bytes",
+    "allow_unverified_version",
+)
+"""Backend options that genengine itself interprets; everything else allowed goes to ``vllm.LLM``
+(``allow_unverified_version``: see ``genengine_vllm.compat``)."""
 
 # The public fields of vLLM 0.26.0's (the pinned version's) ``vllm.engine.arg_utils.EngineArgs``, i.e.
 # ``{f.name for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_")}``: the names
@@ -166,6 +174,8 @@ def resolve_settings(config: EngineConfig) -> VLLMSettings:
     check_options(
         "vllm", options, OUR_OPTIONS, passthrough=sorted(engine_arg_names()), passthrough_from="vllm.EngineArgs"
     )
+    check_installed(options)  # a vLLM outside the verified range: refused before vLLM starts
+    options.pop("allow_unverified_version", None)
     for key in options:
         if key in _CONTROLLED:
             raise ConfigError(f"option {key!r} is set by genengine for the vllm backend: {_CONTROLLED[key]}")
