@@ -23,6 +23,7 @@ class RegisterBackend(Protocol):
         install_hint: str | None = None,
         description: str = "",
         raw_runner: Any = None,
+        verified: Any = None,
     ) -> None: ...
 
 
@@ -35,6 +36,8 @@ def register_backends(register: RegisterBackend) -> None:
     imports no engine. ``requires`` names the top-level modules the backend needs (checked without importing
     them); ``install_hint`` says how to get them. ``raw_runner`` (same two forms) measures the raw engine
     beside ours in ``genengine bench``: a callable ``(config, prompt_token_ids, max_new_tokens) -> tokens/s``.
+    ``verified`` (a ``genengine.backend.VerifiedRange``) names the engine releases the plugin was verified
+    against; ``genengine backends`` shows the installed one against it.
     """
 
 

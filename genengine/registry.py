@@ -30,6 +30,7 @@ from genengine.config import EngineConfig
 from genengine.errors import BackendImportError, BackendNotFoundError, ConfigError, DuplicateBackendError, closest
 from genengine.protocol import GenerationEngine
 from genengine.transport.errors import DuplicateTransportError, TransportNotFoundError
+from genengine.versions import VerifiedRange, VersionStatus, installed_version
 
 __all__ = [
     "BUILTIN_TRANSPORTS_PLUGIN",
@@ -83,6 +84,15 @@ class BackendInfo:
     """What failed when ``error`` is set: ``"import"`` (``ep.load()``) or ``"register"`` (the hook)."""
     detail: str | None = None
     """A readable explanation of ``error``, when its own message is not one."""
+    verified: Any = None
+    """The engine releases the plugin was verified against (a ``genengine.backend.VerifiedRange``), if it says."""
+
+    @property
+    def engine_version(self) -> VersionStatus | None:
+        """The installed engine's version against ``verified`` (read from metadata; nothing imported)."""
+        if not isinstance(self.verified, VerifiedRange):
+            return None
+        return VersionStatus(self.verified, installed_version(self.verified.distribution))
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -265,10 +275,24 @@ class _Registry:
             install_hint: str | None = None,
             description: str = "",
             raw_runner: Any = None,
+            verified: Any = None,
         ) -> None:
+            if verified is not None and not isinstance(verified, VerifiedRange):
+                raise TypeError(
+                    f"register({name!r}, verified={verified!r}): expected a genengine.backend.VerifiedRange"
+                )
             self._add(
                 BackendInfo(
-                    name, plugin, dist, version, description, factory, tuple(requires), install_hint, raw_runner
+                    name,
+                    plugin,
+                    dist,
+                    version,
+                    description,
+                    factory,
+                    tuple(requires),
+                    install_hint,
+                    raw_runner,
+                    verified=verified,
                 )
             )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from genengine.backend import RegisterBackend, hookimpl
+from genengine_sglang.compat import VERIFIED
 
 
 @hookimpl
@@ -14,6 +15,7 @@ def register_backends(register: RegisterBackend) -> None:
         "genengine_sglang.engine:SGLangEngine.from_config",
         requires=("sglang",),
         install_hint="pip install 'genengine[sglang]'",
-        description="SGLang 0.5.17, one engine per tensor-parallel group, owned by the group leader",
+        description="SGLang, one engine per tensor-parallel group, owned by the group leader",
         raw_runner="genengine_sglang.raw:raw_tokens_per_second",
+        verified=VERIFIED,
     )

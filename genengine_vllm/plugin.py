@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from genengine.backend import RegisterBackend, hookimpl
+from genengine_vllm.compat import VERIFIED
 
 
 @hookimpl
@@ -12,6 +13,7 @@ def register_backends(register: RegisterBackend) -> None:
         "genengine_vllm.engine:VLLMEngine.from_config",
         requires=("vllm",),
         install_hint="pip install 'genengine[vllm]'",
-        description="vLLM 0.26.0, colocated in the trainer's processes (external_launcher)",
+        description="vLLM, colocated in the trainer's processes (external_launcher)",
         raw_runner="genengine_vllm.raw:raw_tokens_per_second",
+        verified=VERIFIED,
     )

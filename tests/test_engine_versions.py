@@ -1,5 +1,5 @@
 """The verified engine range (issue 44 point 3): an SGLang or vLLM outside it is refused at engine creation,
-before the engine starts, unless the user allows it; pyproject agrees.
+before the engine starts, unless the user allows it; ``genengine backends`` shows it; pyproject agrees.
 
 The engines are not installed on CPU machines: the installed version is faked through ``importlib.metadata``,
 which is all the check reads.
@@ -8,7 +8,9 @@ which is all the check reads.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -225,3 +227,27 @@ def test_lightrft_faces_are_refused_first_and_take_the_env_override(
         with pytest.raises(DistributedSetupError):
             face()
 
+
+# ---- genengine backends ------------------------------------------------------------------------------------------
+def test_backends_lists_engine_version_and_whether_verified(fake_installed: Any, capsys: Any) -> None:
+    from genengine.cli import main
+
+    fake_installed("sglang", sglang_compat.VERIFIED.maximum)
+    fake_installed("vllm", "0.99.0")
+    assert main(["backends", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["sglang"]["engine"] == f"sglang {sglang_compat.VERIFIED.maximum}"
+    assert rows["sglang"]["in_verified_range"] is True
+    assert rows["vllm"]["engine"] == "vllm 0.99.0" and rows["vllm"]["in_verified_range"] is False
+    assert rows["vllm"]["verified_range"] == vllm_compat.VERIFIED.requirement
+    assert rows["transformers"]["engine"] == "-" and rows["transformers"]["in_verified_range"] is None
+
+    assert main(["backends"]) == 0
+    table = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert re.search(rf"sglang {re.escape(sglang_compat.VERIFIED.maximum)}\s+yes \(sglang==", table["sglang"])
+    assert re.search(r"vllm 0\.99\.0\s+NO \(vllm==", table["vllm"])
+
+    fake_installed("vllm", None)
+    assert main(["backends", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["vllm"]["engine"] == "not installed" and rows["vllm"]["in_verified_range"] is None
