@@ -224,7 +224,7 @@ def checksum_of(buf: torch.Tensor, nbytes: int) -> torch.Tensor:
     """The sum of ``buf[:nbytes]`` as int64 words (wrapping): a 0-d tensor on ``buf``'s device (no sync).
 
     Summed in the words' own dtype: an int64 sum of int32 words makes torch cast the whole bucket to int64
-    first, a copy twice its size (docs/benchmarks.md has the figures). ``nbytes`` is a multiple of ``ALIGN``,
+    first, a copy twice its size (docs/benchmarks-history.md has the figures). ``nbytes`` is a multiple of ``ALIGN``,
     and any one changed byte changes the sum.
     """
     import torch

@@ -2,7 +2,7 @@
 a folder (one JSON file per endpoint and sync: ``sync-<seq>-<side>-<pid>.json``). Off (no cost) otherwise.
 
 A pool's sync time is the sum of sender and receiver phases that wait on each other; only timings from both
-ends, side by side, say which one to cut (``docs/benchmarks.md``).
+ends, side by side, say which one to cut (``docs/benchmarks-history.md``).
 """
 
 from __future__ import annotations
