@@ -7,12 +7,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from genengine.backend import FromConfig, check_device
 from genengine.checkpoint import resolve_model_dir
-from genengine.config import EngineConfig, check_options
-from genengine.errors import BackendImportError, ConfigError, InvalidArgumentError, closest
+from genengine.config import EngineConfig
+from genengine.errors import ConfigError, InvalidArgumentError, closest
 from genengine.protocol import SamplingParams
 from genengine.registry import available_backends, get_backend, resolve_ref
+from genengine.registry import check_engine_config as check_backend_config
 
 __all__ = [
     "CONFIG_KEYS",
@@ -275,7 +275,7 @@ def check_engine_config(config: EngineConfig, *, model_given: bool) -> None:
     backend = config.backend
     if not isinstance(backend, str):
         return  # an engine class or instance: its own from_config checks, when TRL builds the generator
-    info = get_backend(backend)  # unknown or not installed: the error lists what is, and how to get the rest
+    get_backend(backend)  # unknown or not installed: the error lists what is, and how to get the rest
     model_known = config.model is not None and (model_given or os.path.isdir(config.model))
     if model_known:
         try:
@@ -287,22 +287,8 @@ def check_engine_config(config: EngineConfig, *, model_given: bool) -> None:
                 else "the policy's path, which the engine serves"
             )
             raise ConfigError(f"{exc} ({source})") from exc
-    options = config.options
-    if backend == "transformers":
-        from genengine.backends.transformers import OPTIONS
-
-        check_options(backend, options, OPTIONS)
-        check_device(options.get("device", "cpu"))
-    elif backend in _SETTINGS_CHECKS:
+    if backend in _SETTINGS_CHECKS:
         if model_known:  # the settings read the model's config.json
             resolve_ref(_SETTINGS_CHECKS[backend])(config)
-    else:  # a plugin's backend: the option names, where it is built with genengine's FromConfig
-        try:
-            factory = resolve_ref(info.factory)
-        except (ImportError, AttributeError) as exc:
-            raise BackendImportError(
-                f"backend {backend!r} (distribution {info.distribution!r}) failed to import its engine: {exc}"
-            ) from exc
-        owner = getattr(factory, "__self__", None)
-        if isinstance(owner, type) and issubclass(owner, FromConfig):
-            check_options(owner.backend_name or backend, options, owner.config_options)
+    else:  # the embedded backend or a plugin's: the registry's own check (factory, option names and values)
+        check_backend_config(config)
