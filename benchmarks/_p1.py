@@ -44,6 +44,38 @@ def child_argv(script: str, model: str, side: str, graphs: bool, mem_util: float
     ]
 
 
+def start_pair(
+    script: str,
+    model: str,
+    result: dict[str, Any],
+    children: list[SampleChild],
+    *,
+    graphs: bool,
+    ours_mem_util: Callable[[int, int], float],
+    free_bytes: Callable[[], int],
+    log: Callable[[str], None],
+    env: dict[str, str] | None = None,
+) -> tuple[SampleChild, SampleChild]:
+    """Start raw, then ours (``ours_mem_util(raw_took, free_now)`` gives its fraction): ``(ours, raw)``. Each
+    child is appended to ``children`` as soon as it exists (the caller closes them), its facts go in ``result``."""
+    label = "graphs" if graphs else "eager"
+    free0 = free_bytes()
+    raw = SampleChild(f"raw ({label})", child_argv(script, model, "raw", graphs, P1_RAW_SHARE), env=env)
+    children.append(raw)
+    result["raw_info"] = raw.wait_ready()
+    free1 = free_bytes()
+    took = free0 - free1
+    util = ours_mem_util(took, free1)
+    result["ours_mem_util"] = round(util, 4)
+    log(f"P1 {label}: raw up ({took / (1 << 30):.1f} GiB); ours at mem_util {util:.3f}")
+    ours = SampleChild(f"ours ({label})", child_argv(script, model, "ours", graphs, util), env=env)
+    children.append(ours)
+    result["ours_info"] = ours.wait_ready()
+    result["ours_took_gib"] = round((free1 - free_bytes()) / (1 << 30), 2)
+    result["raw_took_gib"] = round(took / (1 << 30), 2)
+    return ours, raw
+
+
 def measure(
     script: str,
     model: str,
@@ -62,20 +94,9 @@ def measure(
     children: list[SampleChild] = []
     start = time.perf_counter()
     try:
-        free0 = free_bytes()
-        raw = SampleChild(f"raw ({label})", child_argv(script, model, "raw", graphs, P1_RAW_SHARE))
-        children.append(raw)
-        result["raw_info"] = raw.wait_ready()
-        free1 = free_bytes()
-        took = free0 - free1
-        util = ours_mem_util(took, free1)
-        result["ours_mem_util"] = round(util, 4)
-        log(f"P1 {label}: raw up ({took / (1 << 30):.1f} GiB); ours at mem_util {util:.3f}")
-        ours = SampleChild(f"ours ({label})", child_argv(script, model, "ours", graphs, util))
-        children.append(ours)
-        result["ours_info"] = ours.wait_ready()
-        result["ours_took_gib"] = round((free1 - free_bytes()) / (1 << 30), 2)
-        result["raw_took_gib"] = round(took / (1 << 30), 2)
+        ours, raw = start_pair(
+            script, model, result, children, graphs=graphs, ours_mem_util=ours_mem_util, free_bytes=free_bytes, log=log
+        )
         result.update(run_paired(ours, raw, samples=samples, warmup=warmup, log=log))
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
@@ -87,7 +108,62 @@ def measure(
     return result
 
 
-Started = tuple[Callable[[int], int], dict[str, Any], Callable[[], Any] | None]
+PROFILE_ENV = "GENENGINE_P1_PROFILE"
+"""Set to 1 in a P1 child's environment (benchmarks/profile_p1.py): its sample times its engine's inner calls."""
+
+
+def profiling() -> bool:
+    return os.environ.get(PROFILE_ENV) == "1"
+
+
+class Clock:
+    """Times calls of methods wrapped on live objects (instance attributes, so only this engine's): per name,
+    every call's start and end. A sample takes the figures relative to its own start and clears them."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, list[tuple[float, float]]] = {}
+
+    def wrap(self, obj: Any, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+        spans = self.spans.setdefault(name, [])
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spans.append((t, time.perf_counter()))
+
+        setattr(obj, attr, timed)
+
+    def take(self, t0: float, t1: float) -> dict[str, Any]:
+        """``{"outer_s": t1 - t0, name: {n, total_s, median_s, first_start_s, last_end_s}}`` (offsets from
+        ``t0``) of the calls since the last take."""
+        out: dict[str, Any] = {"outer_s": t1 - t0}
+        for name, spans in self.spans.items():
+            if spans:
+                durations = sorted(e - s for s, e in spans)
+                out[name] = {
+                    "n": len(spans),
+                    "total_s": sum(durations),
+                    "median_s": durations[len(durations) // 2],
+                    "first_start_s": spans[0][0] - t0,
+                    "last_end_s": spans[-1][1] - t0,
+                }
+            spans.clear()
+        return out
+
+
+def timed_sample(clock: Clock | None, run: Callable[[], int]) -> int | tuple[int, dict[str, Any]]:
+    """``run()``'s tokens, with the clock's figures for this sample when profiling."""
+    if clock is None:
+        return run()
+    t0 = time.perf_counter()
+    tokens = run()
+    return tokens, clock.take(t0, time.perf_counter())
+
+
+Started = tuple[Callable[..., Any], dict[str, Any], Callable[[], Any] | None]
 
 
 def serve_child(result_fd: int, start: Callable[[], Started]) -> None:

@@ -122,14 +122,17 @@ def p1_child(model: str, side: str, graphs: bool, mem_util: float, result_fd: in
         config = engine_config(model, mem_util, {**OPTIONS, "disable_cuda_graph": not graphs})
         warm_trainer_process()
         t = time.perf_counter()
+        clock = _p1.Clock() if _p1.profiling() else None  # benchmarks/profile_p1.py
         if side == "raw":
             from genengine_sglang.raw import start_raw_engine, stop_raw_engine
 
             raw_engine = start_raw_engine(config)
             stop: Callable[[], Any] = lambda: stop_raw_engine(raw_engine)  # noqa: E731
-            params = {"temperature": 0.0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}
 
-            def sample(seed: int) -> int:
+            def params_for(new: int) -> Any:
+                return {"temperature": 0.0, "max_new_tokens": new, "ignore_eos": True}
+
+            def run(seed: int, params: Any) -> int:
                 outs = raw_engine.generate(input_ids=prompts(seed), sampling_params=params)
                 return sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
 
@@ -139,11 +142,21 @@ def p1_child(model: str, side: str, graphs: bool, mem_util: float, result_fd: in
 
             engine = RLGenerationEngine.from_config(config)
             stop = engine.shutdown
-            greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            if clock is not None:  # SGLang's own generate path inside ours (the rest is ours)
+                clock.wrap(engine, "_call_sglang", "sglang_generate")
 
-            def sample(seed: int) -> int:
-                results = engine.generate(prompt_token_ids=prompts(seed), sampling_params=greedy)
+            def params_for(new: int) -> Any:
+                return SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+
+            def run(seed: int, params: Any) -> int:
+                results = engine.generate(prompt_token_ids=prompts(seed), sampling_params=params)
                 return sum(len(r.outputs[0].token_ids) for r in results)
+
+        by_length = {NEW_TOKENS: params_for(NEW_TOKENS)}
+
+        def sample(seed: int, new: int = NEW_TOKENS) -> Any:
+            params = by_length.get(new) or by_length.setdefault(new, params_for(new))
+            return _p1.timed_sample(clock, lambda: run(seed, params))
 
         # The scheduler runs in processes of its own: stopped before this one ends, or it holds its memory.
         return sample, {"start_s": round(time.perf_counter() - t, 1), "mem_util": mem_util}, stop
@@ -151,15 +164,19 @@ def p1_child(model: str, side: str, graphs: bool, mem_util: float, result_fd: in
     _p1.serve_child(result_fd, start)
 
 
+def ours_mem_util(took: int, free: int) -> float:
+    """P1's fraction for ours: mem_fraction_static is a share of the memory free when the engine starts
+    (SGLang keeps the rest free), so ours takes what raw took at raw's take over what is free now."""
+    return min(0.95, took / free)
+
+
 def p1(model: str, modes: list[str], samples: int) -> dict[str, Any]:
-    # mem_fraction_static is a share of the memory free when the engine starts (SGLang keeps the rest free):
-    # ours takes what raw took when its fraction is raw's take over what is free now.
     return {
         mode: _p1.measure(
             __file__,
             model,
             graphs=mode == "graphs",
-            ours_mem_util=lambda took, free: min(0.95, took / free),
+            ours_mem_util=ours_mem_util,
             free_bytes=free_bytes,
             log=log,
             samples=samples,

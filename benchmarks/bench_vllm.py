@@ -114,11 +114,11 @@ def p1_child(model: str, side: str, graphs: bool, mem_util: float, result_fd: in
             settings = resolve_settings(config)
             kwargs = build_llm_kwargs(settings, external_launcher=False, group_seed=settings.seed)
             llm = vllm.LLM(**kwargs)
-            params = vllm.SamplingParams(
-                temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False, seed=0
-            )
 
-            def sample(seed: int) -> int:
+            def params_for(new: int) -> Any:
+                return vllm.SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False, seed=0)
+
+            def run(seed: int, params: Any) -> int:
                 outs = llm.generate([{"prompt_token_ids": p} for p in prompts(seed)], params, use_tqdm=False)
                 return sum(len(o.outputs[0].token_ids) for o in outs)
 
@@ -128,27 +128,48 @@ def p1_child(model: str, side: str, graphs: bool, mem_util: float, result_fd: in
             from genengine_vllm.engine import VLLMEngine
 
             engine = VLLMEngine.from_config(config)
-            greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            llm = engine._llm
 
-            def sample(seed: int) -> int:
-                results = engine.generate(prompt_token_ids=prompts(seed), sampling_params=greedy)
+            def params_for(new: int) -> Any:
+                return SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+
+            def run(seed: int, params: Any) -> int:
+                results = engine.generate(prompt_token_ids=prompts(seed), sampling_params=params)
                 return sum(len(r.outputs[0].token_ids) for r in results)
 
             info = {}
+        clock = None
+        if _p1.profiling():  # the same calls timed on both sides (benchmarks/profile_p1.py)
+            clock = _p1.Clock()
+            clock.wrap(llm, "generate", "llm_generate")
+            clock.wrap(llm.llm_engine, "step", "step")
+            clock.wrap(llm.llm_engine.engine_core, "get_output", "engine_core")
+            clock.wrap(llm.llm_engine.output_processor, "process_outputs", "process_outputs")
+        by_length = {NEW_TOKENS: params_for(NEW_TOKENS)}
+
+        def sample(seed: int, new: int = NEW_TOKENS) -> Any:
+            params = by_length.get(new) or by_length.setdefault(new, params_for(new))
+            return _p1.timed_sample(clock, lambda: run(seed, params))
+
         # The model lives in this process (no engine-core process): os._exit frees it all.
         return sample, {**info, "start_s": round(time.perf_counter() - t, 1), "mem_util": mem_util}, None
 
     _p1.serve_child(result_fd, start)
 
 
+def ours_mem_util(took: int, free: int) -> float:
+    """P1's fraction for ours: gpu_memory_utilization is a share of the whole GPU per instance, so ours at
+    raw's share takes what raw took."""
+    return _p1.P1_RAW_SHARE
+
+
 def p1(model: str, modes: list[str], samples: int) -> dict[str, Any]:
-    # gpu_memory_utilization is a share of the whole GPU per instance: ours at raw's share takes what raw took.
     return {
         mode: _p1.measure(
             __file__,
             model,
             graphs=mode == "graphs",
-            ours_mem_util=lambda took, free: _p1.P1_RAW_SHARE,
+            ours_mem_util=ours_mem_util,
             free_bytes=free_bytes,
             log=log,
             samples=samples,

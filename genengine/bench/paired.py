@@ -79,7 +79,7 @@ def pair_ratio(ours: Sequence[float], raw: Sequence[float]) -> dict[str, Any]:
 
 # ---- the child ---------------------------------------------------------------------------------------------
 def serve(
-    sample: Callable[[int], int],
+    sample: Callable[..., int | tuple[int, Mapping[str, Any]]],
     out: IO[str],
     *,
     info: Mapping[str, Any] | None = None,
@@ -88,7 +88,9 @@ def serve(
     """The child's loop: announce ``ready`` (with ``info``), then for each ``sample SEED`` line on
     ``commands`` (stdin) run ``sample(seed)`` (it returns the tokens it generated), time it and answer one
     JSON line on ``out``; ``quit`` or end of input returns. An error is answered, not raised: the parent
-    reports it beside the other side's figures."""
+    reports it beside the other side's figures. ``sample SEED NEW`` calls ``sample(seed, NEW)`` (a profile
+    asks for other lengths); a sample that returns ``(tokens, detail)`` has ``detail`` (its own timings)
+    answered beside its time."""
     src = sys.stdin if commands is None else commands
 
     def say(obj: Mapping[str, Any]) -> None:
@@ -101,13 +103,18 @@ def serve(
         if cmd == "quit" or not cmd:
             return
         if cmd != "sample":
-            say({"error": f"unknown command {cmd!r} (allowed: sample SEED, quit)"})
+            say({"error": f"unknown command {cmd!r} (allowed: sample SEED [NEW_TOKENS], quit)"})
             continue
         try:
+            args = [int(x) for x in arg.split()]
             start = time.perf_counter()
-            tokens = int(sample(int(arg)))
+            got = sample(*args)
             secs = time.perf_counter() - start
-            say({"tokens": tokens, "seconds": secs, "tok_per_s": tokens / secs})
+            tokens, detail = (got[0], got[1]) if isinstance(got, tuple) else (got, None)
+            answer: dict[str, Any] = {"tokens": int(tokens), "seconds": secs, "tok_per_s": int(tokens) / secs}
+            if detail is not None:
+                answer["detail"] = dict(detail)
+            say(answer)
         except Exception as exc:
             say({"error": f"{type(exc).__name__}: {exc}"})
 
@@ -153,9 +160,10 @@ class SampleChild:
         self.info = {k: v for k, v in answer.items() if k != READY}
         return self.info
 
-    def sample(self, seed: int) -> dict[str, Any]:
+    def sample(self, seed: int, new_tokens: int | None = None) -> dict[str, Any]:
+        """One timed sample on the prompts of ``seed`` (``new_tokens``: another length than the child's own)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"sample {seed}\n")
+        self.proc.stdin.write(f"sample {seed}\n" if new_tokens is None else f"sample {seed} {new_tokens}\n")
         self.proc.stdin.flush()
         answer = self._answer()
         if "error" in answer:
