@@ -116,6 +116,10 @@ def as_token_ids(name: str, value: Any) -> tuple[int, ...]:
     Takes a list or tuple of ints (numpy integers and 0-d tensors too) or a 1-D numpy/torch array of an
     integer dtype; refuses a float or bool array, iterators, sets and mappings (a dict would give its keys).
     """
+    # The common case (a trainer's list of ints), checked in C: a 64 x 128-token batch took ~9 ms through the
+    # general loop below, about 1 % of a 7B generate of 128 tokens (issue 41, P1). A bad one goes the long way.
+    if type(value) in (list, tuple) and value and all(type(tok) is int for tok in value) and min(value) >= 0:
+        return tuple(value)
     allowed = "a list of token ids (ints >= 0) or a 1-D integer numpy/torch array"
     dtype = getattr(value, "dtype", None)
     if dtype is not None and hasattr(value, "tolist"):

@@ -104,7 +104,7 @@ def normalize_requests(
             seq = as_token_ids(f"prompt_token_ids[{i}]", row)
             if not seq:
                 raise InvalidArgumentError(f"prompt_token_ids[{i}] is empty")
-            if vocab_size is not None:
+            if vocab_size is not None and max(seq) >= vocab_size:  # the first one out is named
                 for tok in seq:
                     if tok >= vocab_size:
                         raise InvalidArgumentError(

@@ -86,6 +86,26 @@ def test_requests_keep_order_and_per_prompt_params() -> None:
     assert [r.prompt_token_ids for r in reqs] == [(1, 2), (3,)] and all(r.params.seed == 1 for r in reqs)
 
 
+def test_plain_int_token_ids_skip_the_per_token_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 41 (P1): a batch of plain-int lists is checked in C, not token by token (~9 ms for 64 x 128 ids
+    before, ~1 % of a 7B generate); the errors still name the first bad token, and bools still go the long way."""
+    import genengine.protocol as protocol
+
+    greedy = SamplingParams(temperature=0.0)  # its own checks are not the tokens'
+    calls = []
+    real = protocol._scalar
+    monkeypatch.setattr(protocol, "_scalar", lambda v: (calls.append(v), real(v))[1])
+    rows = [[5, 0, 6, 1], (2, 3)]
+    reqs = normalize_requests(prompt_token_ids=rows, sampling_params=greedy, vocab_size=7)
+    assert [r.prompt_token_ids for r in reqs] == [(5, 0, 6, 1), (2, 3)] and calls == []
+    with pytest.raises(InvalidArgumentError, match=r"prompt_token_ids\[0\] holds 9, outside the vocabulary \[0, 7\)"):
+        normalize_requests(prompt_token_ids=[[1, 9, 8]], vocab_size=7)
+    with pytest.raises(InvalidArgumentError, match=r"prompt_token_ids\[1\] holds -2: token ids are ints >= 0"):
+        normalize_requests(prompt_token_ids=[[1], [3, -2, -1]])
+    with pytest.raises(InvalidArgumentError, match="holds True"):
+        normalize_requests(prompt_token_ids=[[1, True]])
+
+
 # ---- issue 15 item 6: sequences, numpy/torch values, other engines' parameter names ---------------------------
 def _generator() -> object:
     return (s for s in ["a"])
