@@ -168,3 +168,36 @@ def test_a_config_only_folder_syncs_random_weights_under_the_models_names(
     assert {n for n, _ in loaded} == names and report["num_tensors"] == len(names)
     assert {t.dtype for _, t in loaded} == {torch.float32}  # gathered in the engine's dtype from bf16 ones
     assert report["targets"]["in_process"]["phases"]["pause"] is None  # a synchronous engine
+
+
+def test_bench_sync_7b_writes_the_json_and_verify_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/bench_sync_7b.py (verify.sh's ``sync`` part) with the embedded backend standing in for the 7B
+    engine: its JSON lands in $OUT under the name verify.sh's summary reads, and that summary reads it."""
+    import subprocess
+    import sys
+
+    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    import bench_sync_7b
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_sync_7b, "make_model_dir", lambda path, tokenizer: path)
+    monkeypatch.setattr(
+        bench_sync_7b,
+        "settings",
+        lambda engine, model, syncs, in_flight: SyncBenchSettings(syncs=syncs, in_flight=in_flight, max_new_tokens=4),
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench_sync_7b.main(["vllm", "--syncs", "1", "--in-flight", "1"]) == 0
+    report = json.loads((tmp_path / "bench_sync_vllm.json").read_text())
+    assert report["targets"]["in_process"]["requests_finished"] == "1/1"
+    verify = (Path(__file__).resolve().parents[1] / "tools/gpu/verify.sh").read_text()
+    snippet = verify.split('    sync) what=$(python3 - "$WORK/bench_sync_$ENGINE.json"', 1)[1]
+    snippet = snippet.split("<<'EOF' 2>/dev/null || echo \"no report\"\n", 1)[1].split("\nEOF\n", 1)[0]
+    row = subprocess.run(
+        [sys.executable, "-c", snippet, str(tmp_path / "bench_sync_vllm.json"), str(tmp_path / "bench_sync_vllm.png")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "medians (ms): pause" in row and "requests finished 1/1" in row, row

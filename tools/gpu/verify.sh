@@ -13,7 +13,10 @@
 #      also "pool": benchmarks/bench_pool.py by itself, "p1": bench_ENGINE.py --p1-only (ours and raw paired,
 #      CUDA graphs on, 12 rounds; ~150 s at 7B; VERIFY_P1_MODES=graphs,eager adds the eager row), "ipc": benchmarks/bench_ipc.py (torch's CUDA IPC against
 #      the driver's, per phase), "trl": where TRL is installed its two scripts, else one
-#      "skipped" row at no cost, "trl_grpo" or "trl_sync": one of them, "trl_step": benchmarks/bench_trl_step.py, only on request), VERIFY_RAY_SCALE (7b, the default, or
+#      "skipped" row at no cost, "trl_grpo" or "trl_sync": one of them, "trl_step": benchmarks/bench_trl_step.py, only on request;
+#      "bench": bench_ENGINE.py without P1 (P2, P3, SGLang's level-2 memory per process; ~200 s),
+#      "sync": benchmarks/bench_sync_7b.py (genengine bench --sync at 7B, phases JSON + PNG; ~60 s),
+#      "profile": benchmarks/profile_p1.py (P1's pair timed inside at two lengths; ~90 s)), VERIFY_RAY_SCALE (7b, the default, or
 #      tiny: the Ray test alone, no P7 figures), GENENGINE_EXIT_PARALLEL (1: the exit cases side by side, then
 #      one at a time only if that failed, as the row exit_seq; 0: one at a time), EXIT_CASES (pytest
 #      -k for the exit test; default: all four cases), VERIFY_TRL_BACKEND (the trl part's --backend, default
@@ -170,6 +173,49 @@ if r.get("step_ratio_vs_trl"):
 print(f"{r.get('shape')}, median of {r.get('steps')}: " + "; ".join(out))
 EOF
 ) ;;
+    bench) what=$(python3 - "$WORK/bench_p2p3_$ENGINE.json" <<'EOF' 2>/dev/null || echo "no report"
+import json, sys
+r = json.load(open(sys.argv[1]))
+out = []
+if "error" in r:
+    out.append("error: " + str(r["error"])[:200])
+ours = r.get("ours", r)  # vLLM's report keeps ours under "ours", SGLang's at the top
+p2, p3, raw = ours.get("p2") or {}, ours.get("p3") or {}, r.get("raw") or {}
+d = p2.get("bucketed_512MiB") or p2.get("handles") or {}
+if d:
+    s = d.get("s", d.get("until_visible_s"))
+    out.append(f"P2 {s:.4f} s" + (f" ({d['speedup_vs_per_param']}x per-param)" if "speedup_vs_per_param" in d else ""))
+for level in (1, 2):
+    m = p3.get(f"level{level}")
+    if m:
+        out.append(f"P3 level {level} frees {m['share']:.2%}")
+if "cycle_s" in p3:
+    out.append(f"cycle {p3['cycle_s']:.3f} s" + (f" ({p3['cycle_parts_s']})" if "cycle_parts_s" in p3 else ""))
+w = p3.get("level2_who_keeps_what")
+if w:
+    out.append(f"level 2 leaves {w.get('left_gib')} GiB: scheduler {w.get('scheduler_gib')} (torch outside the saver "
+               f"{w.get('scheduler_torch_outside_saver_gib')}, not torch {w.get('scheduler_not_torch_gib')}), trainer "
+               f"+{w.get('trainer_process_extra_gib')}, a bare CUDA process {w.get('cuda_process_floor_gib')}")
+t = raw.get("p3_release_by_tag")
+if t:
+    out.append(f"raw release of every tag {t['all_tags_share']:.2%}")
+out.append("verdicts " + ", ".join(f"{k} {v}" for k, v in (r.get("verdicts") or {}).items()))
+print("; ".join(out))
+EOF
+) ;;
+    sync) what=$(python3 - "$WORK/bench_sync_$ENGINE.json" "$WORK/bench_sync_$ENGINE.png" <<'EOF' 2>/dev/null || echo "no report"
+import json, os, sys
+r = json.load(open(sys.argv[1]))
+if "error" in r: print("error: " + r["error"][:200]); raise SystemExit
+t = r["targets"]["in_process"]
+ms = lambda v: "n/a" if v is None else f"{1000 * v:.1f}"
+print(f"{r['num_tensors']} tensors {r['num_bytes'] / 1e9:.1f} GB, medians (ms): "
+      + ", ".join(f"{p} {ms((v or {}).get('median'))}" for p, v in t["phases"].items())
+      + f"; total {ms(t['total_median'])}; slowest {t['slowest']}; requests finished {t.get('requests_finished')}; "
+      + ("PNG written" if os.path.exists(sys.argv[2]) else "no PNG (no matplotlib: draw it from the JSON)"))
+EOF
+) ;;
+    profile) what=$(head -c 1500 "$WORK/profile_p1_$ENGINE.txt" 2>/dev/null | tr -s ' ' || echo "no report") ;;
     ipc) what=$(python3 - "$WORK/bench_ipc.json" <<'EOF' 2>/dev/null || echo "no report"
 import json, sys
 r = json.load(open(sys.argv[1]))
@@ -258,9 +304,13 @@ for part in $PARTS; do
     p1) run_part p1 "${VERIFY_P1_TIMEOUT_S:-$([ "${VERIFY_P1_MODES:-graphs}" = graphs ] && echo 240 || echo 360)}" \
           bash tools/gpu/run_tests.sh "$ENGINE" --bench --p1-only --p1-modes "${VERIFY_P1_MODES:-graphs}" ;;
     ipc) run_part ipc 120 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_ipc.py --rounds 6 ;;
+    bench) run_part bench 330 bash tools/gpu/run_tests.sh "$ENGINE" --bench --p1-modes "''" --json "$WORK/bench_p2p3_$ENGINE.json" \
+             $([ "$ENGINE" = sglang ] && echo --variants handles,flattened,per_param) ;;
+    sync) run_part sync 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_sync_7b.py "$ENGINE" ;;
+    profile) run_part profile 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/profile_p1.py "$ENGINE" ;;
     trl) trl_parts ;;
     trl_grpo|trl_sync|trl_step) trl_parts "$part" ;;
-    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool p1 exit transport async ipc trl trl_grpo trl_sync trl_step) |") ;;
+    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool p1 profile bench sync exit transport async ipc trl trl_grpo trl_sync trl_step) |") ;;
   esac
 done
 

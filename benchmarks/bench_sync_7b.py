@@ -1,0 +1,103 @@
+"""``genengine bench --sync`` at the 7B shape: one weight sync split into pause, gather, transfer, load, resume
+(genengine.bench.sync), with requests in flight, on one GPU; the JSON and the bar chart of the phases.
+
+    PYTHONPATH=/tmp/site-proj:/tmp/site-ENGINE python3 benchmarks/bench_sync_7b.py ENGINE [--syncs 5]
+        [--in-flight 4] [--json PATH] [--plot PATH]          (or: tools/gpu/run_tests.sh ENGINE --script ...)
+
+The engine is the bench script's (benchmarks/bench_ENGINE.py: Qwen2-7B shapes, ``load_format="dummy"``, memory
+fraction 0.6, eager, no prefix cache) in this process; the trainer's weights are random bf16 CUDA tensors under
+the model's 339 names (15.2 GB). One warm-up sync, then ``--syncs``. Writes ``bench_sync_ENGINE.json`` and, where
+matplotlib is installed, ``bench_sync_ENGINE.png`` (to ``$OUT`` when set, else the working folder); without
+matplotlib the PNG is drawn from the JSON on any machine that has it:
+
+    python3 -c "import json, sys; from genengine.bench.sync import plot_sync_report as p; \\
+        p(json.load(open(sys.argv[1])), sys.argv[2])" bench_sync_vllm.json bench_sync_vllm.png
+
+Seconds on one H200: an eager 7B start ~30-40 s, 15 GB of random weights ~5 s, 6 syncs of ~0.1 s with 4
+requests of 64 tokens each in flight: ~60 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from _bench_7b import MEM_UTIL, make_model_dir  # this folder is on sys.path when the script runs
+
+
+def _count(low: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{text!r}: an integer >= {low}")
+        return n
+
+    return parse
+
+
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("engine", choices=("sglang", "vllm"))
+    ap.add_argument("--model", default=None, help="the 7B-shaped folder (default: the bench script's)")
+    ap.add_argument("--syncs", type=_count(1), default=5, help="timed syncs after one warm-up (default 5)")
+    ap.add_argument("--in-flight", type=_count(0), default=4, help="requests generating during each sync (default 4)")
+    ap.add_argument("--json", default=None, help="the report (default: $OUT/bench_sync_ENGINE.json)")
+    ap.add_argument("--plot", default=None, help="the PNG (default: $OUT/bench_sync_ENGINE.png)")
+    a = ap.parse_args(argv)
+    out = os.environ.get("OUT") or "."
+    a.json = a.json or os.path.join(out, f"bench_sync_{a.engine}.json")
+    a.plot = a.plot or os.path.join(out, f"bench_sync_{a.engine}.png")
+    a.model = a.model or os.path.join(tempfile.gettempdir(), f"genengine-qwen2-7b-shape-{a.engine}")
+    return a
+
+
+def settings(engine: str, model: str, syncs: int, in_flight: int) -> Any:
+    """The SyncBenchSettings of the bench script's engine (its options: dummy weights, eager, no prefix cache)."""
+    from genengine.bench.sync import SyncBenchSettings
+
+    bench = importlib.import_module(f"bench_{engine}")
+    return SyncBenchSettings(
+        backend=engine,
+        model=model,
+        options=dict(bench.OPTIONS),
+        dtype="bfloat16",
+        mem_util=MEM_UTIL,
+        syncs=syncs,
+        in_flight=in_flight,
+        prompt_len=128,
+        max_new_tokens=64,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse(argv)
+    from genengine.bench.sync import format_sync_report, run_sync_bench, write_plot
+
+    chosen = settings(a.engine, a.model, a.syncs, a.in_flight)
+    make_model_dir(a.model, tokenizer=a.engine == "sglang")
+    try:
+        report: dict[str, Any] = run_sync_bench(chosen)
+    except Exception as exc:
+        report = {"backend": a.engine, "error": f"{type(exc).__name__}: {exc}"}
+    with open(a.json, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1, default=str)
+    if "error" in report:
+        print(f"bench_sync_7b {a.engine}: failed: {report['error']}", flush=True)
+        return 1
+    print(format_sync_report(report), flush=True)
+    write_plot(report, a.plot, print)
+    print("BENCH_SYNC_RESULT " + json.dumps(report["targets"], default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
