@@ -24,6 +24,7 @@ class RegisterBackend(Protocol):
         description: str = "",
         raw_runner: Any = None,
         verified: Any = None,
+        raw_engine: Any = None,
     ) -> None: ...
 
 
@@ -36,6 +37,10 @@ def register_backends(register: RegisterBackend) -> None:
     imports no engine. ``requires`` names the top-level modules the backend needs (checked without importing
     them); ``install_hint`` says how to get them. ``raw_runner`` (same two forms) measures the raw engine
     beside ours in ``genengine bench``: a callable ``(config, prompt_token_ids, max_new_tokens) -> tokens/s``.
+    ``raw_engine`` (same two forms), ``(config) -> engine`` with ``generate_tokens(prompt_token_ids,
+    max_new_tokens) -> int`` (greedy, EOS ignored; the output tokens) and ``close()``, lets the benchmark keep
+    the raw engine alive in a child process and pair its samples with ours (``genengine.bench.paired``): it
+    is preferred to ``raw_runner`` when both are given.
     ``verified`` (a ``genengine.backend.VerifiedRange``) names the engine releases the plugin was verified
     against; ``genengine backends`` shows the installed one against it.
     """

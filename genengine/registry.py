@@ -78,6 +78,8 @@ class BackendInfo:
     requires: tuple[str, ...] = ()
     install_hint: str | None = None
     raw_runner: Any = None
+    raw_engine: Any = None
+    """The raw engine kept alive beside ours for ``genengine bench``'s paired P1 (``(config) -> RawEngine``)."""
     error: BaseException | None = None
     """Set when the plugin itself failed to import or to register."""
     stage: str = "import"
@@ -276,6 +278,7 @@ class _Registry:
             description: str = "",
             raw_runner: Any = None,
             verified: Any = None,
+            raw_engine: Any = None,
         ) -> None:
             if verified is not None and not isinstance(verified, VerifiedRange):
                 raise TypeError(
@@ -292,6 +295,7 @@ class _Registry:
                     tuple(requires),
                     install_hint,
                     raw_runner,
+                    raw_engine,
                     verified=verified,
                 )
             )

@@ -111,7 +111,7 @@ def test_plugin_targets_resolve() -> None:
     seen: dict[str, Any] = {}
     plugin.register_backends(register=lambda name, factory, **kw: seen.update(name=name, factory=factory, **kw))
     assert seen["name"] == "sglang" and seen["requires"] == ("sglang",)
-    for ref in (seen["factory"], seen["raw_runner"]):
+    for ref in (seen["factory"], seen["raw_runner"], seen["raw_engine"]):
         module, _, attr = ref.partition(":")
         obj: Any = importlib.import_module(module)
         for part in attr.split("."):

@@ -93,9 +93,10 @@ def test_registry_factory_and_raw_runner_resolve() -> None:
 
     info = next(b for b in available_backends() if b.name == "vllm")
     assert resolve_ref(info.factory) == VLLMEngine.from_config
-    from genengine_vllm.raw import raw_tokens_per_second
+    from genengine_vllm.raw import RawVLLMEngine, raw_tokens_per_second
 
     assert resolve_ref(info.raw_runner) is raw_tokens_per_second
+    assert resolve_ref(info.raw_engine) is RawVLLMEngine  # genengine bench's paired P1
 
 
 # ---- bad input, before vLLM is imported or memory taken ------------------------------------------------------

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
     from genengine.requests import Request
 
-__all__ = ["OPTIONS", "TransformersEngine", "hf_generate_tokens_per_second"]
+__all__ = ["OPTIONS", "HFRawEngine", "TransformersEngine", "hf_generate_tokens_per_second"]
 
 OPTIONS = (
     "device",
@@ -504,10 +504,41 @@ def hf_generate_tokens_per_second(config: Any, prompt_token_ids: Sequence[Sequen
     return (out.shape[1] - input_ids.shape[1]) * out.shape[0] / seconds
 
 
+class HFRawEngine:
+    """Plain transformers ``generate`` on the engine's model and device, kept loaded: the ``raw_engine`` that
+    ``genengine bench`` pairs with ours (greedy, no EOS stop, the prompts left-padded into one batch)."""
+
+    def __init__(self, config: Any) -> None:
+        config = EngineConfig.from_any(config)
+        if config.model is None:
+            raise ConfigError("HFRawEngine needs config.model")
+        self.device = check_device(config.options.get("device", "cpu"))
+        dtype = torch_dtype(config.dtype, config.model)
+        self.model, _, _ = _hf_model_and_batch(config.model, dtype, self.device, [[0]])
+        self.model.generation_config.eos_token_id = None  # as ignore_eos: every row runs max_new_tokens
+
+    def generate_tokens(self, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int) -> int:
+        import torch
+        import transformers
+
+        mask, input_ids = _hf_batch(prompt_token_ids, self.device)
+        pad = self.model.generation_config.pad_token_id
+        gen = transformers.GenerationConfig(
+            do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=pad if pad is not None else 0
+        )
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=gen)
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        return int((out.shape[1] - input_ids.shape[1]) * out.shape[0])
+
+    def close(self) -> None:
+        del self.model
+
+
 def _hf_model_and_batch(
     model_dir: str, dtype: torch.dtype, device: str, prompt_token_ids: Sequence[Sequence[int]]
 ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    import torch
     import transformers
 
     bars = transformers.utils.logging.is_progress_bar_enabled()
@@ -518,10 +549,17 @@ def _hf_model_and_batch(
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
+    mask, input_ids = _hf_batch(prompt_token_ids, device)
+    return model, mask, input_ids
+
+
+def _hf_batch(prompt_token_ids: Sequence[Sequence[int]], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     width = max(len(p) for p in prompt_token_ids)
     input_ids = torch.zeros((len(prompt_token_ids), width), dtype=torch.long)
     mask = torch.zeros_like(input_ids)
     for b, ids in enumerate(prompt_token_ids):
         input_ids[b, width - len(ids) :] = torch.tensor(list(ids))
         mask[b, width - len(ids) :] = 1
-    return model, mask.to(device), input_ids.to(device)
+    return mask.to(device), input_ids.to(device)

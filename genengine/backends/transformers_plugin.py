@@ -14,4 +14,5 @@ def register_backends(register: RegisterBackend) -> None:
         install_hint="pip install genengine",
         description="embedded PyTorch + transformers engine (CPU or one CUDA device)",
         raw_runner="genengine.backends.transformers:hf_generate_tokens_per_second",
+        raw_engine="genengine.backends.transformers:HFRawEngine",
     )

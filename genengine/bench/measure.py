@@ -55,16 +55,19 @@ class BenchSettings:
     bucket_bytes: int | None = None
     sleep_levels: tuple[int, ...] = (1, 2)
     raw: bool = True
+    pair_samples: int = 10
+    """Paired rounds of ours and the raw engine (a plugin's ``raw_engine``; genengine.bench.p1), >= 10."""
     per_parameter: bool = True
     progress: bool = True
     seed: int = 0
 
     def check(self) -> None:
         """Reject bad settings before anything is built or loaded."""
-        for name in ("batch_size", "prompt_len", "max_new_tokens", "repeats", "tp_size"):
+        for name, low in (("batch_size", 1), ("prompt_len", 1), ("max_new_tokens", 1), ("repeats", 1), ("tp_size", 1),
+                          ("pair_samples", 10)):  # fmt: skip
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgumentError(f"{name}={value!r} must be an integer >= 1")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidArgumentError(f"{name}={value!r} must be an integer >= {low}")
         if self.bucket_bytes is not None and (not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1):
             raise InvalidArgumentError(f"bucket_bytes={self.bucket_bytes!r} must be a positive integer or None")
         bad = [lvl for lvl in self.sleep_levels if lvl not in (1, 2)]
@@ -282,7 +285,6 @@ def _run(
     import torch
 
     from genengine import __version__
-    from genengine.bench.paired import summarize
     from genengine.config import EngineConfig
     from genengine.protocol import SamplingParams
     from genengine.registry import create_engine, resolve_ref
@@ -293,11 +295,16 @@ def _run(
     show = settings.progress and _rank() == 0
     backend, name, distribution, raw_runner = resolved
 
+    from genengine.bench import p1
+
+    raw_engine = p1.raw_engine_ref(backend) if settings.raw and settings.tp_size == 1 else None
     fields: dict[str, Any] = {"backend": backend, "model": model, "tp_size": settings.tp_size}
     if settings.dtype is not None:
         fields["dtype"] = settings.dtype
     if settings.mem_util is not None:
         fields["mem_util"] = settings.mem_util
+    elif raw_engine is not None and device.startswith("cuda"):  # both engines at once on the GPU
+        fields["mem_util"] = p1.PAIRED_GPU_MEM_UTIL
     config = EngineConfig(options=dict(settings.options), seed=settings.seed, **fields)
 
     vocab = _vocab_size(model)
@@ -334,7 +341,14 @@ def _run(
 
     steps = 3 + settings.repeats + 2 * settings.repeats + 2 * len(settings.sleep_levels) + 1
     steps += 1 if settings.raw and raw_runner is not None else 0
-    with _progress(steps, f"bench {name}", show) as bar:
+    pair = {"vocab": vocab, "batch_size": settings.batch_size, "prompt_len": settings.prompt_len,
+            "max_new_tokens": settings.max_new_tokens, "threads": torch.get_num_threads()}  # fmt: skip
+    raw_child = None
+    with _progress(steps, f"bench {name}", show) as bar, contextlib.ExitStack() as children:
+        if raw_engine is not None:  # up before ours: its memory is in the baseline, the profiles do not overlap
+            bar.set_postfix_str("raw engine (child process)")
+            raw_child = p1.start_raw_child(config, pair)
+            children.callback(raw_child.close)
         # The trainer's weights exist before the engine does (and until after it is gone), so on a GPU they
         # are part of the baseline, not of the engine's memory.
         bar.set_postfix_str("reading checkpoint")
@@ -361,23 +375,15 @@ def _run(
             report["start_memory_bytes"] = _sub(awake, baseline)
 
             # --- generation throughput ---------------------------------------------------------------------
-            runs = []
-            for i in range(settings.repeats):
-                bar.set_postfix_str(f"generate {i + 1}/{settings.repeats}")
-                secs, results = _timed(lambda: engine.generate(prompt_token_ids=prompts, sampling_params=greedy))
-                tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
-                runs.append((tokens / secs, secs, tokens))
-                bar.update(1)
-            best = statistics.median(r[0] for r in runs)
-            spread = summarize([r[0] for r in runs])
-            report["generate"] = {
-                "tokens_per_s": best,
-                "tokens_per_s_runs": [r[0] for r in runs],
-                "spread_pct": spread["spread_pct"],
-                "iqr_pct": spread["iqr_pct"],
-                "tokens": runs[0][2],
-                "seconds": statistics.median(r[1] for r in runs),
-            }
+            if raw_child is not None:
+                bar.set_postfix_str(f"generate, paired with raw ({settings.pair_samples} rounds)")
+                report["generate"] = p1.run_pair(
+                    p1.OursSide(engine, pair), raw_child, samples=settings.pair_samples, warmup=1
+                )
+                report["generate"]["tokens"] = settings.batch_size * settings.max_new_tokens
+                bar.update(settings.repeats)
+            else:
+                report["generate"] = p1.generate_runs(engine, prompts, greedy, settings.repeats, bar)
 
             # --- load_weights ------------------------------------------------------------------------------
             report["load_weights"] = {
@@ -416,17 +422,20 @@ def _run(
 
         # --- the raw engine, alone (ours is shut down: a GPU holds one engine at a time) ------------------
         raw: dict[str, Any] = {"available": raw_runner is not None and settings.raw}
-        if settings.raw and raw_runner is not None:
+        if raw_child is not None:  # paired above: the raw engine's figures are in report["generate"]
+            pass
+        elif settings.raw and raw_runner is not None:
             bar.set_postfix_str("raw engine")
             try:
                 raw["tokens_per_s"] = float(resolve_ref(raw_runner)(config, prompts, settings.max_new_tokens))
             except Exception as exc:
                 raw["error"] = f"{type(exc).__name__}: {exc}"
             bar.update(1)
-        raw_tps = raw.get("tokens_per_s")
-        report["generate"]["raw_tokens_per_s"] = raw_tps
-        report["generate"]["raw_error"] = raw.get("error")
-        report["generate"]["vs_raw"] = report["generate"]["tokens_per_s"] / raw_tps if raw_tps else None
+        if raw_child is None:
+            raw_tps = raw.get("tokens_per_s")
+            report["generate"]["raw_tokens_per_s"] = raw_tps
+            report["generate"]["raw_error"] = raw.get("error")
+            report["generate"]["vs_raw"] = report["generate"]["tokens_per_s"] / raw_tps if raw_tps else None
     report["total_seconds"] = time.perf_counter() - t_total
     if owns_group:
         import torch.distributed as dist

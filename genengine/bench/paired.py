@@ -23,11 +23,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from genengine.errors import InvalidArgumentError
 
-__all__ = ["SampleChild", "pair_ratio", "run_paired", "serve", "summarize"]
+__all__ = ["SampleChild", "Sampler", "pair_ratio", "run_paired", "serve", "summarize"]
 
 READY = "ready"
 
@@ -120,6 +120,12 @@ def serve(
 
 
 # ---- the parent --------------------------------------------------------------------------------------------
+class Sampler(Protocol):
+    """A side of the pair: a :class:`SampleChild`, or an engine in this process answering the same way."""
+
+    def sample(self, seed: int) -> dict[str, Any]: ...
+
+
 class SampleChild:
     """A child process running :func:`serve`: started with ``argv`` and ``--result-fd N`` appended (the
     write end of a pipe it answers on; its stdout stays free for the engine's logs)."""
@@ -189,8 +195,8 @@ class SampleChild:
 
 
 def run_paired(
-    ours: SampleChild,
-    raw: SampleChild,
+    ours: Sampler,
+    raw: Sampler,
     *,
     samples: int = 12,
     warmup: int = 2,

@@ -52,7 +52,13 @@ def _rows(report: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
     if g.get("spread_pct") is not None and len(g.get("tokens_per_s_runs", [])) > 1:
         spread = f", spread {g['spread_pct']:.1f} % over {len(g['tokens_per_s_runs'])} runs"
     yield "generate", f"{g['tokens_per_s']:.1f} tok/s ({shape}{spread})"
-    if g.get("raw_tokens_per_s"):
+    if g.get("paired"):
+        yield (
+            "generate, raw engine",
+            f"{g['raw_tokens_per_s']:.1f} tok/s (spread {g['raw_spread_pct']:.1f} %); ours/raw {g['vs_raw']:.4f} "
+            f"(paired rounds {g['vs_raw_min']:.3f}-{g['vs_raw_max']:.3f}, n={g['samples']})",
+        )
+    elif g.get("raw_tokens_per_s"):
         yield "generate, raw engine", f"{g['raw_tokens_per_s']:.1f} tok/s (ours/raw = {g['vs_raw']:.2f})"
     elif g.get("raw_error"):
         yield "generate, raw engine", f"failed: {g['raw_error']}"

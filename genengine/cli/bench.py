@@ -28,8 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         formatter_class=HelpFormatter,
         help="measure generate throughput, load_weights, sleep and wake of a backend",
         description=(
-            "Measure one backend through the GenerationEngine protocol: generation throughput (beside the raw "
-            "engine when the plugin registers a raw_runner), load_weights time and GB/s (bucketed and one call "
+            "Measure one backend through the GenerationEngine protocol: generation throughput (paired with the "
+            "raw engine, alive at once in a child process, when the plugin registers a raw_engine; beside it, "
+            "after ours, when it registers a raw_runner), load_weights time and GB/s (bucketed and one call "
             "per parameter), memory freed by sleep and the time of each wake stage. With no arguments it "
             "builds a tiny model and runs the embedded backend on CPU. With --tp-size N, run it under "
             "`torchrun --nproc-per-node N`. With --async it instead times partial rollouts (pause, load, resume, "
@@ -64,6 +65,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--bucket-mb", type=float, default=None, help="load_weights bucket size (default: the backend's)")
     p.add_argument("--sleep-levels", type=_levels, default=(1, 2), help="comma-separated (default: '1,2')")
     p.add_argument("--no-raw", action="store_true", help="skip the raw engine's throughput")
+    p.add_argument(
+        "--p1-samples",
+        type=_at_least_10,
+        default=10,
+        help="paired rounds of ours and the raw engine, alive at once (the plugin's raw_engine; default 10)",
+    )
     p.add_argument("--no-per-parameter", action="store_true", help="skip the one-call-per-tensor weight sync")
     p.add_argument(
         "--json", metavar="FILE", default=None, help="write the report as JSON ('-' for stdout; default: no JSON)"
@@ -94,6 +101,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     group.add_argument("--median-new-tokens", type=int, default=16, help="median of the lognormal lengths")
     group.add_argument("--sigma", type=float, default=1.0, help="spread of the lognormal lengths")
     p.set_defaults(func=run)
+
+
+def _at_least_10(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 10:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 10 (a 1 % difference needs them)")
+    return value
 
 
 def _positive(text: str) -> int:
@@ -166,6 +183,7 @@ def _run(args: argparse.Namespace) -> int:
         bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20)),
         sleep_levels=args.sleep_levels,
         raw=not args.no_raw,
+        pair_samples=args.p1_samples,
         per_parameter=not args.no_per_parameter,
         progress=not args.quiet,
     )
