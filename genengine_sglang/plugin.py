@@ -17,5 +17,6 @@ def register_backends(register: RegisterBackend) -> None:
         install_hint="pip install 'genengine[sglang]'",
         description="SGLang, one engine per tensor-parallel group, owned by the group leader",
         raw_runner="genengine_sglang.raw:raw_tokens_per_second",
+        raw_engine="genengine_sglang.raw:RawSGLangEngine",
         verified=VERIFIED,
     )

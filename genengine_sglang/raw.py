@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["raw_tokens_per_second", "start_raw_engine", "stop_raw_engine"]
+__all__ = ["RawSGLangEngine", "raw_tokens_per_second", "start_raw_engine", "stop_raw_engine"]
 
 
 def start_raw_engine(config: Any, **overrides: Any) -> Any:
@@ -44,3 +44,19 @@ def raw_tokens_per_second(config: Any, prompt_token_ids: list[list[int]], max_ne
         return sum(int(o["meta_info"]["completion_tokens"]) for o in outs) / seconds
     finally:
         stop_raw_engine(engine)
+
+
+class RawSGLangEngine:
+    """The raw ``sglang.Engine`` kept alive: the plugin's ``raw_engine``, which ``genengine bench`` runs in a
+    child process and pairs with ours (greedy, EOS ignored)."""
+
+    def __init__(self, config: Any) -> None:
+        self.engine = start_raw_engine(config)
+
+    def generate_tokens(self, prompt_token_ids: Any, max_new_tokens: int) -> int:
+        params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+        outs = self.engine.generate(input_ids=[list(p) for p in prompt_token_ids], sampling_params=params)
+        return sum(int(o["meta_info"]["completion_tokens"]) for o in outs)
+
+    def close(self) -> None:
+        stop_raw_engine(self.engine)

@@ -15,5 +15,6 @@ def register_backends(register: RegisterBackend) -> None:
         install_hint="pip install 'genengine[vllm]'",
         description="vLLM, colocated in the trainer's processes (external_launcher)",
         raw_runner="genengine_vllm.raw:raw_tokens_per_second",
+        raw_engine="genengine_vllm.raw:RawVLLMEngine",
         verified=VERIFIED,
     )
