@@ -174,3 +174,57 @@ def test_profile_p1_defaults_write_to_out(monkeypatch: pytest.MonkeyPatch, tmp_p
     a = profile_p1.parse(["sglang"])
     assert a.json == str(tmp_path / "profile_p1_sglang.json") and a.summary == str(tmp_path / "profile_p1_sglang.txt")
     assert a.model.endswith("genengine-qwen2-7b-shape-sglang") and a.rounds == 4 and not a.eager
+
+
+FAKE_BENCH = textwrap.dedent(
+    """
+    import argparse, sys, time
+    sys.path.insert(0, {benchmarks!r})
+    import _p1
+    ap = argparse.ArgumentParser()
+    for flag in ("--model", "--p1-child", "--p1-graphs", "--p1-mem-util", "--result-fd"):
+        ap.add_argument(flag)
+    a = ap.parse_args()
+    def start():
+        clock = _p1.Clock() if _p1.profiling() else None
+        class Engine:
+            def generate(self, new):
+                time.sleep(0.002 if a.p1_child == "ours" else 0.0)  # ours: 2 ms more per call
+                return 4 * new
+        engine = Engine()
+        if clock is not None:
+            clock.wrap(engine, "generate", "llm_generate")
+        def sample(seed, new=128):
+            return _p1.timed_sample(clock, lambda: engine.generate(new))
+        return sample, {{"side": a.p1_child, "graphs": a.p1_graphs}}, None
+    _p1.serve_child(int(a.result_fd), start)
+    """
+)
+
+
+def test_profile_p1_main_with_a_stand_in_bench_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, profile_p1
+) -> None:  # type: ignore[no-untyped-def]
+    """The whole script: raw then ours started from the bench script as P1 children with the profile on,
+    graphs on, the rounds, and the JSON and text summary where verify.sh's ``profile`` part reads them."""
+    import json
+    import types
+
+    script = tmp_path / "bench_vllm.py"
+    script.write_text(FAKE_BENCH.format(benchmarks=BENCHMARKS))
+    fake = types.ModuleType("bench_vllm")
+    fake.__file__ = str(script)
+    free = iter([100, 60, 20])
+    fake.free_bytes = lambda: next(free)  # type: ignore[attr-defined]
+    fake.ours_mem_util = lambda took, now: 0.4  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "bench_vllm", fake)
+    monkeypatch.setattr(profile_p1, "make_model_dir", lambda path, tokenizer: path)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert profile_p1.main(["vllm", "--rounds", "2", "--short", "8"]) == 0
+    report = json.loads((tmp_path / "profile_p1_vllm.json").read_text())
+    assert report["raw_info"]["side"] == "raw" and report["ours_info"]["side"] == "ours"
+    assert report["raw_info"]["graphs"] == "1" and set(report["exit_codes"].values()) == {0}
+    assert [len(report["samples"][s][str(n)]) for s in ("ours", "raw") for n in (8, 128)] == [2, 2, 2, 2]
+    gap = report["analysis"]["gap"]
+    assert gap["inside_long_ours_minus_raw"]["llm_generate_ms"] > 1.0  # the 2 ms ours adds, seen inside
+    assert (tmp_path / "profile_p1_vllm.txt").read_text().startswith("profile_p1 vllm (CUDA graphs)")
