@@ -10,6 +10,7 @@ from importlib.metadata import version as _version
 
 from genengine.config import EngineConfig
 from genengine.errors import GenEngineError
+from genengine.plugins.registry import available_backends, create_engine
 from genengine.protocol import (
     AsyncGenerationEngine,
     EngineState,
@@ -23,7 +24,6 @@ from genengine.protocol import (
     WeightLoadSession,
     is_async_engine,
 )
-from genengine.registry import available_backends, create_engine
 
 try:
     __version__ = _version("genengine")  # one place for the version: pyproject.toml

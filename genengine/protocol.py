@@ -483,7 +483,7 @@ class SupportsLoadSessions(Protocol):
 @runtime_checkable
 class GenerationStream(Protocol):
     """One request submitted with ``AsyncGenerationEngine.stream``: an async iterator of its chunks, then its
-    result. ``genengine.aio.RequestStream`` (an engine's) and the Ray pool's ``PoolStream`` are two."""
+    result. ``genengine.engine.aio.RequestStream`` (an engine's) and the Ray pool's ``PoolStream`` are two."""
 
     @property
     def request_id(self) -> str: ...
@@ -512,7 +512,7 @@ class AsyncGenerationEngine(GenerationEngine, Protocol):
     """A ``GenerationEngine`` that also takes requests one prompt at a time, streams them, aborts them, and
     pauses for a weight update (docs/async.md).
 
-    ``genengine.aio.AsyncEngineBase`` implements it over a backend's scheduler; the Ray ``EnginePool`` over
+    ``genengine.engine.aio.AsyncEngineBase`` implements it over a backend's scheduler; the Ray ``EnginePool`` over
     its replicas. Ask :func:`is_async_engine`, not ``isinstance``, whether an engine offers it.
     """
 

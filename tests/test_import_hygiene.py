@@ -15,7 +15,7 @@ HEAVY = ("torch", "transformers", "sglang", "vllm")
 CASES = {
     "import": "import genengine",
     "list": "import genengine; genengine.available_backends()",
-    "plugins": "import genengine_sglang.plugin, genengine_vllm.plugin, genengine.backends.transformers_plugin",
+    "plugins": "import genengine_sglang.plugin, genengine_vllm.plugin, genengine.backends.transformers.plugin",
     "help": "from genengine.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
     "backends-cli": "from genengine.cli import main; main(['backends'])",
 }

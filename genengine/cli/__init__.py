@@ -14,7 +14,7 @@ _SUBCOMMAND_MODULES = (
     "genengine.cli.backends",
     "genengine.cli.generate",
     "genengine.cli.demo",
-    "genengine.cli.bench",
+    "genengine.cli.bench.command",
     "genengine.cli.topology",
 )
 

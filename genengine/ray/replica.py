@@ -62,7 +62,7 @@ class EngineReplica:
         """Build the engine (in a thread: the actor answers pings meanwhile). Not in ``__init__``: a bad option
         then reaches the pool as the backend's own ``ConfigError``, and a restart by Ray (which re-runs
         ``__init__`` only) gives an engine-less replica that the pool must start and refill before use."""
-        from genengine.registry import create_engine
+        from genengine.plugins.registry import create_engine
 
         if expect != self.incarnation:
             raise StaleReplicaError(f"replica {self.index} restarted before it was started")

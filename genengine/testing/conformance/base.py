@@ -16,9 +16,9 @@ from typing import Any, ClassVar
 
 import pytest
 
+from genengine.models.tiny_model import tiny_model_dir
 from genengine.protocol import GenerationEngine, GenerationResult, SamplingParams
 from genengine.testing.parity import parity_bound
-from genengine.testing.tiny_model import tiny_model_dir
 
 __all__ = [
     "GREEDY",

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from genengine.base import EngineBase
+from genengine.engine.base import EngineBase
 from genengine.errors import EngineSleepingError, InvalidArgumentError, WeightsNotLoadedError
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, GenerationEngine, GenerationResult
 from genengine.testing.conformance.base import GREEDY, PROMPTS, ConformanceBase, _expect_raises

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from genengine.base import EngineBase
+from genengine.engine.base import EngineBase
 from genengine.errors import EngineStateError, InvalidArgumentError, WeightLoadError, WeightsNotLoadedError
 from genengine.protocol import (
     TAG_KV_CACHE,

@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from genengine.aio import AsyncEngineBase, AsyncRequest, DriverLock
 from genengine.backend import (
     DEFAULT_BUCKET_BYTES,
     TAG_KV_CACHE,
@@ -38,9 +37,10 @@ from genengine.backend import (
     text_decoder,
     torch_dtype,
 )
-from genengine.backends._sampling import Row, greedy, processed_sample
-from genengine.backends._scheduler import DecodeBatch, Scheduler
-from genengine.environ import malloc_trim
+from genengine.backends.transformers._sampling import Row, greedy, processed_sample
+from genengine.backends.transformers._scheduler import DecodeBatch, Scheduler
+from genengine.engine.aio import AsyncEngineBase, AsyncRequest, DriverLock
+from genengine.engine.environ import malloc_trim
 from genengine.errors import EngineClosedError
 
 if TYPE_CHECKING:
@@ -356,7 +356,7 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
         """The engine's lock for a call from outside the scheduler (which steps under the same lock)."""
         return self._lock()
 
-    # ---- async (genengine.aio's hooks) --------------------------------------------------------------------
+    # ---- async (genengine.engine.aio's hooks) --------------------------------------------------------------------
     def _ensure_scheduler(self) -> Scheduler:
         if self._scheduler is None:
             self._scheduler = Scheduler(self)

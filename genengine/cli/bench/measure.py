@@ -231,7 +231,7 @@ def _maybe_init_distributed(device: str) -> bool:
 def resolve_backend(given: Any) -> tuple[Any, str, str | None, Any]:
     """(backend for the config, display name, distribution, raw runner); imports the engine's module now,
     so a bad name fails before any model is built and imports do not count as engine memory."""
-    from genengine.registry import get_backend, resolve_ref
+    from genengine.plugins.registry import get_backend, resolve_ref
 
     backend = given
     if isinstance(backend, str) and ":" in backend:
@@ -262,7 +262,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         model = settings.model
         built = False
         if model is None:
-            from genengine.testing.tiny_model import build_tiny_model
+            from genengine.models.tiny_model import build_tiny_model
 
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="genengine-bench-"))
             import torch
@@ -282,10 +282,10 @@ def _run(
     import torch
 
     from genengine import __version__
-    from genengine.bench.paired import summarize
+    from genengine.cli.bench.paired import summarize
     from genengine.config import EngineConfig
+    from genengine.plugins.registry import create_engine, resolve_ref
     from genengine.protocol import SamplingParams
-    from genengine.registry import create_engine, resolve_ref
 
     t_total = time.perf_counter()
     device = _device_for(settings)
@@ -558,7 +558,7 @@ def random_weights(model_dir: str, version: int, device: str) -> list[tuple[str,
     float32 on the CPU. Each tensor is its own allocation, as a trainer's parameters are."""
     import torch
 
-    from genengine.checkpoint import read_model_config, weight_spec
+    from genengine.engine.checkpoint import read_model_config, weight_spec
 
     config = read_model_config(model_dir)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32

@@ -9,13 +9,13 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from genengine.backends._sampling import buffer_layer_class
+from genengine.backends.transformers._sampling import buffer_layer_class
 
 if TYPE_CHECKING:
     import torch
 
-    from genengine.backends._sampling import Row
-    from genengine.backends.transformers import TransformersEngine, _Prefix
+    from genengine.backends.transformers._sampling import Row
+    from genengine.backends.transformers.engine import TransformersEngine, _Prefix
 
 __all__ = ["DecodeBatch", "Scheduler"]
 

@@ -191,19 +191,19 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
     """Create the engine in this process and time ``settings.syncs`` syncs (after a warm-up one) with
     ``settings.in_flight`` requests generating; returns the report (plain JSON-able data)."""
     settings.check()
-    from genengine.bench.measure import resolve_backend
+    from genengine.cli.bench.measure import resolve_backend
 
     resolve_backend(settings.backend)  # a bad name fails before the model is built
     import torch
 
-    from genengine.bench.measure import _device_for, _device_name, _trainer_weights, _vocab_size
+    from genengine.cli.bench.measure import _device_for, _device_name, _trainer_weights, _vocab_size
     from genengine.config import EngineConfig
-    from genengine.registry import create_engine
+    from genengine.plugins.registry import create_engine
 
     with contextlib.ExitStack() as stack:
         model = settings.model
         if model is None:  # the session's tiny model (bf16 on disk), built once per process
-            from genengine.testing.tiny_model import tiny_model_dir
+            from genengine.models.tiny_model import tiny_model_dir
 
             model = str(tiny_model_dir())
             if settings.dtype is None:
@@ -218,7 +218,7 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
         if any(Path(model).glob("*.safetensors")):
             trainer = _trainer_weights(model, device, settings.trainer_dtype or config.dtype)
         else:  # config.json alone (the engines' load_format="dummy"): random weights under the model's names
-            from genengine.bench.measure import random_weights
+            from genengine.cli.bench.measure import random_weights
 
             cast = getattr(torch, settings.trainer_dtype or config.dtype or "bfloat16", None)
             trainer = {n: t.to(cast) if cast is not None else t for n, t in random_weights(model, 1, device)}
