@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from genengine.hookspecs import RegisterBackend, hookimpl
+from genengine.backend import RegisterBackend, hookimpl
 
 
 @hookimpl
