@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
@@ -82,8 +83,6 @@ class EngineReplica:
         """Who this replica is and what its engine takes; answered at once, whatever the engine is doing."""
         import ray
 
-        import genengine
-
         engine = self.engine
         context = ray.get_runtime_context()
         where = {
@@ -92,7 +91,7 @@ class EngineReplica:
             "node_id": context.get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
             "actor_id": context.get_actor_id(),
-            "genengine_file": genengine.__file__,
+            "genengine_file": sys.modules["genengine"].__file__,  # the package this actor runs (loaded first)
             "started": engine is not None,
         }
         if engine is None:
