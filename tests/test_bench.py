@@ -40,7 +40,7 @@ def _spy_on_work(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     for module, name in (
         (genengine.models.tiny_model, "build_tiny_model"),
-        (genengine.cli.bench.measure, "_trainer_weights"),
+        (genengine.cli.bench.measure, "trainer_weights"),
         (genengine.plugins.registry, "create_engine"),
     ):
         monkeypatch.setattr(module, name, _recording(calls, name, getattr(module, name)))
@@ -60,7 +60,7 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any
     elapsed = time.perf_counter() - start
     assert rc == 0
     # The spies see the work when there is some (what makes their silence below mean something).
-    assert work == ["build_tiny_model", "_trainer_weights", "create_engine"], work
+    assert work == ["build_tiny_model", "trainer_weights", "create_engine"], work
     return json.loads((out / "r.json").read_text()), buf.getvalue(), out / "r.png", elapsed
 
 
@@ -134,7 +134,7 @@ def test_engine_class_as_backend_and_skipped_parts(tmp_path: Path) -> None:
             progress=False,
         )
     )
-    assert report["backend"] == "genengine.backends.transformers.TransformersEngine"
+    assert report["backend"] == "genengine.backends.transformers.engine.TransformersEngine"
     assert report["generate"]["tokens"] == 6 and report["generate"]["raw_tokens_per_s"] is None
     assert report["load_weights"]["per_parameter"] is None
     assert [c["level"] for c in report["sleep"]] == [2]

@@ -167,7 +167,7 @@ def _tokenizer_json(vocab_size: int) -> str:
     return str(tok.to_str())
 
 
-def _write_tokenizer(path: Path, vocab_size: int, max_len: int) -> None:
+def write_tokenizer(path: Path, vocab_size: int, max_len: int) -> None:
     # Written by hand (not save_pretrained) so the files are the same under every transformers version:
     # the GPU machine runs an older transformers than this one.
     (path / "tokenizer.json").write_text(_tokenizer_json(vocab_size), encoding="utf-8")
@@ -198,14 +198,14 @@ def _write_tokenizer(path: Path, vocab_size: int, max_len: int) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": None,
     }
-    _write_json(path / "tokenizer_config.json", tok_config)
-    _write_json(
+    write_json(path / "tokenizer_config.json", tok_config)
+    write_json(
         path / "special_tokens_map.json",
         {"additional_special_tokens": list(SPECIAL_TOKENS[1:]), "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN},
     )
 
 
-def _write_json(path: Path, data: Any) -> None:
+def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
@@ -226,7 +226,7 @@ def _init_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: in
     return torch.zeros(shape, dtype=dtype)  # biases
 
 
-def _check_args(dtype: str, seed: int, ints: dict[str, int]) -> None:
+def check_args(dtype: str, seed: int, ints: dict[str, int]) -> None:
     """The builders' argument errors, raised before anything is written."""
     if dtype not in _DTYPES:
         raise InvalidArgumentError(f"dtype={dtype!r} is not supported; allowed: {', '.join(_DTYPES)}")
@@ -241,7 +241,7 @@ def _check_args(dtype: str, seed: int, ints: dict[str, int]) -> None:
         )
 
 
-def _save_weights(
+def save_weights(
     path: Path, spec: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, seed: int, std: float
 ) -> None:
     from safetensors.torch import save_file
@@ -270,7 +270,7 @@ def _save_weights(
             weight_map[name] = fname
             total += math.prod(shape) * itemsize
         del tensors
-    _write_json(path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(path / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 # ---- public ------------------------------------------------------------------------------------------------
@@ -311,7 +311,7 @@ def build_tiny_model(
         "num_kv_heads": num_kv_heads,
         "max_position_embeddings": max_position_embeddings,
     }
-    _check_args(dtype, seed, ints)
+    check_args(dtype, seed, ints)
     if num_params is not None:
         if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 100_000:
             raise InvalidArgumentError(f"num_params={num_params!r} must be an integer >= 100000")
@@ -328,7 +328,7 @@ def build_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     # The trained vocabulary can be at most the model's; a larger model vocabulary is padding, as in Qwen.
     tok_vocab = min(vocab_size, 4096)
-    _write_tokenizer(out, tok_vocab, max_position_embeddings)
+    write_tokenizer(out, tok_vocab, max_position_embeddings)
     eos = 0
     head_dim = hidden_size // num_heads
     cfg_kwargs: dict[str, Any] = {
@@ -361,14 +361,14 @@ def build_tiny_model(
         spec = [(n, s) for n, s in spec if n != "lm_head.weight"]
     spec.sort()
     std = 0.1 * math.sqrt(256 / hidden_size)
-    _save_weights(out, spec, getattr(torch, dtype), seed, std)
+    save_weights(out, spec, getattr(torch, dtype), seed, std)
     return out
 
 
 _CACHE: dict[str, Path] = {}
 
 
-def _built_once(kind: str, build: Callable[..., Path], kwargs: dict[str, Any]) -> Path:
+def built_once(kind: str, build: Callable[..., Path], kwargs: dict[str, Any]) -> Path:
     """``build(dir, **kwargs)`` once per process, under a temporary directory keyed by ``kind`` and the
     arguments (removed at exit); rebuilt if something deleted it."""
     key = json.dumps({"kind": kind, **kwargs}, sort_keys=True, default=str)
@@ -384,4 +384,4 @@ def _built_once(kind: str, build: Callable[..., Path], kwargs: dict[str, Any]) -
 
 def tiny_model_dir(**kwargs: Any) -> Path:
     """``build_tiny_model(**kwargs)`` once per process, under a temporary directory keyed by the arguments."""
-    return _built_once("tiny", build_tiny_model, kwargs)
+    return built_once("tiny", build_tiny_model, kwargs)

@@ -27,11 +27,11 @@ from genengine.errors import InvalidArgumentError
 from genengine.models.tiny_model import (
     EOS_TOKEN,
     SPECIAL_TOKENS,
-    _built_once,
-    _check_args,
-    _save_weights,
-    _write_json,
-    _write_tokenizer,
+    built_once,
+    check_args,
+    save_weights,
+    write_json,
+    write_tokenizer,
 )
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ def _write_vlm_tokenizer(path: Path, vocab_size: int, max_len: int) -> dict[str,
     """``tiny_model``'s tokenizer trained to ``vocab_size`` minus the vision tokens, which follow it; their ids."""
     from tokenizers import AddedToken, Tokenizer
 
-    _write_tokenizer(path, vocab_size - len(VISION_TOKENS), max_len)
+    write_tokenizer(path, vocab_size - len(VISION_TOKENS), max_len)
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
     (path / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
@@ -122,15 +122,15 @@ def _write_vlm_tokenizer(path: Path, vocab_size: int, max_len: int) -> dict[str,
     extra = [*SPECIAL_TOKENS[1:], *VISION_TOKENS]
     tok_config.update(additional_special_tokens=extra, chat_template=VLM_CHAT_TEMPLATE)
     tok_config["processor_class"] = "Qwen2VLProcessor"
-    _write_json(path / "tokenizer_config.json", tok_config)
+    write_json(path / "tokenizer_config.json", tok_config)
     special_map = {"additional_special_tokens": extra, "eos_token": EOS_TOKEN, "pad_token": EOS_TOKEN}
-    _write_json(path / "special_tokens_map.json", special_map)
+    write_json(path / "special_tokens_map.json", special_map)
     return ids
 
 
 def _write_processor(path: Path) -> None:
     # min/max pixels both as the old fields and as ``size``: each transformers version reads one of them.
-    _write_json(
+    write_json(
         path / "preprocessor_config.json",
         {
             "do_convert_rgb": True,
@@ -151,7 +151,7 @@ def _write_processor(path: Path) -> None:
             "temporal_patch_size": TEMPORAL_PATCH_SIZE,
         },
     )
-    _write_json(path / "chat_template.json", {"chat_template": VLM_CHAT_TEMPLATE})
+    write_json(path / "chat_template.json", {"chat_template": VLM_CHAT_TEMPLATE})
 
 
 def _hub_name(name: str) -> str:
@@ -199,7 +199,7 @@ def build_tiny_vlm(
         "vision_num_heads": vision_num_heads,
         "max_position_embeddings": max_position_embeddings,
     }
-    _check_args(dtype, seed, ints)
+    check_args(dtype, seed, ints)
     if hidden_size % num_heads or num_heads % num_kv_heads or (hidden_size // num_heads) % 8:
         raise InvalidArgumentError(
             f"hidden_size={hidden_size} must be num_heads={num_heads} times a multiple of 8 (mrope splits "
@@ -262,21 +262,21 @@ def build_tiny_vlm(
         "vision_token_id": ids[VISION_PAD_TOKEN],
         "vocab_size": vocab_size,
     }
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos})
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos})
 
     # Parameter shapes from transformers' own class, so they always match what its loader expects.
     hf_config = transformers.AutoConfig.from_pretrained(out)
     with torch.device("meta"):
         meta_model = getattr(transformers, ARCHITECTURE)(hf_config)
     spec = sorted((_hub_name(name), tuple(t.shape)) for name, t in meta_model.state_dict().items())
-    _save_weights(out, spec, getattr(torch, dtype), seed, 0.1 * math.sqrt(256 / hidden_size))
+    save_weights(out, spec, getattr(torch, dtype), seed, 0.1 * math.sqrt(256 / hidden_size))
     return out
 
 
 def tiny_vlm_dir(**kwargs: Any) -> Path:
     """``build_tiny_vlm(**kwargs)`` once per process, under a temporary directory keyed by the arguments."""
-    return _built_once("tiny-vlm", build_tiny_vlm, kwargs)
+    return built_once("tiny-vlm", build_tiny_vlm, kwargs)
 
 
 def tiny_image(seed: int = 0, *, size: tuple[int, int] = (56, 56)) -> Image.Image:

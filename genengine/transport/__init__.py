@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from genengine.transport._trace import ENV as TRACE_ENV
 from genengine.transport.errors import (
     ChecksumError,
     DuplicateTransportError,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NATIVE_RECEIVER_METHOD",
+    "TRACE_ENV",
     "ChecksumError",
     "DuplicateTransportError",
     "SyncReport",

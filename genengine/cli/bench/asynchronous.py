@@ -150,9 +150,9 @@ def run_async_bench(
             engine = create_engine(EngineConfig(options=dict(settings.options), **fields))
             stack.callback(engine.shutdown)
             if weights is None:
-                from genengine.cli.bench.measure import _trainer_weights
+                from genengine.cli.bench.measure import trainer_weights
 
-                tensors = _trainer_weights(model, "cpu", settings.dtype)
+                tensors = trainer_weights(model, "cpu", settings.dtype)
                 weights = lambda: tensors.items()  # noqa: E731
         if not is_async_engine(engine):
             raise ConfigError(

@@ -168,7 +168,7 @@ def _model_config(model: str) -> dict[str, Any]:
     return data
 
 
-def _vocab_size(model: str) -> int:
+def model_vocab_size(model: str) -> int:
     cfg = _model_config(model)
     vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
     if not isinstance(vocab, int):
@@ -176,7 +176,7 @@ def _vocab_size(model: str) -> int:
     return vocab
 
 
-def _trainer_weights(model: str, device: str, dtype: str | None) -> dict[str, torch.Tensor]:
+def trainer_weights(model: str, device: str, dtype: str | None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors on the trainer's device, in the engine's dtype: what a trainer would send."""
     import torch
     from safetensors.torch import load_file
@@ -198,7 +198,7 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="step", disable=not enabled, leave=False, dynamic_ncols=True)
 
 
-def _device_for(settings: BenchSettings) -> str:
+def device_for(settings: BenchSettings) -> str:
     import torch
 
     if not torch.cuda.is_available():
@@ -207,7 +207,7 @@ def _device_for(settings: BenchSettings) -> str:
     return f"cuda:{local}"
 
 
-def _device_name(device: str) -> str:
+def device_name(device: str) -> str:
     if device.startswith("cuda"):
         import torch
 
@@ -281,14 +281,14 @@ def _run(
 ) -> dict[str, Any]:
     import torch
 
-    from genengine import __version__
     from genengine.cli.bench.paired import summarize
     from genengine.config import EngineConfig
     from genengine.plugins.registry import create_engine, resolve_ref
+    from genengine.plugins.versions import genengine_version
     from genengine.protocol import SamplingParams
 
     t_total = time.perf_counter()
-    device = _device_for(settings)
+    device = device_for(settings)
     owns_group = _maybe_init_distributed(device)
     show = settings.progress and _rank() == 0
     backend, name, distribution, raw_runner = resolved
@@ -300,13 +300,13 @@ def _run(
         fields["mem_util"] = settings.mem_util
     config = EngineConfig(options=dict(settings.options), seed=settings.seed, **fields)
 
-    vocab = _vocab_size(model)
+    vocab = model_vocab_size(model)
     gen = torch.Generator().manual_seed(settings.seed)
     low = min(10, vocab - 1)
     prompts = torch.randint(low, vocab, (settings.batch_size, settings.prompt_len), generator=gen).tolist()
     probe = MemoryProbe(device)
     report: dict[str, Any] = {
-        "genengine_version": __version__,
+        "genengine_version": genengine_version(),
         "backend": name,
         "distribution": distribution,
         "model": "tiny (built by genengine bench)" if built else model,
@@ -315,7 +315,7 @@ def _run(
             for k in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size", "torch_dtype", "dtype")
             if k in _model_config(model)
         },
-        "device": _device_name(device),
+        "device": device_name(device),
         "memory_probe": probe.kind,
         "tp_size": settings.tp_size,
         "rank": _rank(),
@@ -338,7 +338,7 @@ def _run(
         # The trainer's weights exist before the engine does (and until after it is gone), so on a GPU they
         # are part of the baseline, not of the engine's memory.
         bar.set_postfix_str("reading checkpoint")
-        weights = _trainer_weights(model, device, config.dtype)
+        weights = trainer_weights(model, device, config.dtype)
         num_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         report["weights"] = {"num_tensors": len(weights), "num_bytes": num_bytes}
         bar.set_postfix_str("creating engine")

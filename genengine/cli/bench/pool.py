@@ -135,8 +135,9 @@ class PoolBenchTrainer:
     def run(self) -> dict[str, Any]:
         import torch
 
-        from genengine import SamplingParams, create_engine
         from genengine.engine.checkpoint import read_model_config, vocab_size
+        from genengine.plugins.registry import create_engine
+        from genengine.protocol import SamplingParams
         from genengine.ray import EnginePool
 
         s = self.s
@@ -262,7 +263,7 @@ class PoolBenchTrainer:
         alive at a time, as a trainer's step overwrites its parameters."""
         import torch
 
-        from genengine import SamplingParams
+        from genengine.protocol import SamplingParams
 
         s = self.s
         rng = random.Random(s.seed + 1)
@@ -274,7 +275,7 @@ class PoolBenchTrainer:
             return [o.token_ids for r in got for o in r.outputs], [o.weight_versions for r in got for o in r.outputs]
 
         from genengine.cli.bench.sync import one_sync, split_traced, summarize_phases
-        from genengine.transport._trace import ENV as TRACE_ENV
+        from genengine.transport import TRACE_ENV
 
         trace_dir = os.environ.get(TRACE_ENV)
         phases: dict[str, list[dict[str, Any]]] = {"in_process": [], "pool": []}

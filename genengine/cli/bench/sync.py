@@ -196,7 +196,7 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
     resolve_backend(settings.backend)  # a bad name fails before the model is built
     import torch
 
-    from genengine.cli.bench.measure import _device_for, _device_name, _trainer_weights, _vocab_size
+    from genengine.cli.bench.measure import device_for, device_name, model_vocab_size, trainer_weights
     from genengine.config import EngineConfig
     from genengine.plugins.registry import create_engine
 
@@ -214,9 +214,9 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
         if settings.mem_util is not None:
             fields["mem_util"] = settings.mem_util
         config = EngineConfig(options=dict(settings.options), **fields)
-        device = _device_for(settings)  # type: ignore[arg-type]
+        device = device_for(settings)  # type: ignore[arg-type]
         if any(Path(model).glob("*.safetensors")):
-            trainer = _trainer_weights(model, device, settings.trainer_dtype or config.dtype)
+            trainer = trainer_weights(model, device, settings.trainer_dtype or config.dtype)
         else:  # config.json alone (the engines' load_format="dummy"): random weights under the model's names
             from genengine.cli.bench.measure import random_weights
 
@@ -224,7 +224,7 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
             trainer = {n: t.to(cast) if cast is not None else t for n, t in random_weights(model, 1, device)}
         engine_dtype = getattr(torch, config.dtype) if config.dtype in ("bfloat16", "float16", "float32") else None
         gen = torch.Generator().manual_seed(settings.seed)
-        vocab = _vocab_size(model)
+        vocab = model_vocab_size(model)
         prompts = torch.randint(
             min(10, vocab - 1), vocab, (settings.in_flight, settings.prompt_len), generator=gen
         ).tolist()
@@ -248,7 +248,7 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
         return {
             "backend": str(settings.backend),
             "engine": type(engine).__name__,
-            "device": _device_name(device),
+            "device": device_name(device),
             "dtype": config.dtype,
             "trainer_dtype": settings.trainer_dtype or config.dtype,
             "num_tensors": len(trainer),
