@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from genengine.errors import InvalidArgumentError
-from genengine.models.tiny_model import build_tiny_model, count_params, tiny_model_dir
 from genengine.models import tiny_model
+from genengine.models.tiny_model import build_tiny_model, count_params, tiny_model_dir
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
