@@ -1,5 +1,5 @@
 """P1 of bench_sglang.py and bench_vllm.py: ours and the raw engine alive at once, each in a child process of
-its own at about half the GPU, sampled in turn on the same prompts (:mod:`genengine.bench.paired`).
+its own at about half the GPU, sampled in turn on the same prompts (:mod:`genengine.cli.bench.paired`).
 
 The parent starts the raw child, waits until its engine is up (the engines' memory profiles must not
 overlap), then ours; ``memory_share`` of each engine decides its fraction (vLLM's ``gpu_memory_utilization``
@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from genengine.bench.paired import SampleChild, run_paired
+from genengine.cli.bench.paired import SampleChild, run_paired
 
 P1_SAMPLES = 12
 P1_WARMUP = 2
@@ -170,7 +170,7 @@ def serve_child(result_fd: int, start: Callable[[], Started]) -> None:
     """The child's side: ``start()`` builds the engine and returns ``(sample(seed) -> tokens, info, stop)``;
     then it serves samples until told to quit, calls ``stop`` (engines with processes of their own: SGLang's
     scheduler would outlive an ``os._exit`` and hold its memory) and ends without any other teardown."""
-    from genengine.bench.paired import serve
+    from genengine.cli.bench.paired import serve
 
     out = os.fdopen(result_fd, "w", encoding="utf-8")
     try:

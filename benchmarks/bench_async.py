@@ -4,7 +4,7 @@
 
 Model: Qwen2-7B shapes with ``load_format="dummy"`` (random bf16 weights), as bench_sglang.py and
 bench_vllm.py (same engine options, the context raised to fit the length cap). Workload
-(genengine/bench/asynchronous.py says how both loops run): 3 steps x 64 samples, prompts of 128 random
+(genengine/cli/bench/asynchronous.py says how both loops run): 3 steps x 64 samples, prompts of 128 random
 ids, output lengths lognormal (median 64, sigma 1.0) capped at 4096, forced with ``ignore_eos``;
 ``load_weights`` of all 339 trainer-held CUDA tensors after each step. Async keeps 96 requests in flight
 (oversample 1.5) and carries the stragglers over each update with ``pause_generation("keep")``.
@@ -53,7 +53,7 @@ def main() -> int:
     t0 = time.time()
 
     from genengine import create_engine
-    from genengine.bench.asynchronous import AsyncBenchSettings, format_async_report, run_async_bench
+    from genengine.cli.bench.asynchronous import AsyncBenchSettings, format_async_report, run_async_bench
     from genengine.config import EngineConfig
 
     model = a.model or os.path.join(tempfile.gettempdir(), f"genengine-qwen2-7b-shape-{a.engine}")

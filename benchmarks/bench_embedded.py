@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from genengine.backends.transformers import TransformersEngine
+    from genengine.backends.transformers.engine import TransformersEngine
+    from genengine.models.tiny_model import tiny_model_dir
     from genengine.protocol import SamplingParams
-    from genengine.testing.tiny_model import tiny_model_dir
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -2,9 +2,9 @@
 by side in one run (the phases ``cuda_ipc``'s in-place reads spend a pool sync's time on):
 
 * ``torch``: torch's IPC reduction, as ``cuda_ipc`` shares with ``GENENGINE_CUDA_IPC_HANDLES=torch``
-  (``genengine.ipc.share`` / ``open_shared`` / ``settle``): a handle, an IPC event and a reference count per
+  (``genengine.engine.ipc.share`` / ``open_shared`` / ``settle``): a handle, an IPC event and a reference count per
   tensor;
-* ``driver``: one CUDA driver IPC handle per allocation the tensors lie in (``genengine.ipc.share_allocations``
+* ``driver``: one CUDA driver IPC handle per allocation the tensors lie in (``genengine.engine.ipc.share_allocations``
   / ``Opened``, as ``cuda_ipc`` shares by default), opened once by the receiver and viewed per tensor, closed
   before the receiver answers.
 
@@ -45,7 +45,7 @@ def receiver(conn: Any, index: int) -> None:
     """The replica's side: open what arrives, read the probe values, let go, answer with the phases."""
     import torch
 
-    from genengine import ipc
+    from genengine.engine import ipc
 
     torch.cuda.set_device(index)
     torch.zeros(1, device=f"cuda:{index}")
@@ -80,7 +80,7 @@ def run(rounds: int, expandable: bool) -> dict[str, Any]:
 
     import torch
 
-    from genengine import ipc
+    from genengine.engine import ipc
 
     index = torch.cuda.current_device()
     tensors = [t for _, t in trainer_state()]

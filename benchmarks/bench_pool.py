@@ -5,7 +5,7 @@
 Model: Qwen2-7B shapes with ``load_format="dummy"``, the engine options of bench_sglang.py / bench_vllm.py with
 CUDA graphs on (``GRAPHS``; ``--eager`` for none).
 A Ray trainer actor holds the trainer's 339 bf16 CUDA tensors (15.2 GB), an in-process engine and a
-one-replica colocated ``EnginePool`` in its placement-group bundle (genengine/bench/pool.py says how they
+one-replica colocated ``EnginePool`` in its placement-group bundle (genengine/cli/bench/pool.py says how they
 are measured): generate tokens/s both ways, 5 interleaved repeats of >= 3 s each (64 prompts x 128 ids ->
 128 tokens, greedy); 6 syncs of new weights over ``cuda_ipc`` against the in-process ``load_weights``, the
 outputs of both compared after each, taking the CUDA driver's IPC handles and torch's in turn
@@ -71,7 +71,7 @@ def bench_settings(
     """The benchmark's ``PoolBenchSettings`` (the 7B-shaped folder made when missing). tests/gpu/test_ray_gpu.py
     runs its checks on these too (``GENENGINE_RAY_GPU_SCALE=7b``, verify.sh's default), so that one run gives
     both the Ray test's verdicts and this benchmark's figures."""
-    from genengine.bench.pool import PoolBenchSettings
+    from genengine.cli.bench.pool import PoolBenchSettings
 
     model = model or os.path.join(tempfile.gettempdir(), f"genengine-qwen2-7b-shape-{engine}")
     make_model_dir(model, tokenizer=engine == "sglang")
@@ -130,7 +130,7 @@ def main() -> int:
     a = ap.parse_args()
     t0 = time.time()
 
-    from genengine.bench.pool import format_pool_report, run_pool_bench
+    from genengine.cli.bench.pool import format_pool_report, run_pool_bench
 
     settings = bench_settings(
         a.engine,

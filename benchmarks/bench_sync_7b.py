@@ -1,5 +1,5 @@
 """``genengine bench --sync`` at the 7B shape: one weight sync split into pause, gather, transfer, load, resume
-(genengine.bench.sync), with requests in flight, on one GPU; the JSON and the bar chart of the phases.
+(genengine.cli.bench.sync), with requests in flight, on one GPU; the JSON and the bar chart of the phases.
 
     PYTHONPATH=/tmp/site-proj:/tmp/site-ENGINE python3 benchmarks/bench_sync_7b.py ENGINE [--syncs 5]
         [--in-flight 4] [--json PATH] [--plot PATH]          (or: tools/gpu/run_tests.sh ENGINE --script ...)
@@ -10,7 +10,7 @@ the model's 339 names (15.2 GB). One warm-up sync, then ``--syncs``. Writes ``be
 matplotlib is installed, ``bench_sync_ENGINE.png`` (to ``$OUT`` when set, else the working folder); without
 matplotlib the PNG is drawn from the JSON on any machine that has it:
 
-    python3 -c "import json, sys; from genengine.bench.sync import plot_sync_report as p; \\
+    python3 -c "import json, sys; from genengine.cli.bench.sync import plot_sync_report as p; \\
         p(json.load(open(sys.argv[1])), sys.argv[2])" bench_sync_vllm.json bench_sync_vllm.png
 
 Seconds on one H200: an eager 7B start ~30-40 s, 15 GB of random weights ~5 s, 6 syncs of ~0.1 s with 4
@@ -62,7 +62,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def settings(engine: str, model: str, syncs: int, in_flight: int) -> Any:
     """The SyncBenchSettings of the bench script's engine (its options: dummy weights, eager, no prefix cache)."""
-    from genengine.bench.sync import SyncBenchSettings
+    from genengine.cli.bench.sync import SyncBenchSettings
 
     bench = importlib.import_module(f"bench_{engine}")
     return SyncBenchSettings(
@@ -80,7 +80,7 @@ def settings(engine: str, model: str, syncs: int, in_flight: int) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse(argv)
-    from genengine.bench.sync import format_sync_report, run_sync_bench, write_plot
+    from genengine.cli.bench.sync import format_sync_report, run_sync_bench, write_plot
 
     chosen = settings(a.engine, a.model, a.syncs, a.in_flight)
     make_model_dir(a.model, tokenizer=a.engine == "sglang")

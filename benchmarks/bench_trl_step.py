@@ -166,7 +166,7 @@ def side_main(side: str, backend: str, model_dir: str, device: str, steps: int, 
     from datasets import Dataset
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
-    from genengine.demo import TRL_PROMPTS
+    from genengine.cli.demos.sync import TRL_PROMPTS
 
     cuda = device == "cuda"
     shape = GPU_SHAPE if cuda else TINY_SHAPE
@@ -333,7 +333,7 @@ def main() -> int:
         os.path.join(os.environ["OUT"], f"bench_trl_step_{backend}.json") if os.environ.get("OUT") else None
     )
     if tiny:
-        from genengine.testing.tiny_model import tiny_model_dir
+        from genengine.models.tiny_model import tiny_model_dir
 
         model_dir, device = str(tiny_model_dir()), "cpu"
     else:

@@ -347,7 +347,7 @@ def main() -> int:
         if not tiny and not cuda:
             raise ValueError(f"--backend {backend} runs at 7B on a CUDA GPU and there is none; --tiny runs on the CPU")
         if tiny:
-            from genengine.testing.tiny_model import tiny_model_dir
+            from genengine.models.tiny_model import tiny_model_dir
 
             model_dir, device, shape = str(tiny_model_dir()), "cpu", "tiny Qwen2 (27 tensors)"
         else:

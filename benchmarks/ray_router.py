@@ -31,8 +31,8 @@ def main() -> None:
     import ray
 
     from genengine import SamplingParams
+    from genengine.models.tiny_model import tiny_model_dir
     from genengine.ray import EnginePool
-    from genengine.testing.tiny_model import tiny_model_dir
 
     root = Path(__file__).resolve().parents[1]
     ray.init(

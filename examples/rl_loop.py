@@ -45,7 +45,7 @@ def _model_path(arg: str | None, rank: int, world: int) -> str:
         return arg
     path = None
     if rank == 0:
-        from genengine.testing.tiny_model import build_tiny_model
+        from genengine.models.tiny_model import build_tiny_model
 
         path = str(build_tiny_model(Path(tempfile.mkdtemp(prefix="genengine-rl-")) / "model", dtype="float32"))
     if world > 1:

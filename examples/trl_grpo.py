@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from genengine.demo import TRL_PROMPTS as PROMPTS  # the demo's prompts: the same toy task
+from genengine.cli.demos.sync import TRL_PROMPTS as PROMPTS  # the demo's prompts: the same toy task
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
 
@@ -46,14 +46,14 @@ def engine_config(backend: str, mem_util: float | None) -> dict[str, Any]:
 def pick_target_token(model_dir: str, tokenizer: Any) -> int:
     """The demo's target token, picked with an embedded engine so that every backend trains towards the same one."""
     import genengine
-    from genengine.demo import pick_target
+    from genengine.cli.demos.sync import pick_target
 
     with genengine.create_engine(backend="transformers", model=model_dir, dtype="float32", device="cpu") as engine:
         return pick_target(engine, tokenizer, 16)[0]
 
 
 def target_share(target: int) -> Any:
-    from genengine.demo import rewards_and_advantages
+    from genengine.cli.demos.sync import rewards_and_advantages
 
     def reward(completions: list[Any], completion_ids: list[list[int]], **_: Any) -> list[float]:
         rewards, _ = rewards_and_advantages([([], list(c), []) for c in completion_ids], target, len(completion_ids))
@@ -201,7 +201,7 @@ def _main(args: argparse.Namespace, report: dict[str, Any]) -> list[dict[str, An
     import torch
     import transformers
 
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     if args.backend == "transformers":
         torch.set_num_threads(1)  # a tiny model on a CPU: one thread is fastest, as in the demo

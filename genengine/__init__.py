@@ -5,11 +5,10 @@ SGLang, vLLM and an embedded CPU backend.
 Importing this package loads no engine and no torch.
 """
 
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _version
-
 from genengine.config import EngineConfig
 from genengine.errors import GenEngineError
+from genengine.plugins.registry import available_backends, create_engine
+from genengine.plugins.versions import genengine_version
 from genengine.protocol import (
     AsyncGenerationEngine,
     EngineState,
@@ -23,12 +22,8 @@ from genengine.protocol import (
     WeightLoadSession,
     is_async_engine,
 )
-from genengine.registry import available_backends, create_engine
 
-try:
-    __version__ = _version("genengine")  # one place for the version: pyproject.toml
-except PackageNotFoundError:  # a source tree on sys.path that was never installed
-    __version__ = "0+unknown"
+__version__ = genengine_version()  # one place for the version: pyproject.toml
 
 __all__ = [
     "AsyncGenerationEngine",

@@ -19,7 +19,8 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
-from genengine.aio import (
+from genengine.config import EngineConfig, check_options, option_bool, option_int, option_number
+from genengine.engine.aio import (
     PAUSE_MODES,
     AsyncEngineBase,
     AsyncRequest,
@@ -29,11 +30,11 @@ from genengine.aio import (
     StreamChunk,
     normalize_async_request,
 )
-from genengine.base import EngineBase, LoadSession
-from genengine.checkpoint import checkpoint_dtype, read_model_config, resolve_model_dir, vocab_size, weight_spec
-from genengine.config import EngineConfig, check_options, option_bool, option_int, option_number
-from genengine.engine_args import REFERENCE_DTYPES, check_reference_args
-from genengine.environ import ALLOC_CONF, scoped_environ, strip_expandable_segments
+from genengine.engine.base import EngineBase, LoadSession
+from genengine.engine.checkpoint import checkpoint_dtype, read_model_config, resolve_model_dir, vocab_size, weight_spec
+from genengine.engine.environ import ALLOC_CONF, scoped_environ, strip_expandable_segments
+from genengine.engine.ipc import dumps as ipc_dumps
+from genengine.engine.lifecycle import ExitHandle, at_exit, live_engines, track_engine, untrack_engine
 from genengine.errors import (
     BackendImportError,
     CheckpointError,
@@ -51,8 +52,15 @@ from genengine.errors import (
     closest,
 )
 from genengine.hookspecs import RegisterBackend, hookimpl
-from genengine.ipc import dumps as ipc_dumps
-from genengine.lifecycle import ExitHandle, at_exit, live_engines, track_engine, untrack_engine
+from genengine.integrations.lightrft import REFERENCE_DTYPES, check_reference_args
+from genengine.plugins.versions import (
+    ALLOW_UNVERIFIED_ENV,
+    ALLOW_UNVERIFIED_OPTION,
+    VerifiedRange,
+    VersionStatus,
+    check_engine_version,
+    installed_version,
+)
 from genengine.protocol import (
     TAG_KV_CACHE,
     TAG_WEIGHTS,
@@ -68,14 +76,6 @@ from genengine.protocol import (
     is_async_engine,
 )
 from genengine.requests import Request
-from genengine.versions import (
-    ALLOW_UNVERIFIED_ENV,
-    ALLOW_UNVERIFIED_OPTION,
-    VerifiedRange,
-    VersionStatus,
-    check_engine_version,
-    installed_version,
-)
 from genengine.weights import DEFAULT_BUCKET_BYTES, WeightInfo
 
 if TYPE_CHECKING:
@@ -221,7 +221,7 @@ class FromConfig:
     @classmethod
     def check_config(cls, config: Any) -> EngineConfig:
         """The checks of :meth:`from_config` that need no model (option names, ``tp_size``, a ``device``
-        option's value), alone: ``genengine.registry.check_engine_config`` runs them before a caller's own
+        option's value), alone: ``genengine.plugins.registry.check_engine_config`` runs them before a caller's own
         slow work (building a model, loading a policy)."""
         config = EngineConfig.from_any(config)
         name = cls.backend_name or cls.__name__
@@ -248,7 +248,7 @@ def module_weight_spec(module: torch.nn.Module, *, buffers: bool = True) -> dict
     ``buffers``), with the shape and dtype it has now.
 
     A name that is a second alias of a parameter already listed (a tied ``lm_head.weight``) is optional, as
-    in ``genengine.checkpoint.weight_spec``: trainers' ``state_dict()`` carries it, but need not send it.
+    in ``genengine.engine.checkpoint.weight_spec``: trainers' ``state_dict()`` carries it, but need not send it.
     """
     params = dict(module.named_parameters(remove_duplicate=False))
     source = module.state_dict() if buffers else params

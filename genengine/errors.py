@@ -18,12 +18,15 @@ __all__ = [
     "ConfigError",
     "DistributedSetupError",
     "DuplicateBackendError",
+    "DuplicateTransportError",
     "EngineClosedError",
     "EngineSleepingError",
     "EngineStateError",
     "GenEngineError",
     "InconsistentInputsError",
     "InvalidArgumentError",
+    "TransportError",
+    "TransportNotFoundError",
     "WeightLoadError",
     "WeightsNotLoadedError",
     "closest",
@@ -37,6 +40,21 @@ class GenEngineError(Exception):
 # --- registry ---------------------------------------------------------------------------------------
 class BackendNotFoundError(GenEngineError, LookupError):
     """No backend of that name is installed."""
+
+
+class TransportError(GenEngineError, RuntimeError):
+    """A weight sync failed: bad spec, a peer failed, or the group is broken after an earlier failure.
+
+    Here (not in ``genengine.transport.errors``, which hands it on) because the registry raises the two below.
+    """
+
+
+class TransportNotFoundError(TransportError, LookupError):
+    """No transport of that name is registered."""
+
+
+class DuplicateTransportError(TransportError):
+    """Two plugins registered the same transport name."""
 
 
 class BackendImportError(GenEngineError, ImportError):

@@ -39,7 +39,7 @@ def register_backends(register: RegisterBackend) -> None:
     beside ours in ``genengine bench``: a callable ``(config, prompt_token_ids, max_new_tokens) -> tokens/s``.
     ``raw_engine`` (same two forms), ``(config) -> engine`` with ``generate_tokens(prompt_token_ids,
     max_new_tokens) -> int`` (greedy, EOS ignored; the output tokens) and ``close()``, lets the benchmark keep
-    the raw engine alive in a child process and pair its samples with ours (``genengine.bench.paired``): it
+    the raw engine alive in a child process and pair its samples with ours (``genengine.cli.bench.paired``): it
     is preferred to ``raw_runner`` when both are given.
     ``verified`` (a ``genengine.backend.VerifiedRange``) names the engine releases the plugin was verified
     against; ``genengine backends`` shows the installed one against it.

@@ -56,7 +56,7 @@ def _show(value: Any) -> str:
         return f"<an int of {value.bit_length()} bits>"
 
 
-def _scalar(value: Any) -> Any:
+def plain_scalar(value: Any) -> Any:
     """A numpy scalar or 0-d numpy/torch array as the Python number (or bool) it holds; anything else as is.
 
     Duck-typed (``.tolist()`` and ``.dtype``) so that neither numpy nor torch is imported here.
@@ -70,7 +70,7 @@ def _scalar(value: Any) -> Any:
 
 def _real(name: str, value: Any, allowed: str) -> float:
     """``value`` as a finite float: any real number (``np.float32`` too), not a bool, a string or NaN."""
-    plain = _scalar(value)
+    plain = plain_scalar(value)
     if isinstance(plain, bool) or not isinstance(plain, numbers.Real):
         raise InvalidArgumentError(f"{name}={_show(value)} is not a number; allowed: {allowed}")
     try:
@@ -84,7 +84,7 @@ def _real(name: str, value: Any, allowed: str) -> float:
 
 def _integer(name: str, value: Any, allowed: str) -> int:
     """``value`` as an int: any integral number (``np.int64`` too), not a bool or a float such as 2.0."""
-    plain = _scalar(value)
+    plain = plain_scalar(value)
     if isinstance(plain, bool) or not isinstance(plain, numbers.Integral):
         raise InvalidArgumentError(f"{name}={_show(value)} is not an integer; allowed: {allowed}")
     return int(plain)
@@ -99,7 +99,7 @@ def _count(name: str, value: Any) -> int:
 
 
 def _flag(name: str, value: Any, extra: str = "") -> bool:
-    plain = _scalar(value)  # np.bool_ is a bool
+    plain = plain_scalar(value)  # np.bool_ is a bool
     if not isinstance(plain, bool):
         raise InvalidArgumentError(f"{name}={_show(value)} must be a bool (True or False){extra}")
     return plain
@@ -138,7 +138,7 @@ def as_token_ids(name: str, value: Any) -> tuple[int, ...]:
         raise InvalidArgumentError(f"{name}={_show(value)} ({type(value).__name__}) is not {allowed}")
     ids = []
     for tok in value:
-        plain = _scalar(tok)
+        plain = plain_scalar(tok)
         if isinstance(plain, bool) or not isinstance(plain, numbers.Integral) or plain < 0:
             raise InvalidArgumentError(f"{name} holds {_show(tok)}: token ids are ints >= 0")
         ids.append(int(plain))
@@ -487,7 +487,7 @@ class SupportsLoadSessions(Protocol):
 @runtime_checkable
 class GenerationStream(Protocol):
     """One request submitted with ``AsyncGenerationEngine.stream``: an async iterator of its chunks, then its
-    result. ``genengine.aio.RequestStream`` (an engine's) and the Ray pool's ``PoolStream`` are two."""
+    result. ``genengine.engine.aio.RequestStream`` (an engine's) and the Ray pool's ``PoolStream`` are two."""
 
     @property
     def request_id(self) -> str: ...
@@ -516,7 +516,7 @@ class AsyncGenerationEngine(GenerationEngine, Protocol):
     """A ``GenerationEngine`` that also takes requests one prompt at a time, streams them, aborts them, and
     pauses for a weight update (docs/async.md).
 
-    ``genengine.aio.AsyncEngineBase`` implements it over a backend's scheduler; the Ray ``EnginePool`` over
+    ``genengine.engine.aio.AsyncEngineBase`` implements it over a backend's scheduler; the Ray ``EnginePool`` over
     its replicas. Ask :func:`is_async_engine`, not ``isinstance``, whether an engine offers it.
     """
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from genengine.errors import InvalidArgumentError
-from genengine.protocol import SamplingParams, _scalar, as_token_ids
+from genengine.protocol import SamplingParams, as_token_ids, plain_scalar
 
 __all__ = ["Request", "normalize_requests"]
 
@@ -47,7 +47,7 @@ def _token_rows(value: Any) -> list[Any]:
 
 
 def _is_token(value: Any) -> bool:
-    plain = _scalar(value)
+    plain = plain_scalar(value)
     return isinstance(plain, numbers.Integral) and not isinstance(plain, bool)
 
 

@@ -140,7 +140,7 @@ def _check_data(name: str, tensor: torch.Tensor, info: WeightInfo) -> None:
         raise WeightLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, the engine expects {info.shape}")
 
 
-def _check_finite(name: str, tensor: torch.Tensor) -> None:
+def check_tensor_finite(name: str, tensor: torch.Tensor) -> None:
     import torch
 
     if not bool(torch.isfinite(tensor).all()):
@@ -183,7 +183,7 @@ class WeightValidator:
             raise WeightLoadError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         _check_data(name, tensor, info)
         if self.check_finite and not _is_dtensor(tensor):  # a DTensor's values are checked once gathered
-            _check_finite(name, tensor)
+            check_tensor_finite(name, tensor)
         self.seen.add(name)
         return name, tensor
 
@@ -205,7 +205,7 @@ class WeightValidator:
                 if _is_dtensor(tensor):
                     tensor = tensor.full_tensor()  # type: ignore[attr-defined]
                     if self.check_finite:
-                        _check_finite(name, tensor)  # the whole tensor: every rank decides alike
+                        check_tensor_finite(name, tensor)  # the whole tensor: every rank decides alike
                 tensor = tensor.detach()
                 if not tensor.is_contiguous():
                     tensor = tensor.contiguous()

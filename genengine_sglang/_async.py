@@ -54,7 +54,7 @@ class _InFlight:
 
 
 class AsyncDriver:
-    """The hooks of :class:`genengine.aio.AsyncEngineBase` on one ``sgl.Engine``; lives on the TP leader only.
+    """The hooks of :class:`genengine.engine.aio.AsyncEngineBase` on one ``sgl.Engine``; lives on the TP leader only.
 
     * a request: one ``TokenizerManager.generate_request(GenerateReqInput(stream=True, rid=...))`` per sample,
       with our own rids (uuid hex: ``Scheduler.abort_request`` aborts by rid *prefix*, so no rid may be a

@@ -503,7 +503,7 @@ class SGLangEngine(AsyncEngineBase):
     def _engine_up(self) -> bool:
         return not self.closed and (self._engine is not None or not self._group.is_leader)
 
-    # ---- async (genengine.aio's hooks; genengine_sglang._async does the work) ---------------------------------
+    # ---- async (genengine.engine.aio's hooks; genengine_sglang._async does the work) --------------------------
     def _check_async_available(self) -> None:
         """Async requests are served by the TP leader, where the engine is; the other ranks have none."""
         g = self._group

@@ -167,7 +167,7 @@ def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]
 
 
 def check_model_dir(model: Any, *, what: str = "model") -> str:
-    """The model's local directory (see ``genengine.checkpoint.resolve_model_dir``); bad input is an
+    """The model's local directory (see ``genengine.engine.checkpoint.resolve_model_dir``); bad input is an
     ``InvalidArgumentError`` here, as the reference's callers expect."""
     return resolve_model_dir(model, what=what, error=InvalidArgumentError)
 

@@ -8,7 +8,7 @@ these rely on are listed in docs/upstream.md.
 
 vLLM's engine is not thread-safe: every call into it, from the driver or from a caller's thread (a submit,
 an abort, a pause, a weight load, a sleep, a synchronous ``generate``), runs under one
-:class:`~genengine.aio.DriverLock`. The driver takes it for one step at a time and lets waiting callers in first.
+:class:`~genengine.engine.aio.DriverLock`. The driver takes it for one step at a time and lets waiting callers in first.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class SyncBatch:
 class AsyncDriver:
     """Steps vLLM's ``LLMEngine`` on its own thread while streamed (or driver-served sync) requests live.
 
-    Every method but :meth:`wake` and :meth:`close` is called with the :class:`~genengine.aio.DriverLock` held.
+    Every method but :meth:`wake` and :meth:`close` is called with the :class:`~genengine.engine.aio.DriverLock` held.
     """
 
     def __init__(self, llm: Any, lock: DriverLock, *, detokenize: bool, cuda: tuple[int, Any] | None) -> None:

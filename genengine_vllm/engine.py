@@ -413,7 +413,7 @@ class VLLMEngine(AsyncEngineBase):
                 "the paused requests; call resume_generation() first"
             )
 
-    # -- async (genengine.aio's hooks; genengine_vllm._async drives vLLM) ---------------------------------------
+    # -- async (genengine.engine.aio's hooks; genengine_vllm._async drives vLLM) --------------------------------
     def _check_async_available(self) -> None:
         """Async requests need one engine core that admits, aborts and pauses them: ``tp_size=1`` only."""
         if self.settings.tp_size > 1:

@@ -13,7 +13,7 @@ import pytest
 
 from genengine import backend
 from genengine.backend import Completion, ConfigError, EngineConfig, SamplingParams, complete
-from genengine.testing.tiny_model import build_tiny_model, tiny_model_dir
+from genengine.models.tiny_model import build_tiny_model, tiny_model_dir
 
 _ALPHABET = "abcdefghij"
 
@@ -105,7 +105,7 @@ def test_module_weight_spec_matches_the_checkpoint_spec(tmp_path: Path) -> None:
     """A tied lm_head is optional under either spec; names and shapes agree."""
     import transformers
 
-    from genengine.checkpoint import read_model_config, weight_spec
+    from genengine.engine.checkpoint import read_model_config, weight_spec
 
     model_dir = build_tiny_model(tmp_path / "tied", arch="llama", tie_word_embeddings=True, dtype="float32")
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")

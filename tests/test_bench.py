@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from genengine.bench import BenchSettings, format_report, run_bench
 from genengine.cli import main
+from genengine.cli.bench import BenchSettings, format_report, run_bench
 from genengine.errors import ConfigError, InvalidArgumentError
 
 
@@ -33,15 +33,15 @@ def _spy_on_work(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     ``run_bench`` imports these from their modules when it calls them, so replacing the module attributes
     sees every call.
     """
-    import genengine.bench.measure
-    import genengine.registry
-    import genengine.testing.tiny_model
+    import genengine.cli.bench.measure
+    import genengine.models.tiny_model
+    import genengine.plugins.registry
 
     calls: list[str] = []
     for module, name in (
-        (genengine.testing.tiny_model, "build_tiny_model"),
-        (genengine.bench.measure, "_trainer_weights"),
-        (genengine.registry, "create_engine"),
+        (genengine.models.tiny_model, "build_tiny_model"),
+        (genengine.cli.bench.measure, "trainer_weights"),
+        (genengine.plugins.registry, "create_engine"),
     ):
         monkeypatch.setattr(module, name, _recording(calls, name, getattr(module, name)))
     return calls
@@ -60,7 +60,7 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any
     elapsed = time.perf_counter() - start
     assert rc == 0
     # The spies see the work when there is some (what makes their silence below mean something).
-    assert work == ["build_tiny_model", "_trainer_weights", "create_engine"], work
+    assert work == ["build_tiny_model", "trainer_weights", "create_engine"], work
     return json.loads((out / "r.json").read_text()), buf.getvalue(), out / "r.png", elapsed
 
 
@@ -131,11 +131,11 @@ def test_table_is_printed_from_the_report(default_run: Any) -> None:
 
 
 def test_engine_class_as_backend_and_skipped_parts(tmp_path: Path) -> None:
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     report = run_bench(
         BenchSettings(
-            backend="genengine.backends.transformers:TransformersEngine",
+            backend="genengine.backends.transformers.engine:TransformersEngine",
             model=str(tiny_model_dir()),
             dtype="float32",
             batch_size=2,
@@ -147,7 +147,7 @@ def test_engine_class_as_backend_and_skipped_parts(tmp_path: Path) -> None:
             progress=False,
         )
     )
-    assert report["backend"] == "genengine.backends.transformers.TransformersEngine"
+    assert report["backend"] == "genengine.backends.transformers.engine.TransformersEngine"
     assert report["generate"]["tokens"] == 6 and report["generate"]["raw_tokens_per_s"] is None
     assert report["load_weights"]["per_parameter"] is None
     assert [c["level"] for c in report["sleep"]] == [2]
@@ -225,7 +225,7 @@ def test_under_torchrun_every_rank_measures_and_rank_0_reports(tmp_path: Path) -
 
 # ---- genengine bench --async ---------------------------------------------------------------------------
 def test_lognormal_lengths_are_long_tailed_and_capped() -> None:
-    from genengine.bench.asynchronous import lognormal_lengths
+    from genengine.cli.bench.asynchronous import lognormal_lengths
 
     lengths = lognormal_lengths(4000, 64, 1.0, 1024, seed=3)
     assert lengths == lognormal_lengths(4000, 64, 1.0, 1024, seed=3)
@@ -237,7 +237,7 @@ def test_lognormal_lengths_are_long_tailed_and_capped() -> None:
 
 
 def test_async_bench_collects_the_samples_with_partial_rollouts(capsys: pytest.CaptureFixture[str]) -> None:
-    from genengine.bench.asynchronous import AsyncBenchSettings, _jobs, format_async_report, run_async_bench
+    from genengine.cli.bench.asynchronous import AsyncBenchSettings, _jobs, format_async_report, run_async_bench
 
     settings = AsyncBenchSettings(batch_size=4, steps=3, median_new_tokens=4, max_new_tokens=24, prompt_len=8)
     report = run_async_bench(settings)
@@ -316,7 +316,7 @@ def test_pool_bench_bad_arguments_fail_before_any_work(
 
 @pytest.mark.parametrize("level", [0, 3, True, "2"])
 def test_pool_bench_refuses_a_sleep_level_other_than_1_or_2(level: object) -> None:
-    from genengine.bench.pool import PoolBenchSettings
+    from genengine.cli.bench.pool import PoolBenchSettings
 
     with pytest.raises(InvalidArgumentError, match=rf"sleep_level={level!r}: allowed are 1 and 2"):
         PoolBenchSettings(sleep_level=level).check()  # type: ignore[arg-type]
@@ -324,7 +324,7 @@ def test_pool_bench_refuses_a_sleep_level_other_than_1_or_2(level: object) -> No
 
 @pytest.mark.parametrize("handles", [(), ("torch", "nccl"), ("cuda",)])
 def test_pool_bench_refuses_unknown_cuda_ipc_handles(handles: tuple[str, ...]) -> None:
-    from genengine.bench.pool import PoolBenchSettings
+    from genengine.cli.bench.pool import PoolBenchSettings
 
     with pytest.raises(InvalidArgumentError, match=r"allowed are 'driver' and 'torch', at least one"):
         PoolBenchSettings(handles=handles).check()

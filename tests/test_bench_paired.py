@@ -1,4 +1,4 @@
-"""Paired P1 samples (genengine.bench.paired, benchmarks/_p1.py): the statistics, the child protocol and the
+"""Paired P1 samples (genengine.cli.bench.paired, benchmarks/_p1.py): the statistics, the child protocol and the
 alternation, with fake engines in child processes (the real ones are GPU runs of the bench scripts)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from genengine.bench.paired import SampleChild, pair_ratio, run_paired, summarize
+from genengine.cli.bench.paired import SampleChild, pair_ratio, run_paired, summarize
 from genengine.errors import InvalidArgumentError
 
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
@@ -19,7 +19,7 @@ BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 FAKE = textwrap.dedent(
     """
     import os, sys, time
-    from genengine.bench.paired import serve
+    from genengine.cli.bench.paired import serve
     name, seconds, tokens, log, fail_at = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
     def sample(seed):
         if str(seed) == fail_at:

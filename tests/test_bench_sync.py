@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from genengine.bench.sync import (
+from genengine.cli import main
+from genengine.cli.bench.sync import (
     PHASES,
     SyncBenchSettings,
     format_sync_report,
@@ -21,7 +22,6 @@ from genengine.bench.sync import (
     split_traced,
     summarize_phases,
 )
-from genengine.cli import main
 from genengine.errors import InvalidArgumentError
 from genengine.protocol import LoadReport
 
@@ -143,8 +143,8 @@ def test_a_config_only_folder_syncs_random_weights_under_the_models_names(
     one per weight the model takes, in the trainer's dtype."""
     import shutil
 
-    import genengine.registry
-    from genengine.testing.tiny_model import tiny_model_dir
+    import genengine.plugins.registry
+    from genengine.models.tiny_model import tiny_model_dir
 
     src = tiny_model_dir()
     model = tmp_path / "m"
@@ -159,7 +159,7 @@ def test_a_config_only_folder_syncs_random_weights_under_the_models_names(
         def shutdown(self) -> None:
             pass
 
-    monkeypatch.setattr(genengine.registry, "create_engine", lambda config: Engine())
+    monkeypatch.setattr(genengine.plugins.registry, "create_engine", lambda config: Engine())
     report = run_sync_bench(SyncBenchSettings(model=str(model), syncs=1, trainer_dtype="bfloat16", dtype="float32"))
     from safetensors import safe_open
 

@@ -1,4 +1,4 @@
-"""``genengine.checkpoint``: the HF checkpoint facts every backend reads (one suite for every backend)."""
+"""``genengine.engine.checkpoint``: the HF checkpoint facts every backend reads (one suite for every backend)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from genengine.checkpoint import (
+from genengine.engine.checkpoint import (
     checkpoint_dtype,
     engine_dtype,
     read_model_config,
@@ -22,9 +22,9 @@ from genengine.checkpoint import (
     vocab_size,
     weight_spec,
 )
-from genengine.environ import scoped_environ, strip_expandable_segments
+from genengine.engine.environ import scoped_environ, strip_expandable_segments
 from genengine.errors import CheckpointError, ConfigError, InvalidArgumentError, WeightLoadError
-from genengine.testing.tiny_model import build_tiny_model, tiny_model_dir
+from genengine.models.tiny_model import build_tiny_model, tiny_model_dir
 from genengine.weights import WeightValidator
 
 

@@ -5,7 +5,7 @@ an uncaught exception or a normal exit *without* ``shutdown()``; then every proc
 anything carrying the run's environment marker wherever it was re-parented, must be gone.
 
 The embedded engine runs in the trainer's process, so for it this is cheap to promise. The engines that
-run in other processes (SGLang) are what ``genengine.lifecycle`` is for; its cases use a trainer whose
+run in other processes (SGLang) are what ``genengine.engine.lifecycle`` is for; its cases use a trainer whose
 "engine" is built as SGLang's: non-daemon ``multiprocessing`` spawn children that serve until stopped.
 The control cases show what happens without the mechanism (an exit that hangs in ``multiprocessing``'s
 join; orphans after SIGKILL), so the checks are known to catch it. The GPU twin of this file is
@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from support.processes import TrainerOutcome, TrainerRun, is_alive
 
-from genengine import lifecycle
+from genengine.engine import lifecycle
 
 HERE = Path(__file__).resolve()
 ENDINGS = ("exit", "exception", "sigterm", "sigint")
@@ -109,7 +109,7 @@ def _assert_clean(outcome: TrainerOutcome, max_exit_s: float) -> None:
 @pytest.fixture(scope="module")
 def embedded_outcomes() -> dict[str, TrainerOutcome]:
     """All endings at once (each child loads torch and the model: in parallel they cost one start)."""
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     model = str(tiny_model_dir())  # the session's default tiny model, built once for every module
     runs = {ending: _run("embedded", ending, model) for ending in ENDINGS}
@@ -124,7 +124,7 @@ def test_embedded_engine_trainer_leaves_nothing(embedded_outcomes: dict[str, Tra
         assert "RuntimeError: the trainer crashed" in outcome.output
 
 
-# ---- genengine.lifecycle: an engine in other processes --------------------------------------------------------
+# ---- genengine.engine.lifecycle: an engine in other processes --------------------------------------------------------
 def test_trainer_output_is_logged_as_it_comes(tmp_path: Path) -> None:
     """A run killed from outside (a CI time limit) keeps what its trainer printed, READY included."""
     log = tmp_path / "trainer.log"

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from genengine.backends.transformers import TransformersEngine
+from genengine.backends.transformers.engine import TransformersEngine
 from genengine.cli import main
-from genengine.testing.tiny_model import tiny_model_dir
+from genengine.models.tiny_model import tiny_model_dir
 
 
 def test_json_output_equals_the_engine(capsys: pytest.CaptureFixture[str]) -> None:
@@ -71,7 +71,7 @@ def test_help_imports_nothing_heavy() -> None:
 @pytest.mark.parametrize("backend", ["vllm", "sglang"])
 def test_backend_not_installed_is_said_once(backend: str, capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 15: the message read "is not installed: not installed: pip install ..."."""
-    from genengine.registry import available_backends
+    from genengine.plugins.registry import available_backends
 
     if {b.name: b for b in available_backends()}[backend].loadable:
         pytest.skip(f"{backend} is installed here")

@@ -14,7 +14,7 @@ import pytest
 
 from genengine.cli import build_parser, main
 from genengine.errors import InvalidArgumentError
-from genengine.registry import available_backends
+from genengine.plugins.registry import available_backends
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -66,8 +66,8 @@ def test_bench_and_demo_have_threads() -> None:
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Record calls that are the work a refusal must come before: building the tiny model, starting an engine."""
-    import genengine.registry
-    import genengine.testing.tiny_model
+    import genengine.models.tiny_model
+    import genengine.plugins.registry
 
     calls: list[str] = []
 
@@ -79,9 +79,9 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return recorded
 
     for module, name in (
-        (genengine.testing.tiny_model, "tiny_model_dir"),
-        (genengine.testing.tiny_model, "build_tiny_model"),
-        (genengine.registry, "create_engine"),
+        (genengine.models.tiny_model, "tiny_model_dir"),
+        (genengine.models.tiny_model, "build_tiny_model"),
+        (genengine.plugins.registry, "create_engine"),
     ):
         monkeypatch.setattr(module, name, recording(name, getattr(module, name)))
     return calls
@@ -184,7 +184,7 @@ def test_an_explicit_plot_without_matplotlib_is_refused_before_any_work(
 
 
 def test_demo_config_with_a_plot_and_no_matplotlib_is_refused(no_matplotlib: None) -> None:
-    from genengine.demo import DemoConfig
+    from genengine.cli.demos.sync import DemoConfig
 
     with pytest.raises(InvalidArgumentError, match=r"plot='out/demo_reward.png' needs matplotlib"):
         DemoConfig().check()
@@ -199,7 +199,7 @@ def test_bench_measures_with_its_threads(
     """On a busy 2-core machine bench took 69 s instead of ~10 s with torch's default threads."""
     import torch
 
-    import genengine.bench
+    import genengine.cli.bench
 
     if torch.cuda.is_available() and not argv:
         pytest.skip("with CUDA the default leaves torch's threads alone")
@@ -209,7 +209,7 @@ def test_bench_measures_with_its_threads(
         seen.append(torch.get_num_threads())
         raise InvalidArgumentError("stopped by the test")
 
-    monkeypatch.setattr(genengine.bench, "run_bench", fake_run_bench)
+    monkeypatch.setattr(genengine.cli.bench, "run_bench", fake_run_bench)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -97,7 +97,7 @@ def test_check_options() -> None:
 def test_engine_config_field_under_options_is_named_as_one(kwargs: dict[str, object], key: str, field: str) -> None:
     """Issue 20: the hint said "did you mean 'tp_size'" for an *option*, which tp_size is not (and hinted
     'tp_size' for 'tp_size' itself); it now says where the field goes."""
-    from genengine.registry import create_engine
+    from genengine.plugins.registry import create_engine
 
     with pytest.raises(ConfigError) as info:
         create_engine(backend="transformers", model="/nonexistent", **kwargs)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from genengine.aio.stream import StreamBase
+from genengine.engine.aio.stream import StreamBase
 from genengine.protocol import GenerationResult, StreamChunk
 
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _BROKEN = """
 from typing import Any
 
-from genengine.backends.transformers import TransformersEngine
+from genengine.backends.transformers.engine import TransformersEngine
 from genengine.testing.conformance import EngineConformance
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from genengine.cli import main
-from genengine.demo import DemoConfig, run_demo
+from genengine.cli.demos.sync import DemoConfig, run_demo
 from genengine.errors import InvalidArgumentError
 
 
@@ -45,7 +45,7 @@ def test_cli_demo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_async_demo_learns_with_rollouts_one_version_ahead(tmp_path: Path) -> None:
-    from genengine.demo_async import run_async_demo
+    from genengine.cli.demos.asynchronous import run_async_demo
 
     plot = tmp_path / "async.png"
     lines: list[str] = []

@@ -134,7 +134,7 @@ def test_every_error_class_is_in_the_troubleshooting_table() -> None:
 
 
 def test_every_bench_option_is_documented() -> None:
-    from genengine.cli.bench import add_parser
+    from genengine.cli.bench.command import add_parser
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())

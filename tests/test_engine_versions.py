@@ -27,7 +27,7 @@ from genengine.backend import (
     EngineConfig,
     VerifiedRange,
 )
-from genengine.testing.tiny_model import tiny_model_dir
+from genengine.models.tiny_model import tiny_model_dir
 from genengine_sglang.engine import SGLangEngine
 from genengine_vllm.engine import VLLMEngine
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from genengine import EngineConfig
-from genengine.testing.tiny_model import tiny_model_dir
+from genengine.models.tiny_model import tiny_model_dir
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 BACKENDS = ("transformers", "sglang", "vllm")
@@ -30,7 +30,7 @@ def test_yaml_options_pass_the_backends_own_checks(backend: str) -> None:
     """The option checks run without the engine installed, so a typo in an example fails here."""
     config = EngineConfig.from_yaml(EXAMPLES / "configs" / f"{backend}.yaml").replace(model=str(tiny_model_dir()))
     if backend == "transformers":
-        from genengine.backends.transformers import OPTIONS
+        from genengine.backends.transformers.engine import OPTIONS
         from genengine.config import check_options
 
         check_options(backend, config.options, OPTIONS)

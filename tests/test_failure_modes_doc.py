@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from genengine import errors
-from genengine.backends.transformers import TransformersEngine
+from genengine.backends.transformers.engine import TransformersEngine
+from genengine.models.tiny_model import tiny_model_dir
 from genengine.testing.conformance import load_checkpoint
-from genengine.testing.tiny_model import tiny_model_dir
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "failure-modes.md"
 GREEDY = {"temperature": 0.0, "max_new_tokens": 1}

@@ -32,7 +32,7 @@ import pytest
 from support.ports import free_port
 from support.start import worker_context
 
-from genengine.backends.transformers import TransformersEngine
+from genengine.backends.transformers.engine import TransformersEngine
 from genengine.protocol import GenerationEngine
 from genengine.testing.conformance import EngineConformance
 
@@ -72,8 +72,8 @@ for _name in dir(EngineConformance):
 def test_streaming_engine_refuses_until_a_complete_load() -> None:
     """The state machine on its own: what the trainer sees after each step of a broken, then fixed, sync."""
     from genengine.errors import WeightsNotLoadedError
+    from genengine.models.tiny_model import tiny_model_dir
     from genengine.testing.conformance import load_checkpoint
-    from genengine.testing.tiny_model import tiny_model_dir
 
     model = tiny_model_dir()
     weights = list(load_checkpoint(model).items())
@@ -331,7 +331,7 @@ def worlds() -> dict[str, list[RankResult]]:
     """Every scenario's world started at once (each rank imports torch: together they cost one start)."""
     import threading
 
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     model = str(tiny_model_dir())
     results: dict[str, list[RankResult]] = {}

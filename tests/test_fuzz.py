@@ -38,7 +38,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test  # noqa: E402
 
-from genengine.backends.transformers import TransformersEngine  # noqa: E402
+from genengine.backends.transformers.engine import TransformersEngine  # noqa: E402
 from genengine.errors import (  # noqa: E402
     EngineSleepingError,
     GenEngineError,
@@ -88,8 +88,8 @@ class StreamingTransformersEngine(TransformersEngine):
 # ---- shared engines and references ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def weights() -> dict[str, dict[str, Any]]:
+    from genengine.models.tiny_model import tiny_model_dir
     from genengine.testing.conformance import load_checkpoint
-    from genengine.testing.tiny_model import tiny_model_dir
 
     return {"A": load_checkpoint(tiny_model_dir()), "B": load_checkpoint(tiny_model_dir(seed=1))}
 
@@ -97,7 +97,7 @@ def weights() -> dict[str, dict[str, Any]]:
 def _engine(cls: type[TransformersEngine]) -> TransformersEngine:
     import torch
 
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     torch.set_num_threads(1)  # tiny tensors: one thread, and no OpenMP spinning against a busy core
     return cls(str(tiny_model_dir()), dtype="float32", prefix_cache_bytes=1 << 20)

@@ -15,7 +15,7 @@ HEAVY = ("torch", "transformers", "sglang", "vllm")
 CASES = {
     "import": "import genengine",
     "list": "import genengine; genengine.available_backends()",
-    "plugins": "import genengine_sglang.plugin, genengine_vllm.plugin, genengine.backends.transformers_plugin",
+    "plugins": "import genengine_sglang.plugin, genengine_vllm.plugin, genengine.backends.transformers.plugin",
     "help": "from genengine.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
     "backends-cli": "from genengine.cli import main; main(['backends'])",
 }
@@ -64,23 +64,12 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import a module runs, at any depth (functions too), but not those under ``if TYPE_CHECKING``."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for other in node.orelse:
-                yield from _imports(ast.Module(body=[other], type_ignores=[]))
-            continue
+    """Every import a module runs, at any depth (functions too), ``if TYPE_CHECKING`` ones included: a circle
+    through a type hint is still a circle for the reader."""
+    for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        yield from _imports(node)
 
 
 def _targets(node: ast.Import | ast.ImportFrom, modules: dict[str, Path]) -> set[str]:
@@ -174,8 +163,8 @@ def test_no_module_over_600_lines() -> None:
 
 
 def test_import_graph_has_no_cycle() -> None:
-    """Across genengine, genengine_sglang and genengine_vllm, counting imports inside functions too; only
-    ``if TYPE_CHECKING`` imports (type hints) may point back."""
+    """Across genengine, genengine_sglang and genengine_vllm, counting imports inside functions and under
+    ``if TYPE_CHECKING`` too."""
     graph = _graph()
     assert "genengine_sglang.engine" in graph["genengine_sglang.lightrft"]  # edges are read: the face imports its base
     assert _cycles(graph) == []
@@ -186,3 +175,163 @@ def test_cycle_finder_finds_a_circle() -> None:
     graph = _graph()
     graph["genengine_sglang.engine"] = graph["genengine_sglang.engine"] | {"genengine_sglang.lightrft"}
     assert ["genengine_sglang.engine", "genengine_sglang.lightrft"] in _cycles(graph)
+
+
+# ---- the layers (issue 42 point 1): the folders are floors, and arrows only point down ----------------------
+FLOORS: dict[str, int] = {
+    # 0: the contract: the data and protocols every layer speaks; they import nothing of genengine but each other
+    **dict.fromkeys(("protocol", "config", "errors", "requests", "weights", "hookspecs"), 0),
+    "engine": 1,  # the shared machinery every backend runs on
+    "distributed": 1,  # TP groups and topology (a public path for torchrun users)
+    "plugins": 2,  # the plugin system: registry, versions, optional extras
+    "transport": 3,  # the runtimes: weight transports and the Ray pool
+    "ray": 3,
+    **dict.fromkeys(("integrations", "models", "testing"), 4),  # trainers' faces, model builders, conformance
+    "backend": 5,  # the plugin authors' face: under the backends that import it
+    "backends": 6,  # the built-in backend, laid out like the plugins (which stand on the same floor)
+    "cli": 7,  # the command, its demos and benchmarks
+    "": 8,  # genengine/__init__.py: the users' face
+}
+"""The floor of each top-level module or folder of ``genengine``."""
+PLUGIN_FLOOR = 6
+
+
+def floor_of(module: str) -> int:
+    top, _, rest = module.partition(".")
+    if top != "genengine":
+        return PLUGIN_FLOOR
+    return FLOORS[rest.partition(".")[0]]
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{a} (floor {floor_of(a)}) -> {b} (floor {floor_of(b)})"
+        for a, targets in graph.items()
+        for b in targets
+        if floor_of(b) > floor_of(a)
+    )
+
+
+def test_every_core_folder_has_a_floor() -> None:
+    tops = {m.split(".")[1] if "." in m else "" for m in _modules() if m.split(".")[0] == "genengine"}
+    assert tops == set(FLOORS), "give each new top-level module or folder of genengine/ a floor in FLOORS"
+
+
+def test_no_arrow_runs_back_up() -> None:
+    """An import (type hints included) goes to the same floor or a lower one, never a higher one."""
+    assert _upward(_graph()) == []
+
+
+def test_an_arrow_back_up_is_found() -> None:
+    """The check above can fail: the registry looking up the transports would be an arrow back up."""
+    graph = _graph()
+    graph["genengine.plugins.registry"] = graph["genengine.plugins.registry"] | {"genengine.transport"}
+    assert "genengine.plugins.registry (floor 2) -> genengine.transport (floor 3)" in _upward(graph)
+
+
+def _product_imports_of_testing(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        if not a.startswith("genengine.testing")
+        for b in targets
+        if b.startswith("genengine.testing")
+    )
+
+
+def test_product_code_does_not_import_the_test_support() -> None:
+    """``genengine.testing`` (pytest classes, parity bounds) is for tests; the model builders are product code in
+    ``genengine.models``."""
+    graph = _graph()
+    assert _product_imports_of_testing(graph) == []
+    graph["genengine.cli.args"] = graph["genengine.cli.args"] | {"genengine.testing.tiny_model"}
+    assert _product_imports_of_testing(graph) == ["genengine.cli.args -> genengine.testing.tiny_model"]
+
+
+def _private_crossings(modules: dict[str, Path]) -> list[str]:
+    """``from m import _x`` or ``m._x`` of another module of ours (a private name crossing modules), and any import
+    of a private module (``pkg._x``) from outside its own package ``pkg``."""
+    bad: list[str] = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}  # local name -> module of ours
+        for node in _imports(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in modules:
+                        aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                continue
+            base = node.module or ""
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                if full in modules:
+                    aliases[a.asname or a.name] = full
+                elif a.name.startswith("_") and not a.name.startswith("__") and base in modules and base != name:
+                    bad.append(f"{name}: from {base} import {a.name}")
+            for target in _targets(node, modules):
+                parent, _, leaf = target.rpartition(".")
+                if (
+                    leaf.startswith("_")
+                    and not leaf.startswith("__")
+                    and not (package == parent or package.startswith(parent + "."))
+                ):
+                    bad.append(f"{name}: imports the private module {target}")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and f"{aliases[node.value.id]}.{node.attr}" not in modules
+            ):
+                bad.append(f"{name}: {aliases[node.value.id]}.{node.attr}")
+    return sorted(set(bad))
+
+
+def test_no_private_name_crosses_modules() -> None:
+    """What a module keeps private stays in it; a private module serves its own package only."""
+    modules = _modules()
+    assert _private_crossings(modules) == []
+
+
+def test_a_private_crossing_is_found(tmp_path: Path) -> None:
+    """The check above can fail: a private name, a private attribute, a private module from outside its package."""
+    source = (
+        "from genengine.protocol import _scalar\n"
+        "import genengine.weights as w\n"
+        "w._check_finite\n"
+        "from genengine.transport import _layout\n"
+    )
+    (tmp_path / "probe.py").write_text(source)
+    modules = _modules() | {"genengine.cli.probe": tmp_path / "probe.py"}
+    found = [line for line in _private_crossings(modules) if line.startswith("genengine.cli.probe")]
+    assert found == [
+        "genengine.cli.probe: from genengine.protocol import _scalar",
+        "genengine.cli.probe: genengine.weights._check_finite",
+        "genengine.cli.probe: imports the private module genengine.transport._layout",
+    ]
+
+
+def _drawn_floors() -> dict[str, int]:
+    """docs/layout.md's picture, read back: each name in its second column (``engine/``, ``protocol.py``) with the
+    floor its row (or the numbered row above it) gives."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    picture = text.split("```text\n", 1)[1].split("```", 1)[0]
+    drawn: dict[str, int] = {}
+    floor = -1
+    for line in picture.splitlines()[2:]:
+        number = line[:7].strip(" │")
+        if number.isdigit():
+            floor = int(number)
+        for word in line[8:45].split():
+            if word.endswith(("/", ".py")) and word[0].isalpha():
+                drawn.setdefault(word.removeprefix("genengine/").removesuffix(".py").split("/")[0], floor)
+    return drawn
+
+
+def test_the_layout_picture_matches_the_floors() -> None:
+    drawn = _drawn_floors()
+    expected = {("__init__" if top == "" else top): floor for top, floor in FLOORS.items()}
+    assert {name: drawn.get(name) for name in expected} == expected

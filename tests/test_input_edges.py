@@ -7,10 +7,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from genengine.backends.transformers import TransformersEngine
+from genengine.backends.transformers.engine import TransformersEngine
 from genengine.errors import InvalidArgumentError
+from genengine.models.tiny_model import tiny_model_dir
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, GenerationResult
-from genengine.testing.tiny_model import tiny_model_dir
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 3}
 

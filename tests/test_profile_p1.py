@@ -1,4 +1,4 @@
-"""benchmarks/profile_p1.py and the P1 child's profile hooks (benchmarks/_p1.py, genengine.bench.paired), with
+"""benchmarks/profile_p1.py and the P1 child's profile hooks (benchmarks/_p1.py, genengine.cli.bench.paired), with
 fake engines in child processes: the real ones are a GPU run (docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from genengine.bench.paired import SampleChild
+from genengine.cli.bench.paired import SampleChild
 
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
@@ -20,7 +20,7 @@ FAKE = textwrap.dedent(
     import os, sys, time
     sys.path.insert(0, {benchmarks!r})
     import _p1
-    from genengine.bench.paired import serve
+    from genengine.cli.bench.paired import serve
     name, fixed, per_token, log = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
     class Engine:
         def generate(self, new):

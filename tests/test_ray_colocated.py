@@ -14,13 +14,13 @@ from support.ray_pool import (  # noqa: E402
 )
 
 from genengine import SamplingParams  # noqa: E402
-from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
+from genengine.models.tiny_model import tiny_model_dir  # noqa: E402
 
 
 def test_pool_bench_compares_a_colocated_replica_with_the_same_engine_in_process(cluster: Any, model: str) -> None:
     """``genengine bench --pool`` on the CPU (gloo): both engines measured side by side, and after each sync the
     replica's greedy outputs equal the in-process engine's on the same new weights."""
-    from genengine.bench.pool import PoolBenchSettings, format_pool_report, run_pool_bench
+    from genengine.cli.bench.pool import PoolBenchSettings, format_pool_report, run_pool_bench
 
     report = run_pool_bench(
         PoolBenchSettings(

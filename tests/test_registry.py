@@ -17,7 +17,7 @@ import pytest
 
 import genengine
 from genengine.errors import BackendImportError, BackendNotFoundError, ConfigError, GenEngineError
-from genengine.registry import available_backends, create_engine, get_backend
+from genengine.plugins.registry import available_backends, create_engine, get_backend
 
 PLUGINS = Path(__file__).parent / "plugins"
 
@@ -119,7 +119,7 @@ def test_selecting_broken_plugin_names_distribution_and_chains(plugin_dirs: dict
 
 def test_misspelt_hooks_break_only_their_own_plugin(plugin_dirs: dict[str, Path]) -> None:
     """Issue 15: ``register_backends(reg)`` raised pluggy's PluginValidationError out of every registry call."""
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     dirs = [plugin_dirs["example"], plugin_dirs["badhook"]]
     model = str(tiny_model_dir())
@@ -336,14 +336,16 @@ def test_engine_start_is_logged_once_with_what_runs(caplog: pytest.LogCaptureFix
     what the checkpoint holds), model and tp."""
     import logging
 
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     model = str(tiny_model_dir())
     with caplog.at_level(logging.INFO, logger="genengine"):
         with create_engine(backend="transformers", model=model, dtype="auto", max_batch_size=2):
             pass
         create_engine(backend=_Engine, model="m", tp_size=2)
-    lines = [r.getMessage() for r in caplog.records if r.name == "genengine.registry" and r.levelno == logging.INFO]
+    lines = [
+        r.getMessage() for r in caplog.records if r.name == "genengine.plugins.registry" and r.levelno == logging.INFO
+    ]
     assert lines == [
         f"genengine: started engine backend=transformers device=cpu dtype=bfloat16 model={model} tp=1",  # not 'auto'
         f"genengine: started engine backend={__name__}._Engine device=cpu dtype=bfloat16 model=m tp=2",
@@ -354,7 +356,7 @@ def test_a_broken_plugins_row_gives_way_to_a_backend_of_its_name() -> None:
     """A plugin that failed under its entry point's name does not set aside a working backend of that name."""
     import warnings
 
-    from genengine.registry import BackendInfo, _Registry
+    from genengine.plugins.registry import BackendInfo, _Registry
 
     registry = _Registry()
     with warnings.catch_warnings():

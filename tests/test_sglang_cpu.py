@@ -36,9 +36,9 @@ from genengine.errors import (
     GenEngineError,
     InvalidArgumentError,
 )
+from genengine.models.tiny_model import tiny_model_dir
 from genengine.protocol import SamplingParams
 from genengine.requests import normalize_requests
-from genengine.testing.tiny_model import tiny_model_dir
 from genengine_sglang._process import engine_environment
 from genengine_sglang.engine import SGLangEngine
 from genengine_sglang.errors import SGLangEngineError
@@ -138,7 +138,7 @@ def test_get_sglang_engine_has_the_reference_signature() -> None:
 
 def test_protocol_class_has_the_protocol_face_only() -> None:
     """``SGLangEngine`` is the protocol's API alone; LightRFT's calls live on its subclass."""
-    from genengine.base import EngineBase
+    from genengine.engine.base import EngineBase
 
     for method in ("generate", "sleep", "wake", "load_weights"):
         assert inspect.signature(getattr(SGLangEngine, method)) == inspect.signature(getattr(EngineBase, method))
@@ -1095,7 +1095,7 @@ def test_async_requests_fail_when_sglang_processes_die(monkeypatch: pytest.Monke
     here: this tests our watch, not SGLang.)"""
     import types
 
-    from genengine.aio import AsyncRequest
+    from genengine.engine.aio import AsyncRequest
     from genengine_sglang._async import AsyncDriver
     from genengine_sglang._loop import LoopThread
 

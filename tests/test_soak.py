@@ -33,7 +33,7 @@ def _soak_module() -> Any:
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     return str(tiny_model_dir())
 

@@ -17,9 +17,9 @@ import pytest
 
 from genengine import SamplingParams
 from genengine.backend import StopStrings as _StopStrings
-from genengine.backends.transformers import TransformersEngine
+from genengine.backends.transformers.engine import TransformersEngine
+from genengine.models.tiny_model import tiny_model_dir
 from genengine.testing.conformance import PROMPTS
-from genengine.testing.tiny_model import tiny_model_dir
 
 _CORPUS = [
     "héllo wörld, it's a test. don't stop — 日本語のテキスト 🙂 naïve café ' quoted ' text",

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from genengine.errors import InvalidArgumentError
-from genengine.testing import tiny_model
-from genengine.testing.tiny_model import build_tiny_model, count_params, tiny_model_dir
+from genengine.models import tiny_model
+from genengine.models.tiny_model import build_tiny_model, count_params, tiny_model_dir
 
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -159,3 +159,14 @@ def test_bad_arguments_are_rejected(tmp_path: Path, kwargs: dict[str, object]) -
     with pytest.raises(InvalidArgumentError):
         build_tiny_model(tmp_path / "bad", **kwargs)  # type: ignore[arg-type]
     assert not (tmp_path / "bad" / "model.safetensors").exists()
+
+
+def test_documented_testing_paths_re_export_the_builders() -> None:
+    """``genengine.testing.tiny_model`` / ``tiny_vlm`` (the paths users call) hand on the product builders."""
+    from genengine.models import tiny_vlm
+    from genengine.testing import tiny_model as old_model
+    from genengine.testing import tiny_vlm as old_vlm
+
+    for old, new in ((old_model, tiny_model), (old_vlm, tiny_vlm)):
+        assert old.__all__ == new.__all__
+        assert all(getattr(old, name) is getattr(new, name) for name in new.__all__)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from genengine.errors import InvalidArgumentError
-from genengine.testing.tiny_vlm import (
+from genengine.models.tiny_vlm import (
     ARCHITECTURE,
     IMAGE_TOKEN,
     VIDEO_TOKEN,

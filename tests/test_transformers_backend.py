@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from genengine import EngineConfig, SamplingParams, available_backends, create_engine
-from genengine.backends.transformers import TransformersEngine, hf_generate_tokens_per_second
+from genengine.backends.transformers.engine import TransformersEngine, hf_generate_tokens_per_second
 from genengine.errors import ConfigError, InvalidArgumentError
+from genengine.models.tiny_model import build_tiny_model, tiny_model_dir
 from genengine.testing.conformance import PROMPTS, EngineConformance, load_checkpoint, reference_logprobs
-from genengine.testing.tiny_model import build_tiny_model, tiny_model_dir
 
 
 @pytest.fixture(scope="module")

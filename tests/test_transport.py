@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 from support import transport_workers as tw
 
-from genengine import registry
 from genengine.errors import InvalidArgumentError
 from genengine.hookspecs import hookimpl
+from genengine.plugins import registry
 from genengine.testing.conformance.transport import TRANSPORT_SYNCS, TransportConformance
 from genengine.transport import (
     DuplicateTransportError,
@@ -69,7 +69,7 @@ def _port_is_free(address: str) -> bool:
 def pool() -> Iterator[tw.Pool]:
     import torch
 
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     torch.set_num_threads(1)  # the same arithmetic as the workers'
     model = str(tiny_model_dir())
@@ -400,8 +400,8 @@ def test_views_at_an_offset_and_transposed_tensors_are_planned_and_packed_exactl
     and packs the transposed ones; packed and read back through the layout, every tensor is bit for bit."""
     import torch
 
-    from genengine.bench.pool import random_weights
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.cli.bench.pool import random_weights
+    from genengine.models.tiny_model import tiny_model_dir
     from genengine.transport import _layout
     from genengine.transport.cuda_ipc import shareable
 
@@ -429,15 +429,15 @@ def test_views_at_an_offset_and_transposed_tensors_are_planned_and_packed_exactl
 
 
 def test_ipc_dumps_pickles_as_torch_does_for_memory_this_process_owns() -> None:
-    """``genengine.ipc.dumps`` (SGLang's payloads) is torch's ForkingPickler for everything but memory opened from
-    another process (passed on under the trainer's spare share, checked on the GPU): the same bytes here."""
+    """``genengine.engine.ipc.dumps`` (SGLang's payloads) is torch's ForkingPickler for everything but memory opened
+    from another process (passed on under the trainer's spare share, checked on the GPU): the same bytes here."""
     import io
     import pickle
     from multiprocessing.reduction import ForkingPickler
 
     import torch
 
-    from genengine import ipc
+    from genengine.engine import ipc
 
     obj = [("w", 1), {"meta": (2, 3.5)}, [torch.dtype, "x"]]
     buf = io.BytesIO()
@@ -450,7 +450,7 @@ def test_cuda_ipc_handles_come_from_the_environment_and_a_bad_value_names_the_al
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``$GENENGINE_CUDA_IPC_HANDLES``, read by the sender at each sync before anything is sent."""
-    from genengine import ipc
+    from genengine.engine import ipc
     from genengine.errors import InvalidArgumentError
 
     monkeypatch.delenv(ipc.HANDLES_ENV, raising=False)

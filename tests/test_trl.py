@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from genengine.demo import TRL_PROMPTS as PROMPTS
-from genengine.testing.tiny_model import tiny_model_dir
+from genengine.cli.demos.sync import TRL_PROMPTS as PROMPTS
+from genengine.models.tiny_model import tiny_model_dir
 
 HAVE_TRL = find_spec("trl") is not None
 needs_trl = pytest.mark.skipif(
@@ -60,7 +60,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     from datasets import Dataset
 
     import genengine
-    from genengine.demo import pick_target
+    from genengine.cli.demos.sync import pick_target
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the demo: the tiny model gains nothing from two threads on a busy 2-core machine
@@ -75,7 +75,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
 
 def demo_reward(target: int, seen: list[list[list[int]]] | None = None) -> Any:
     """The demo's reward (share of completion tokens equal to ``target``) as a TRL reward function."""
-    from genengine.demo import rewards_and_advantages
+    from genengine.cli.demos.sync import rewards_and_advantages
 
     def reward(completions: list[Any], completion_ids: list[list[int]], **_: Any) -> list[float]:
         if seen is not None:

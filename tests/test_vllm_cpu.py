@@ -33,8 +33,8 @@ from genengine.errors import (
     InconsistentInputsError,
     InvalidArgumentError,
 )
+from genengine.models.tiny_model import tiny_model_dir
 from genengine.protocol import EngineState, SamplingParams
-from genengine.testing.tiny_model import tiny_model_dir
 from genengine_vllm import _process as vprocess
 from genengine_vllm import settings as vsettings
 from genengine_vllm.engine import VLLMEngine, generate_check_value
@@ -89,7 +89,7 @@ def test_lazy_exports() -> None:
 
 
 def test_registry_factory_and_raw_runner_resolve() -> None:
-    from genengine.registry import available_backends, resolve_ref
+    from genengine.plugins.registry import available_backends, resolve_ref
 
     info = next(b for b in available_backends() if b.name == "vllm")
     assert resolve_ref(info.factory) == VLLMEngine.from_config
@@ -198,7 +198,7 @@ def test_model_must_be_given(model_dir: Path) -> None:
 
 @needs_no_vllm
 def test_valid_arguments_reach_the_import(model_dir: Path, fresh_slot: Any) -> None:
-    from genengine.registry import create_engine
+    from genengine.plugins.registry import create_engine
 
     with pytest.raises(BackendImportError, match=r"genengine\[vllm\]"):  # tp_size 1 needs no torch.distributed
         create_engine(backend=VLLMEngine, model=str(model_dir), max_model_len=512, weight_sync_mode="per_param")
@@ -427,7 +427,7 @@ def test_completion_delta_finish_and_stop_reasons() -> None:
 
 
 def test_engine_declares_async_and_refuses_it_on_tp_groups() -> None:
-    from genengine.aio import AsyncEngineBase
+    from genengine.engine.aio import AsyncEngineBase
 
     assert VLLMEngine.supports_async and issubclass(VLLMEngine, AsyncEngineBase)
     engine = VLLMEngine.__new__(VLLMEngine)  # the check reads the settings only: nothing is started
@@ -443,7 +443,7 @@ def test_engine_lock_lets_callers_in_between_driver_steps() -> None:
     import threading
     import time
 
-    from genengine.aio import DriverLock
+    from genengine.engine.aio import DriverLock
 
     lock = DriverLock()
     stop = threading.Event()
@@ -543,7 +543,7 @@ def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Any:
     import enum
     import types
 
-    from genengine.aio import DriverLock
+    from genengine.engine.aio import DriverLock
     from genengine_vllm._async import AsyncDriver
 
     if not HAS_VLLM:
@@ -559,7 +559,7 @@ def fake_driver(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 def _async_request(loop: Any, rid: str, tokens: int) -> Any:
-    from genengine.aio import AsyncRequest
+    from genengine.engine.aio import AsyncRequest
     from genengine.requests import normalize_requests
 
     request = normalize_requests(None, {"max_new_tokens": tokens}, prompt_token_ids=[[1, 2, 3]])[0]
@@ -1023,7 +1023,7 @@ def bare_engine(monkeypatch: pytest.MonkeyPatch) -> Any:
     synchronize and empty_cache are no-ops."""
     import torch
 
-    from genengine.aio import AsyncEngineBase, DriverLock
+    from genengine.engine.aio import AsyncEngineBase, DriverLock
     from genengine.weights import WeightInfo
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)

@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 
-from genengine.backends.transformers import TransformersEngine
+from genengine.backends.transformers.engine import TransformersEngine
 from genengine.errors import WeightLoadError, WeightsNotLoadedError
+from genengine.models.tiny_model import tiny_model_dir
 from genengine.protocol import GenerationEngine
 from genengine.testing.conformance import GREEDY, PROMPTS, EngineConformance, load_checkpoint
-from genengine.testing.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.timeout(300)
 

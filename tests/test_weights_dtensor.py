@@ -58,7 +58,7 @@ def _load_shards(rank: int, model_a: str, model_b: str) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
-    from genengine.backends.transformers import TransformersEngine
+    from genengine.backends.transformers.engine import TransformersEngine
     from genengine.errors import WeightLoadError
     from genengine.testing.conformance import GREEDY, PROMPTS, load_checkpoint
 
@@ -111,7 +111,7 @@ def _load_shards(rank: int, model_a: str, model_b: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     model_a, model_b = str(tiny_model_dir()), str(tiny_model_dir(seed=1))
     ctx = worker_context()  # forked from a server that imported torch and transformers once (support/start.py)
@@ -143,8 +143,8 @@ def test_the_state_dict_is_really_sharded(ranks: list[dict[str, Any]]) -> None:
 
 
 def test_each_rank_serves_exactly_the_full_model(ranks: list[dict[str, Any]]) -> None:
+    from genengine.models.tiny_model import tiny_model_dir
     from genengine.testing.conformance import load_checkpoint
-    from genengine.testing.tiny_model import tiny_model_dir
 
     full = load_checkpoint(tiny_model_dir(seed=1))
     for rank, seen in enumerate(ranks):

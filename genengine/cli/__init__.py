@@ -14,21 +14,21 @@ _SUBCOMMAND_MODULES = (
     "genengine.cli.backends",
     "genengine.cli.generate",
     "genengine.cli.demo",
-    "genengine.cli.bench",
+    "genengine.cli.bench.command",
     "genengine.cli.topology",
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from genengine import __version__
     from genengine.cli.args import HelpFormatter
+    from genengine.plugins.versions import genengine_version
 
     parser = argparse.ArgumentParser(
         prog="genengine",
         description="Generation engines for RL post-training: generate, sleep, wake, load_weights.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"genengine {__version__}")
+    parser.add_argument("--version", action="version", version=f"genengine {genengine_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _SUBCOMMAND_MODULES:
         try:

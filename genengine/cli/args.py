@@ -89,7 +89,7 @@ def check_engine_args(args: argparse.Namespace, **extra: Any) -> None:
     """Refuse what ``create_engine`` would refuse (unknown or missing backend, an option's typo or bad value,
     ``--tp-size`` the backend cannot run) before any slow work: the tiny model takes seconds to build.
     ``extra``: more ``create_engine`` keywords (``parallel_kwargs(args)``)."""
-    from genengine.registry import check_engine_config
+    from genengine.plugins.registry import check_engine_config
 
     kwargs = {**_fields(args), **extra}
     if args.model is not None:
@@ -102,7 +102,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     (call :func:`check_engine_args` first, so that a typo is not found after the model is built)."""
     kwargs = _fields(args)
     if args.model is None:
-        from genengine.testing.tiny_model import tiny_model_dir
+        from genengine.models.tiny_model import tiny_model_dir
 
         print("genengine: no --model given: using a tiny random-weight Qwen2 model", file=sys.stderr)
         kwargs["model"] = str(tiny_model_dir())

@@ -8,7 +8,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from genengine.registry import BackendInfo
+    from genengine.plugins.registry import BackendInfo
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -39,7 +39,7 @@ def _engine_columns(info: BackendInfo) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from genengine.registry import available_backends
+    from genengine.plugins.registry import available_backends
 
     rows = [
         {

@@ -65,7 +65,7 @@ def plot_path(args: argparse.Namespace) -> str | None:
         return None
     if args.plot is not None:
         return str(args.plot)
-    from genengine._optional import PLOT_INSTALL, plot_unavailable
+    from genengine.plugins.optional import PLOT_INSTALL, plot_unavailable
 
     why = plot_unavailable()
     if why is not None:
@@ -75,7 +75,7 @@ def plot_path(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from genengine.demo import DemoConfig, run_demo
+    from genengine.cli.demos.sync import DemoConfig, run_demo
 
     cfg = DemoConfig(
         backend=args.backend,
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     if args.async_rollouts:
-        from genengine.demo_async import run_async_demo
+        from genengine.cli.demos.asynchronous import run_async_demo
 
         both = run_async_demo(cfg)
         result = both.rollout

@@ -45,8 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(args: argparse.Namespace) -> int:
+    from genengine.plugins.registry import create_engine
     from genengine.protocol import SamplingParams
-    from genengine.registry import create_engine
 
     params = SamplingParams(  # checked before any engine starts
         max_new_tokens=args.max_new_tokens,

@@ -22,10 +22,10 @@ from genengine.distributed.digests import input_digest
 from genengine.distributed.topology import (
     DEFAULT_BASE_PORT,
     Topology,
-    _dist,
-    _fmt_ranks,
-    _port_problem,
+    format_ranks,
+    port_problem,
     topology_from_env,
+    torch_dist,
 )
 from genengine.errors import (
     CollectiveTimeoutError,
@@ -90,7 +90,7 @@ def clear_group_cache() -> None:
     _GROUP_CACHE["by_tp"] = {}
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether process ``pid`` on this host still runs (an exited, unreaped zombie does not)."""
     try:
         os.kill(pid, 0)
@@ -111,11 +111,11 @@ def _device_backend() -> str:
 
     Following the trainer rather than ``torch.cuda.is_available()`` keeps a gloo world gloo on a GPU host.
     """
-    return "nccl" if "nccl" in str(_dist().get_backend()).lower() else "gloo"
+    return "nccl" if "nccl" in str(torch_dist().get_backend()).lower() else "gloo"
 
 
 def _tp_groups(topo: Topology, timeout_s: float) -> tuple[Any, Any, str, tuple[tuple[str, int], ...]]:
-    dist = _dist()
+    dist = torch_dist()
     world = dist.group.WORLD
     if _GROUP_CACHE["world"] is not world:
         _GROUP_CACHE["world"] = world
@@ -171,10 +171,10 @@ def engine_group(
     device_group, cpu_group, backend, peers = _tp_groups(topo, timeout_s)
     group = EngineGroup(topo, device_group, cpu_group, backend, timeout_s, peers=peers)
     if check_port:
-        problem = _port_problem(topo) if topo.is_leader else None
+        problem = port_problem(topo) if topo.is_leader else None
         problem = group.broadcast_object(problem, op="engine port check")
         if problem is not None:
-            raise DistributedSetupError(f"TP group {_fmt_ranks(topo.tp_group_ranks)}: {problem}")
+            raise DistributedSetupError(f"TP group {format_ranks(topo.tp_group_ranks)}: {problem}")
     return group
 
 
@@ -211,7 +211,7 @@ class EngineGroup:
     def __repr__(self) -> str:
         t = self.topology
         return (
-            f"EngineGroup(rank={t.rank}, tp_group={_fmt_ranks(t.tp_group_ranks)}, leader={t.leader_rank}, "
+            f"EngineGroup(rank={t.rank}, tp_group={format_ranks(t.tp_group_ranks)}, leader={t.leader_rank}, "
             f"backend={self.backend!r}, timeout_s={self.timeout_s})"
         )
 
@@ -238,7 +238,7 @@ class EngineGroup:
     def _describe(self, op: str, seconds: float) -> str:
         t = self.topology
         return (
-            f"{op} in TP group {_fmt_ranks(t.tp_group_ranks)} (leader rank {t.leader_rank}, "
+            f"{op} in TP group {format_ranks(t.tp_group_ranks)} (leader rank {t.leader_rank}, "
             f"this rank {t.rank}, timeout {seconds:g} s)"
         )
 
@@ -253,7 +253,7 @@ class EngineGroup:
         local = [(r, pid) for r, (h, pid) in zip(self.topology.tp_group_ranks, self.peers, strict=True) if h == host]
         deadline = time.monotonic() + wait_s
         while True:
-            dead = [r for r, pid in local if pid != me and not _pid_alive(pid)]
+            dead = [r for r, pid in local if pid != me and not pid_alive(pid)]
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(0.02)
@@ -269,7 +269,7 @@ class EngineGroup:
             timed_out = "timed out" in text.lower() or "timeout" in text.lower()  # gloo, resp. NCCL's watchdog
             dead = self.dead_ranks(wait_s=0.0 if timed_out else 1.0)
             if dead:
-                why = f"rank(s) {_fmt_ranks(dead)} of the group died (their processes are gone)"
+                why = f"rank(s) {format_ranks(dead)} of the group died (their processes are gone)"
             elif timed_out:
                 why = "a rank of the group did not join in time (it is stuck elsewhere, diverged, or dead)"
             else:
@@ -281,7 +281,7 @@ class EngineGroup:
     def _broadcast_bytes(self, data: bytes | None, deadline: float, op: str, seconds: float) -> bytes:
         import torch
 
-        dist = _dist()
+        dist = torch_dist()
         src = self.topology.leader_rank
         if self.is_leader:
             assert data is not None  # internal invariant, not a user check
@@ -342,7 +342,7 @@ class EngineGroup:
         else:
             buf = torch.empty(shape, dtype=dtype, device=self.device)
         if self.topology.tp_size > 1:
-            dist = _dist()
+            dist = torch_dist()
             work = dist.broadcast(buf, src=self.topology.leader_rank, group=self.device_group, async_op=True)
             self._wait(work, deadline, op, seconds)
         return buf
@@ -359,7 +359,7 @@ class EngineGroup:
         n = self.topology.tp_size
         if n == 1:
             return [obj]
-        dist = _dist()
+        dist = torch_dist()
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
@@ -412,7 +412,7 @@ class EngineGroup:
         n = t.tp_size
         if n == 1:
             return
-        dist = _dist()
+        dist = torch_dist()
         ranks = t.tp_group_ranks
         mine = torch.tensor([self._calls, *digest], dtype=torch.int64)
         if not t.is_leader:
@@ -480,16 +480,16 @@ class EngineGroup:
             dead = [r for r in self.dead_ranks() if r in missing]
             missing = [r for r in missing if r not in dead]
             if dead:
-                parts.append(f"rank(s) {_fmt_ranks(dead)} died (their processes are gone)")
+                parts.append(f"rank(s) {format_ranks(dead)} died (their processes are gone)")
             if missing:
-                parts.append(f"rank(s) {_fmt_ranks(missing)} did not arrive (stuck elsewhere, diverged, or dead)")
+                parts.append(f"rank(s) {format_ranks(missing)} did not arrive (stuck elsewhere, diverged, or dead)")
             if step:
-                parts.append(f"rank(s) {_fmt_ranks(step)} arrived from a different call of this group (out of step)")
+                parts.append(f"rank(s) {format_ranks(step)} arrived from a different call of this group (out of step)")
             raise CollectiveTimeoutError(f"{self._describe(op, seconds)}: " + "; ".join(parts))
         if differ:
             agree = [ranks[i] for i, s in enumerate(status) if s == _OK]
             raise InconsistentInputsError(
-                f"rank(s) {_fmt_ranks(differ)} of TP group {_fmt_ranks(ranks)} passed different {what} "
-                f"than rank(s) {_fmt_ranks(agree)}; every rank of a TP group must pass identical {what} "
+                f"rank(s) {format_ranks(differ)} of TP group {format_ranks(ranks)} passed different {what} "
+                f"than rank(s) {format_ranks(agree)}; every rank of a TP group must pass identical {what} "
                 "(prompts, sampling parameters and seed)"
             )

@@ -109,7 +109,7 @@ def _check_int(name: str, value: object, minimum: int, allowed: str) -> int:
     return value
 
 
-def _fmt_ranks(ranks: Sequence[int]) -> str:
+def format_ranks(ranks: Sequence[int]) -> str:
     return "[" + ", ".join(str(r) for r in ranks) + "]"
 
 
@@ -192,7 +192,7 @@ def compute_topology(
             s for s in range(0, world_size, tp_size) if s // local_world_size != (s + tp_size - 1) // local_world_size
         )
         raise DistributedSetupError(
-            f"TP group {_fmt_ranks(range(first, first + tp_size))} crosses the boundary between node "
+            f"TP group {format_ranks(range(first, first + tp_size))} crosses the boundary between node "
             f"{first // local_world_size} and node {first // local_world_size + 1}: tp_size {tp_size} does "
             f"not divide local world size {local_world_size}"
             + ("" if allow_multi_node else " (and this backend cannot span nodes)")
@@ -205,7 +205,7 @@ def compute_topology(
         )
     if local_world_size > gpus_per_node:
         raise DistributedSetupError(
-            f"GPU ids {_fmt_ranks(range(gpus_per_node, local_world_size))} (of local ranks "
+            f"GPU ids {format_ranks(range(gpus_per_node, local_world_size))} (of local ranks "
             f"{gpus_per_node}..{local_world_size - 1}) are outside {where}: each of the "
             f"{local_world_size} ranks of a node needs its own visible GPU, and an engine's leader must "
             "see every GPU of its group"
@@ -253,23 +253,23 @@ def check_tp_group_ranks(ranks: Sequence[int], topology: Topology, *, what: str 
     """
     got = tuple(int(r) for r in ranks)
     if got != topology.tp_group_ranks:
-        groups = ", ".join(_fmt_ranks(g) for g in topology.all_tp_group_ranks())
+        groups = ", ".join(format_ranks(g) for g in topology.all_tp_group_ranks())
         raise DistributedSetupError(
-            f"{what} holds ranks {_fmt_ranks(got)}, but rank {topology.rank}'s TP group of {topology.tp_size} "
-            f"contiguous ranks is {_fmt_ranks(topology.tp_group_ranks)}: a world of {topology.world_size} splits "
+            f"{what} holds ranks {format_ranks(got)}, but rank {topology.rank}'s TP group of {topology.tp_size} "
+            f"contiguous ranks is {format_ranks(topology.tp_group_ranks)}: a world of {topology.world_size} splits "
             f"into the TP groups {groups} (torch.distributed.new_subgroups_by_enumeration builds them)"
         )
 
 
 # --- topology (from the environment) ---------------------------------------------------------------------
-def _dist() -> Any:
+def torch_dist() -> Any:
     import torch.distributed as dist
 
     return dist
 
 
 def _require_initialized() -> Any:
-    dist = _dist()
+    dist = torch_dist()
     if not (dist.is_available() and dist.is_initialized()):
         raise DistributedSetupError(
             "torch.distributed is not initialised: the trainer owns the process group and must call "
@@ -337,7 +337,7 @@ def check_port_free(port: int, host: str = "") -> None:
             ) from None
 
 
-def _port_problem(topo: Topology) -> str | None:
+def port_problem(topo: Topology) -> str | None:
     """Why the leader cannot use its port, or None. Only meaningful on the leader."""
     master_port = _env_int("MASTER_PORT")
     if master_port is not None and topo.node_rank == 0 and topo.port == master_port:

@@ -35,8 +35,8 @@ from genengine.integrations.trl_config import (
     no_images,
     resolve_engine_config,
 )
+from genengine.plugins.registry import create_engine
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, LoadReport
-from genengine.registry import create_engine
 
 TRL_VERSION = "1.16.0"
 """The TRL release this integration is written against and tested with (``genengine[trl]`` pins it)."""

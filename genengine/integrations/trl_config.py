@@ -7,12 +7,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from genengine.checkpoint import resolve_model_dir
 from genengine.config import EngineConfig
+from genengine.engine.checkpoint import resolve_model_dir
 from genengine.errors import ConfigError, InvalidArgumentError, closest
+from genengine.plugins.registry import available_backends, get_backend, resolve_ref
+from genengine.plugins.registry import check_engine_config as check_backend_config
 from genengine.protocol import SamplingParams
-from genengine.registry import available_backends, get_backend, resolve_ref
-from genengine.registry import check_engine_config as check_backend_config
 
 __all__ = [
     "CONFIG_KEYS",

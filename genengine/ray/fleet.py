@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from genengine.aio import PauseMode
 from genengine.config import EngineConfig
+from genengine.engine.aio import PauseMode
 from genengine.errors import (
     EngineClosedError,
     EngineSleepingError,

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from genengine.config import EngineConfig, option_int, option_number
 from genengine.errors import BackendImportError, ConfigError, GenEngineError, InvalidArgumentError, closest
-from genengine.registry import available_backends, get_backend, resolve_config
+from genengine.plugins.registry import available_backends, get_backend, resolve_config
 
 __all__ = ["PLACEMENTS", "Placement", "PoolOptions", "check_bundles", "ray_module"]
 
@@ -156,7 +156,7 @@ def _engine_config(config: Any, kwargs: Mapping[str, Any]) -> EngineConfig:
 def _vocab_size(model: Any) -> int | None:
     """The vocabulary size in the model's ``config.json``, or None when the model is not a directory here
     (the replicas' nodes may hold it elsewhere; their engines check token ids then)."""
-    from genengine.checkpoint import read_model_config, vocab_size
+    from genengine.engine.checkpoint import read_model_config, vocab_size
 
     if not isinstance(model, (str, os.PathLike)) or not os.path.isfile(os.path.join(model, "config.json")):
         return None

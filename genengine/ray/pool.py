@@ -22,8 +22,8 @@ import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from genengine.aio import PauseMode, normalize_async_request
 from genengine.config import option_number
+from genengine.engine.aio import PauseMode, normalize_async_request
 from genengine.errors import ConfigError, InvalidArgumentError
 from genengine.protocol import EngineState, GenerationResult, LoadReport
 from genengine.ray.errors import ReplicaDiedError, ReplicaTimeoutError

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ class EngineReplica:
         """Build the engine (in a thread: the actor answers pings meanwhile). Not in ``__init__``: a bad option
         then reaches the pool as the backend's own ``ConfigError``, and a restart by Ray (which re-runs
         ``__init__`` only) gives an engine-less replica that the pool must start and refill before use."""
-        from genengine.registry import create_engine
+        from genengine.plugins.registry import create_engine
 
         if expect != self.incarnation:
             raise StaleReplicaError(f"replica {self.index} restarted before it was started")
@@ -82,8 +83,6 @@ class EngineReplica:
         """Who this replica is and what its engine takes; answered at once, whatever the engine is doing."""
         import ray
 
-        import genengine
-
         engine = self.engine
         context = ray.get_runtime_context()
         where = {
@@ -92,7 +91,7 @@ class EngineReplica:
             "node_id": context.get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
             "actor_id": context.get_actor_id(),
-            "genengine_file": genengine.__file__,
+            "genengine_file": sys.modules["genengine"].__file__,  # the package this actor runs (loaded first)
             "started": engine is not None,
         }
         if engine is None:

@@ -1,5 +1,5 @@
 """``PoolStream``: one request submitted through an ``EnginePool``, read from its replica as a Ray streaming
-generator; the same calls as ``genengine.aio.RequestStream`` (both are a ``StreamBase``).
+generator; the same calls as ``genengine.engine.aio.RequestStream`` (both are a ``StreamBase``).
 
 A replica that refuses the request as restarted (it never ran) has it sent to another; one that dies under
 it ends the stream with ``ReplicaDiedError``. Importing this module imports neither Ray nor torch.
@@ -13,8 +13,8 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from genengine.aio import StreamChunk
-from genengine.aio.stream import StreamBase
+from genengine.engine.aio import StreamChunk
+from genengine.engine.aio.stream import StreamBase
 from genengine.errors import InvalidArgumentError
 from genengine.protocol import GenerationResult
 from genengine.ray.errors import ReplicaError, ReplicaTimeoutError, StaleReplicaError
@@ -25,7 +25,7 @@ __all__ = ["PoolStream", "StreamRegistry"]
 
 
 class PoolStream(StreamBase):
-    """One request submitted through an ``EnginePool``: the same calls as ``genengine.aio.RequestStream``."""
+    """One request submitted through an ``EnginePool``: the same calls as ``genengine.engine.aio.RequestStream``."""
 
     def __init__(
         self,

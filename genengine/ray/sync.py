@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import socket
 import threading
 import time
@@ -21,9 +22,11 @@ from typing import Any
 from genengine.errors import EngineStateError, GenEngineError, InvalidArgumentError, WeightLoadError
 from genengine.protocol import LoadReport
 from genengine.ray.errors import ReplicaDiedError, ReplicaError, ReplicaTimeoutError, StaleReplicaError
-from genengine.ray.fleet import Fleet, Outcome, Replica, _log, raise_first
+from genengine.ray.fleet import Fleet, Outcome, Replica, raise_first
 from genengine.ray.options import ray_module
 from genengine.weights import check_load_options, check_named_tensors, check_storage
+
+_log = logging.getLogger("genengine.ray.pool")  # the pool's one logger (as fleet.py's)
 
 __all__ = ["WeightSync"]
 
@@ -65,7 +68,7 @@ def _refuse_non_finite(pairs: list[Any], what: str, version: int) -> None:
     collective the other trainer ranks do not join); what is not a tensor, to the sender's own checks."""
     import torch
 
-    from genengine.weights import _check_finite
+    from genengine.weights import check_tensor_finite
 
     for item in pairs:
         if not isinstance(item, tuple) or len(item) != 2:
@@ -81,7 +84,7 @@ def _refuse_non_finite(pairs: list[Any], what: str, version: int) -> None:
             continue
         check_storage(name, tensor)  # a freed tensor's "values" are whatever memory follows it
         try:
-            _check_finite(name, tensor)
+            check_tensor_finite(name, tensor)
         except WeightLoadError as exc:
             raise WeightLoadError(
                 f"{what}: {exc}; refused in the trainer's process before anything was sent: every replica keeps "

@@ -4,6 +4,6 @@
 imports nothing heavy.
 """
 
-from genengine.testing.tiny_model import build_tiny_model, tiny_model_dir
+from genengine.models.tiny_model import build_tiny_model, tiny_model_dir
 
 __all__ = ["build_tiny_model", "tiny_model_dir"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from genengine.transport._trace import ENV as TRACE_ENV
 from genengine.transport.errors import (
     ChecksumError,
     DuplicateTransportError,
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "NATIVE_RECEIVER_METHOD",
+    "TRACE_ENV",
     "ChecksumError",
     "DuplicateTransportError",
     "SyncReport",
@@ -52,14 +54,14 @@ __all__ = [
 
 def available_transports() -> list[str]:
     """The names of the registered transports (built-in and plugins'), sorted; imports no torch."""
-    from genengine.registry import available_transports as infos
+    from genengine.plugins.registry import available_transports as infos
 
     return [t.name for t in infos() if t.error is None]
 
 
 def get_transport(name: str) -> WeightTransport:
     """The registered transport ``name``; an unknown name raises TransportNotFoundError listing the registered."""
-    from genengine.registry import get_transport_info, resolve_ref
+    from genengine.plugins.registry import get_transport_info, resolve_ref
 
     info = get_transport_info(name)
     factory: Any = resolve_ref(info.factory)

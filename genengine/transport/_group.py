@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from genengine.distributed.groups import _pid_alive
-from genengine.distributed.topology import _fmt_ranks
+from genengine.distributed.groups import pid_alive
+from genengine.distributed.topology import format_ranks
 from genengine.transport.errors import TransportError, TransportTimeoutError
 from genengine.transport.spec import TransportSpec
 
@@ -72,7 +72,7 @@ class Group:
         local = [(r, self.peers[r][1]) for r in ranks if r in self.peers and self.peers[r][0] == host]
         deadline = time.monotonic() + wait_s
         while True:
-            dead = [r for r, pid in local if pid != os.getpid() and not _pid_alive(pid)]
+            dead = [r for r, pid in local if pid != os.getpid() and not pid_alive(pid)]
             if dead or time.monotonic() >= deadline:
                 return dead
             time.sleep(_POLL_S)
@@ -80,8 +80,8 @@ class Group:
     def _who(self, ranks: Sequence[int], *, timed_out: bool) -> str:
         dead = self.dead_ranks(ranks, wait_s=0.0 if timed_out else 1.0)
         if dead:
-            return f"rank(s) {_fmt_ranks(dead)} died (their processes are gone)"
-        who = "the sender (rank 0)" if list(ranks) == [0] else f"rank(s) {_fmt_ranks(ranks)}"
+            return f"rank(s) {format_ranks(dead)} died (their processes are gone)"
+        who = "the sender (rank 0)" if list(ranks) == [0] else f"rank(s) {format_ranks(ranks)}"
         if timed_out:
             return f"{who} did not arrive in time (stuck elsewhere, diverged, or dead)"
         return f"the connection to {who} broke (a peer failed or closed the group, or died on another host)"
@@ -176,8 +176,8 @@ class Group:
                 time.sleep(_POLL_S)
         if pending:
             message = (
-                f"{self.describe('forming the group')}: rank(s) {_fmt_ranks(sorted(pending))} did not join within "
-                f"{spec.timeout_s:g} s (joined: {_fmt_ranks(sorted(self.peers))})"
+                f"{self.describe('forming the group')}: rank(s) {format_ranks(sorted(pending))} did not join within "
+                f"{spec.timeout_s:g} s (joined: {format_ranks(sorted(self.peers))})"
             )
             return self._refuse(message, timeout=True)
         if problems:

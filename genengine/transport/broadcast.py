@@ -96,11 +96,11 @@ class _PerBucketLoads:
         if self._held is None:
             self._reports.append(self._engine.load_weights(named_tensors, check_finite=self._check_finite))
             return
-        from genengine.weights import _check_finite
+        from genengine.weights import check_tensor_finite
 
         pairs = list(named_tensors)
         for name, tensor in pairs:
-            _check_finite(name, tensor)
+            check_tensor_finite(name, tensor)
         self._held.extend((name, tensor.detach().to("cpu", copy=True)) for name, tensor in pairs)
 
     def commit(self) -> LoadReport:

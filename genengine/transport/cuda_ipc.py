@@ -1,7 +1,7 @@
 """CUDA IPC: the trainer and its replicas on one GPU read the trainer's memory (no broadcast).
 
 A tensor already dense on the trainer's GPU is read where it is: the sender shares it by its IPC handle
-(with a spare share while a replica's engine passes tensors on to its own process, ``genengine.ipc``) and it
+(with a spare share while a replica's engine passes tensors on to its own process, ``genengine.engine.ipc``) and it
 takes no room in a bucket, so a trainer's whole model is one bucket and one engine load, as an in-process load of
 the same tensors is. The rest (host tensors, DTensors, views that are not dense) is packed into one of two
 CUDA buffers whose handles went out once with the sync's metadata (over the gloo control group, keyed by the
@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from genengine import ipc
+from genengine.engine import ipc
 from genengine.transport import _layout as layout
 from genengine.transport._group import Group
 from genengine.transport._trace import Trace
@@ -173,7 +173,7 @@ def _fail_open(version: int) -> int | None:
 
 
 # A receiver's acknowledgement: the broadcast transports' (code, bucket, sync number), then how many of the
-# sync's tensors its engine passed on to another process so far (genengine.ipc.passes).
+# sync's tensors its engine passed on to another process so far (genengine.engine.ipc.passes).
 IPC_STATUS_WIDTH = STATUS_WIDTH + 1
 
 

@@ -1,4 +1,5 @@
-"""The errors of weight transports, under :class:`genengine.errors.GenEngineError`.
+"""The errors of weight transports, under :class:`genengine.errors.GenEngineError` (``TransportError`` and the
+registry's two lookup errors live in :mod:`genengine.errors`, handed on here).
 
 The field's top complaint about weight syncs is the one that hangs with no error (TRL #6796/#6797):
 every wait of a transport has a deadline, and the error says which group, which rank(s) and which
@@ -7,7 +8,7 @@ timeout, so that the job log names who did not arrive.
 
 from __future__ import annotations
 
-from genengine.errors import GenEngineError
+from genengine.errors import DuplicateTransportError, TransportError, TransportNotFoundError
 
 __all__ = [
     "ChecksumError",
@@ -16,10 +17,6 @@ __all__ = [
     "TransportNotFoundError",
     "TransportTimeoutError",
 ]
-
-
-class TransportError(GenEngineError, RuntimeError):
-    """A weight sync failed: bad spec, a peer failed, or the group is broken after an earlier failure."""
 
 
 class TransportTimeoutError(TransportError, TimeoutError):
@@ -35,11 +32,3 @@ class ChecksumError(TransportError):
 
     The message names the bucket and its tensors.
     """
-
-
-class TransportNotFoundError(TransportError, LookupError):
-    """No transport of that name is registered."""
-
-
-class DuplicateTransportError(TransportError):
-    """Two plugins registered the same transport name."""

@@ -69,9 +69,9 @@ def main() -> int:
     from support.processes import descendants
 
     from genengine import create_engine
+    from genengine.models.tiny_model import build_tiny_model
     from genengine.protocol import SamplingParams
     from genengine.testing.conformance import load_checkpoint
-    from genengine.testing.tiny_model import build_tiny_model
 
     if RANK == 0:
         build_tiny_model(MODEL_DIR, seed=0)

@@ -6,7 +6,7 @@ SIGKILL, an uncaught exception, or a normal exit *without* ``shutdown()``. After
 tree, and any process carrying the run's environment marker (orphans wherever they were re-parented), must be
 gone, and the GPU's free memory must be back where it was before the trainer started. SGLang's engine
 processes die with the trainer through ``PR_SET_PDEATHSIG`` (SGLang sets it in its scheduler and
-detokenizer) and ``genengine.lifecycle.at_exit`` (normal exit, exception, Ctrl-C); vLLM runs in the trainer's
+detokenizer) and ``genengine.engine.lifecycle.at_exit`` (normal exit, exception, Ctrl-C); vLLM runs in the trainer's
 process. The CPU twin, with the controls that show the checks can fail, is tests/test_cleanup.py.
 
 The engine is SGLang when it is importable, else vLLM (``GENENGINE_CLEANUP_BACKEND`` overrides); SGLang's
@@ -95,7 +95,7 @@ def setup() -> dict[str, Any]:
     backend = installed_engine("GENENGINE_CLEANUP_BACKEND")
     if backend is None:
         pytest.skip("needs sglang or vllm")
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     torch.cuda.init()
     return {"backend": backend, "model": str(tiny_model_dir()), "record": {}}

@@ -159,7 +159,7 @@ def setup() -> dict[str, Any]:
     backend = installed_engine("GENENGINE_EXIT_BACKEND")
     if backend is None:
         pytest.skip("needs sglang or vllm")
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     return {"backend": backend, "model": str(tiny_model_dir())}
 

@@ -1,5 +1,5 @@
 """EnginePool on one GPU (marker gpu): a trainer actor holding an engine in-process and a one-replica pool in
-its placement-group bundle, the replica synced over ``cuda_ipc`` (genengine/bench/pool.py, at the tiny model's
+its placement-group bundle, the replica synced over ``cuda_ipc`` (genengine/cli/bench/pool.py, at the tiny model's
 size). Every engine importable here is measured (``GENENGINE_RAY_BACKENDS=sglang,vllm`` to choose).
 
 Checked: three syncs (checksums on) of new weights from the trainer actor's CUDA tensors, which the replica
@@ -58,7 +58,7 @@ HANDLES = tuple(os.environ.get("GENENGINE_RAY_GPU_HANDLES", "driver,torch").spli
 
 
 def _settings(backend: str) -> Any:
-    from genengine.bench.pool import PoolBenchSettings
+    from genengine.cli.bench.pool import PoolBenchSettings
 
     if SCALE == "7b":
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -92,7 +92,7 @@ def _settings(backend: str) -> Any:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_colocated_replica_synced_over_cuda_ipc_serves_the_trainers_weights(backend: str) -> None:
-    from genengine.bench.pool import format_pool_report, run_pool_bench
+    from genengine.cli.bench.pool import format_pool_report, run_pool_bench
 
     settings = _settings(backend)
     assert settings.checksum and settings.syncs >= 3 and settings.sleep

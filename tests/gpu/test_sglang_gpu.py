@@ -54,9 +54,9 @@ from genengine.errors import (  # noqa: E402
     WeightLoadError,
     WeightsNotLoadedError,
 )
+from genengine.models.tiny_model import tiny_model_dir  # noqa: E402
 from genengine.protocol import GenerationEngine, GenerationResult, SamplingParams  # noqa: E402
 from genengine.testing.conformance import GREEDY, PROMPTS, EngineConformance  # noqa: E402
-from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
 from genengine_sglang.engine import SGLangEngine  # noqa: E402
 from genengine_sglang.lightrft import RLGenerationEngine  # noqa: E402
 

@@ -48,7 +48,7 @@ def _spec(transport: str, world_size: int = 2, **kw: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     return str(tiny_model_dir())
 
@@ -137,7 +137,7 @@ def in_place_run(request: pytest.FixtureRequest, model: str, tmp_path_factory: p
     """``IN_PLACE_SYNCS`` from the trainer's GPU tensors, shared by torch's handles or the driver's (``param``),
     with both ends' traces; one run for the tests below."""
     _need_gpus(1)
-    from genengine.ipc import HANDLES_ENV
+    from genengine.engine.ipc import HANDLES_ENV
     from genengine.transport._trace import ENV as TRACE_ENV
     from genengine.transport.cuda_ipc import FAIL_OPEN_ENV
 
@@ -247,7 +247,7 @@ def test_a_dead_nccl_sender_makes_the_replica_raise_and_survive(model: str) -> N
 
 @pytest.mark.parametrize("mode", ["spare", "settled", "driver"])
 def test_memory_opened_from_the_trainer_passes_on_to_a_third_process(mode: str) -> None:
-    """The colocated SGLang replica's path (``genengine.ipc``): the replica opens the trainer's tensors (by
+    """The colocated SGLang replica's path (``genengine.engine.ipc``): the replica opens the trainer's tensors (by
     torch's handles, or the driver's: ``driver``) and its engine process reads them bit for bit, under the
     trainer's spare share or, with none left, as the replica's copy; every share is released once (passed on,
     or settled unused) and every driver handle closed, so the trainer's memory goes back when it lets go: a

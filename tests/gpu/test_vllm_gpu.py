@@ -41,9 +41,9 @@ from support.gpu_checks import (  # noqa: E402
 
 from genengine import create_engine  # noqa: E402
 from genengine.errors import EngineClosedError, EngineStateError  # noqa: E402
+from genengine.models.tiny_model import tiny_model_dir  # noqa: E402
 from genengine.protocol import GenerationEngine, GenerationResult, SamplingParams  # noqa: E402
 from genengine.testing.conformance import PROMPTS, EngineConformance  # noqa: E402
-from genengine.testing.tiny_model import tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -45,7 +45,7 @@ QUESTIONS = ["Describe the image.", "What colour is it?"]
 def vlm() -> dict[str, Any]:
     from transformers import AutoProcessor
 
-    from genengine.testing.tiny_vlm import tiny_image, tiny_vlm_dir
+    from genengine.models.tiny_vlm import tiny_image, tiny_vlm_dir
 
     model = str(tiny_vlm_dir())
     processor = AutoProcessor.from_pretrained(model)

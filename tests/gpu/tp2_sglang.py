@@ -67,7 +67,7 @@ def main() -> int:
     gather = RUN.gather
 
     if RANK == 0:
-        from genengine.testing.tiny_model import build_tiny_model
+        from genengine.models.tiny_model import build_tiny_model
 
         build_tiny_model(MODEL_DIR, seed=0)  # 4 heads, 2 KV heads: both divide by tp_size 2
         build_tiny_model(OTHER_DIR, seed=1)

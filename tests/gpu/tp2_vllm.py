@@ -58,8 +58,8 @@ def main() -> int:
     from support.gpu_checks import free_gpu_memory
 
     from genengine.errors import InconsistentInputsError
+    from genengine.models.tiny_model import build_tiny_model
     from genengine.protocol import SamplingParams
-    from genengine.testing.tiny_model import build_tiny_model
     from genengine_vllm import get_vllm_engine
 
     if RANK == 0 and not os.path.exists(os.path.join(args.model, "config.json")):

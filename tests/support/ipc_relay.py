@@ -1,5 +1,5 @@
 """Three processes on one GPU: a trainer shares its tensors, a replica opens them and passes them on
-(``genengine.ipc.dumps``), an engine process opens what it was passed. What the colocated SGLang replica of a
+(``genengine.engine.ipc.dumps``), an engine process opens what it was passed. What the colocated SGLang replica of a
 ``cuda_ipc`` sync does, with torch alone; ``tests/gpu/test_transport_gpu.py`` runs it.
 
 Checked: the engine process reads the trainer's values bit for bit (a dense tensor and a view at an odd
@@ -45,7 +45,7 @@ def _engine(payloads: list[bytes], out: Any) -> None:
 def _replica(shares: dict[str, Any], mode: str, out: Any) -> None:
     import torch
 
-    from genengine import ipc
+    from genengine.engine import ipc
 
     torch.cuda.set_device(0)
     try:
@@ -79,7 +79,7 @@ def run(mode: str) -> dict[str, Any]:
     """The trainer's side; returns what each process read and the trainer's memory before, during and after."""
     import torch
 
-    from genengine import ipc
+    from genengine.engine import ipc
 
     torch.cuda.set_device(0)
     torch.cuda.synchronize()

@@ -33,7 +33,7 @@ def _claim(switch: Path) -> bool:
 
 
 def install() -> None:
-    from genengine.backends.transformers import TransformersEngine
+    from genengine.backends.transformers.engine import TransformersEngine
 
     original = TransformersEngine._apply_weights
     original_generate = TransformersEngine.generate

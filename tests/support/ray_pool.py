@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from genengine import SamplingParams, create_engine
+from genengine.models.tiny_model import tiny_model_dir
 from genengine.ray import EnginePool
 from genengine.testing.conformance import load_checkpoint
-from genengine.testing.tiny_model import tiny_model_dir
 from support.ray_cluster import local_cluster
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Hello", "my name is"]

@@ -21,7 +21,12 @@ from __future__ import annotations
 import multiprocessing as mp
 from typing import Any
 
-PRELOAD = ("torch", "torch.distributed", "transformers.models.qwen2.modeling_qwen2", "genengine.backends.transformers")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "transformers.models.qwen2.modeling_qwen2",
+    "genengine.backends.transformers.engine",
+)
 """What the server imports before its first fork; a module that fails to import is left to the child."""
 
 

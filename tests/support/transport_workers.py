@@ -116,14 +116,14 @@ def trainer_stream(which: str) -> list[tuple[str, Any]]:
 
 
 def awkward_weights(model_dir: str, version: int, device: str) -> list[tuple[str, Any]]:
-    """``genengine.bench.pool.random_weights`` laid out as a trainer may hold them, with the same values: every
+    """``genengine.cli.bench.pool.random_weights`` laid out as a trainer may hold them, with the same values: every
     third 2-D tensor transposed in memory (not contiguous: ``cuda_ipc`` packs it into a bucket), every third + 1
     a view at an odd element offset of a larger allocation (dense: ``cuda_ipc`` shares it in place, at that
     offset). The pool benchmark's ``weights`` in tests/gpu/test_ray_gpu.py, so each engine's replica reads
     both kinds, by both ways of sharing, and must serve what the in-process engine loaded from them."""
     import torch
 
-    from genengine.bench.pool import random_weights
+    from genengine.cli.bench.pool import random_weights
 
     out: list[tuple[str, Any]] = []
     for i, (name, tensor) in enumerate(random_weights(model_dir, version, device)):

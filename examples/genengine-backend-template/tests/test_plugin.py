@@ -7,8 +7,8 @@ import pytest
 from genengine import available_backends, create_engine
 from genengine.config import EngineConfig
 from genengine.errors import ConfigError
-from genengine.registry import get_backend
-from genengine.testing.tiny_model import tiny_model_dir
+from genengine.models.tiny_model import tiny_model_dir
+from genengine.plugins.registry import get_backend
 
 
 def test_registered_through_the_entry_point() -> None:

@@ -16,9 +16,9 @@ from typing import Any, ClassVar
 
 import pytest
 
+from genengine.models.tiny_model import tiny_model_dir
 from genengine.protocol import GenerationEngine, GenerationResult, SamplingParams
 from genengine.testing.parity import parity_bound
-from genengine.testing.tiny_model import tiny_model_dir
 
 __all__ = [
     "GREEDY",
@@ -76,11 +76,11 @@ def reference_logprobs(
     return [float(v) for v in logp.gather(1, torch.tensor(token_ids)[:, None])[:, 0]]
 
 
-def _tokens(results: list[GenerationResult]) -> list[list[list[int]]]:
+def token_ids_of(results: list[GenerationResult]) -> list[list[list[int]]]:
     return [[o.token_ids for o in r.outputs] for r in results]
 
 
-def _prefix_cache_hits(engine: GenerationEngine) -> int | None:
+def engine_prefix_hits(engine: GenerationEngine) -> int | None:
     """The engine's optional ``prefix_cache_hits`` (grows whenever a generate reuses a cached prefix), or None.
 
     An engine that offers it promises a prefix cache that repeated prompts hit: the flush tests count on it.
@@ -89,18 +89,18 @@ def _prefix_cache_hits(engine: GenerationEngine) -> int | None:
     return hits if isinstance(hits, int) else None
 
 
-def _expect_raises(exc_type: type[BaseException], call: Callable[[], Any]) -> BaseException:
+def expect_raises(exc_type: type[BaseException], call: Callable[[], Any]) -> BaseException:
     with pytest.raises(exc_type) as info:
         call()
     return info.value
 
 
-def _smallest_bucket(weights: dict[str, Any]) -> int:
+def smallest_bucket(weights: dict[str, Any]) -> int:
     """A bucket size that puts every tensor in a bucket of its own, so a stream is written in many steps."""
     return min(t.numel() * t.element_size() for t in weights.values())
 
 
-def _breaking_stream(items: list[tuple[str, Any]], count: int, error: BaseException) -> Iterator[tuple[str, Any]]:
+def breaking_stream(items: list[tuple[str, Any]], count: int, error: BaseException) -> Iterator[tuple[str, Any]]:
     """The first ``count`` pairs, then ``error``: a trainer whose weight stream dies part-way."""
     yield from items[:count]
     raise error
@@ -146,10 +146,10 @@ def _restore(engine: GenerationEngine, weights: dict[str, Any] | None, baseline:
             step = "resuming generation"
             asyncio.run(asyncio.wait_for(engine.resume_generation(), 60))
         step = "generating the baseline"
-        got = _tokens(engine.generate(PROMPTS, GREEDY))
+        got = token_ids_of(engine.generate(PROMPTS, GREEDY))
     except Exception as exc:
         return f"{step} raised {exc!r}"
-    want = _tokens(baseline)
+    want = token_ids_of(baseline)
     if got != want:
         i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
         return f"its greedy tokens for PROMPTS[{i}] are {got[i]}, the baseline's {want[i]}"
@@ -179,7 +179,7 @@ class ConformanceBase:
     each in Ray's object store first): a tensor that fails on read fails the call with nothing changed."""
     prefix_cache_survives_sleep: ClassVar[bool] = False
     """The engine keeps its prefix cache over a level-1 sleep (as SGLang) and offers ``prefix_cache_hits``, an
-    int that grows whenever a ``generate`` reuses a cached prefix (read by ``_prefix_cache_hits``). Then the
+    int that grows whenever a ``generate`` reuses a cached prefix (read by ``engine_prefix_hits``). Then the
     flush a load owes while the KV cache sleeps is seen to happen at wake, by counting hits."""
 
     def make_engine(self, model_dir: str, **options: Any) -> GenerationEngine:
@@ -340,7 +340,7 @@ class ConformanceBase:
             engine.load_weights(weights.items())
 
     def assert_baseline(self, engine: GenerationEngine, baseline: list[GenerationResult]) -> None:
-        assert _tokens(engine.generate(PROMPTS, GREEDY)) == _tokens(baseline)
+        assert token_ids_of(engine.generate(PROMPTS, GREEDY)) == token_ids_of(baseline)
 
     def logprob_bound(self, hf_model: Any, results: list[GenerationResult], params: SamplingParams) -> float:
         """``logprob_tolerance``, or for a bf16 engine 1.25x transformers' bf16 gap on these tokens if larger."""
@@ -367,7 +367,7 @@ class ConformanceBase:
     def assert_same_outputs(self, results: list[GenerationResult], reference: list[GenerationResult]) -> None:
         """Greedy outputs of this engine equal ``reference`` (a fresh engine's): same tokens, logprobs within
         ``logprob_tolerance`` on average. A weight load must be as good as a restart on those weights."""
-        assert _tokens(results) == _tokens(reference)
+        assert token_ids_of(results) == token_ids_of(reference)
         diffs = [
             abs(a - b)
             for got, want in zip(results, reference, strict=True)

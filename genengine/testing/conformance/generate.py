@@ -13,9 +13,9 @@ from genengine.testing.conformance.base import (
     GREEDY,
     PROMPTS,
     ConformanceBase,
-    _expect_raises,
-    _tokens,
+    expect_raises,
     reference_logprobs,
+    token_ids_of,
 )
 
 __all__ = ["GenerateTests"]
@@ -102,7 +102,7 @@ class GenerateTests(ConformanceBase):
         ids = [tokenizer.encode(p) for p in PROMPTS]
         results = engine.generate(prompt_token_ids=ids, sampling_params=GREEDY)
         assert [r.prompt_token_ids for r in results] == ids
-        assert _tokens(results) == _tokens(baseline)
+        assert token_ids_of(results) == token_ids_of(baseline)
 
     def test_output_fields(self, engine: GenerationEngine, tokenizer: Any, baseline: list[GenerationResult]) -> None:
         for result in baseline:
@@ -241,7 +241,7 @@ class GenerateTests(ConformanceBase):
         for extra in ({"top_k": 1}, {"top_p": 1e-6}):
             params = {"temperature": 1.0, "max_new_tokens": GREEDY.max_new_tokens, "logprobs": True, "seed": 5, **extra}
             results = engine.generate(PROMPTS, params)
-            assert _tokens(results) == _tokens(baseline), extra
+            assert token_ids_of(results) == token_ids_of(baseline), extra
             for result in results:
                 logprobs = result.outputs[0].logprobs
                 assert logprobs is not None
@@ -263,14 +263,14 @@ class GenerateTests(ConformanceBase):
         if not self.supports_seed:
             pytest.skip("the engine does not promise reproducible seeded sampling (supports_seed = False)")
         params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10, seed=1234, n=2)
-        first = _tokens(engine.generate(PROMPTS[1:2], params))
-        assert _tokens(engine.generate(PROMPTS[1:2], params)) == first
+        first = token_ids_of(engine.generate(PROMPTS[1:2], params))
+        assert token_ids_of(engine.generate(PROMPTS[1:2], params)) == first
         other = SamplingParams(temperature=1.0, max_new_tokens=10, seed=99)
-        different = _tokens(engine.generate(PROMPTS[1:2], SamplingParams(**{**_fields(params), "seed": 4321})))
+        different = token_ids_of(engine.generate(PROMPTS[1:2], SamplingParams(**{**_fields(params), "seed": 4321})))
         assert different != first, "two seeds gave the same samples"
         if self.seeded_batch_invariant:
             batch = engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [other, params, GREEDY])
-            assert _tokens(batch)[1] == first[0], "a seeded request's samples changed with its batch"
+            assert token_ids_of(batch)[1] == first[0], "a seeded request's samples changed with its batch"
 
     def test_max_new_tokens_and_ignore_eos(self, engine: GenerationEngine) -> None:
         params = [
@@ -363,7 +363,7 @@ class GenerateTests(ConformanceBase):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
-        _expect_raises(InvalidArgumentError, lambda: engine.generate(*args, **kwargs))
+        expect_raises(InvalidArgumentError, lambda: engine.generate(*args, **kwargs))
         assert not engine.is_sleeping and engine.state.weights_loaded
         out = engine.generate(PROMPTS[:1], {"temperature": 0.0, "max_new_tokens": 2})
         assert out[0].outputs[0].token_ids == baseline[0].outputs[0].token_ids[:2]
@@ -371,7 +371,7 @@ class GenerateTests(ConformanceBase):
     def test_images_rejected_when_unsupported(self, engine: GenerationEngine) -> None:
         if self.supports_images:
             pytest.skip("the engine takes images")
-        _expect_raises(InvalidArgumentError, lambda: engine.generate(["hi"], image_data=[b"not an image"]))
+        expect_raises(InvalidArgumentError, lambda: engine.generate(["hi"], image_data=[b"not an image"]))
 
 
 def _fields(params: SamplingParams) -> dict[str, Any]:

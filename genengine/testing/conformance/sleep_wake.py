@@ -6,10 +6,10 @@ from typing import Any
 
 import pytest
 
-from genengine.base import EngineBase
+from genengine.engine.base import EngineBase
 from genengine.errors import EngineSleepingError, InvalidArgumentError, WeightsNotLoadedError
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, GenerationEngine, GenerationResult
-from genengine.testing.conformance.base import GREEDY, PROMPTS, ConformanceBase, _expect_raises
+from genengine.testing.conformance.base import GREEDY, PROMPTS, ConformanceBase, expect_raises
 
 __all__ = ["SleepWakeTests"]
 
@@ -32,9 +32,9 @@ class SleepWakeTests(ConformanceBase):
         state = engine.state
         assert engine.is_sleeping and state.sleep_level == 1
         assert state.released_tags == frozenset(engine.supported_tags)
-        _expect_raises(EngineSleepingError, lambda: engine.generate(PROMPTS, GREEDY))
-        _expect_raises(EngineSleepingError, lambda: engine.generate(prompt_token_ids=[[1, 2]]))
-        _expect_raises(EngineSleepingError, lambda: engine.load_weights(original_weights.items()))
+        expect_raises(EngineSleepingError, lambda: engine.generate(PROMPTS, GREEDY))
+        expect_raises(EngineSleepingError, lambda: engine.generate(prompt_token_ids=[[1, 2]]))
+        expect_raises(EngineSleepingError, lambda: engine.load_weights(original_weights.items()))
         engine.sleep(1)  # double sleep: no-op
         engine.sleep(2)  # any sleep while asleep: no-op, the level stays
         assert engine.state.sleep_level == 1
@@ -48,7 +48,7 @@ class SleepWakeTests(ConformanceBase):
         engine.sleep(1)
         engine.wake([TAG_WEIGHTS])
         assert engine.is_sleeping and engine.state.released_tags == frozenset({TAG_KV_CACHE})
-        _expect_raises(EngineSleepingError, lambda: engine.generate(PROMPTS, GREEDY))
+        expect_raises(EngineSleepingError, lambda: engine.generate(PROMPTS, GREEDY))
         engine.wake([TAG_KV_CACHE])
         assert not engine.is_sleeping
         self.assert_baseline(engine, baseline)
@@ -73,10 +73,10 @@ class SleepWakeTests(ConformanceBase):
             assert engine.state.sleep_level == 2 and not engine.state.weights_loaded
             engine.wake()
             assert not engine.is_sleeping and not engine.state.weights_loaded
-            _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+            expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
             first = next(iter(original_weights))
             engine.load_weights([(first, original_weights[first])])  # one tensor is not all of them
-            _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+            expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
             engine.load_weights(original_weights.items())
             assert engine.state.weights_loaded
             self.assert_baseline(engine, baseline)
@@ -91,7 +91,7 @@ class SleepWakeTests(ConformanceBase):
             engine.wake([TAG_WEIGHTS])
             engine.load_weights(original_weights.items())
             assert engine.state.released_tags == frozenset({TAG_KV_CACHE})
-            _expect_raises(EngineSleepingError, lambda: engine.generate(PROMPTS, GREEDY))
+            expect_raises(EngineSleepingError, lambda: engine.generate(PROMPTS, GREEDY))
             engine.wake([TAG_KV_CACHE])
             assert not engine.is_sleeping and engine.state.weights_loaded
             self.assert_baseline(engine, baseline)

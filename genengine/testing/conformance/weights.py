@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from genengine.base import EngineBase
+from genengine.engine.base import EngineBase
 from genengine.errors import EngineStateError, InvalidArgumentError, WeightLoadError, WeightsNotLoadedError
 from genengine.protocol import (
     TAG_KV_CACHE,
@@ -21,12 +21,12 @@ from genengine.testing.conformance.base import (
     GREEDY,
     PROMPTS,
     ConformanceBase,
-    _breaking_stream,
-    _expect_raises,
-    _prefix_cache_hits,
-    _smallest_bucket,
-    _tokens,
+    breaking_stream,
+    engine_prefix_hits,
+    expect_raises,
     reference_logprobs,
+    smallest_bucket,
+    token_ids_of,
 )
 
 __all__ = ["WeightsTests"]
@@ -97,7 +97,7 @@ class WeightsTests(ConformanceBase):
     ) -> None:
         """Also the stale-cache check: the same prompts just ran, so a cache that survived would show."""
         reference = other_record["results"]
-        assert _tokens(reference) != _tokens(baseline), "the two random models should not agree"
+        assert token_ids_of(reference) != token_ids_of(baseline), "the two random models should not agree"
         with self.restoring(engine, original_weights):
             self.assert_baseline(engine, baseline)
             report = engine.load_weights(other_weights.items())
@@ -139,11 +139,11 @@ class WeightsTests(ConformanceBase):
         }[bad]
         stream = [(n, t) for n, t in other_weights.items() if bad == "name-twice" or n != name] + [entry]
         with self.restoring(engine, original_weights):
-            error = _expect_raises(WeightLoadError, lambda: engine.load_weights(stream))
+            error = expect_raises(WeightLoadError, lambda: engine.load_weights(stream))
             assert entry[0] in str(error), f"the error should name {entry[0]!r}: {error}"
             assert engine.state.weights_loaded and not engine.is_sleeping
             results = engine.generate(PROMPTS, GREEDY)
-            assert _tokens(results) == _tokens(baseline)
+            assert token_ids_of(results) == token_ids_of(baseline)
             # The weights serving these outputs are the original checkpoint's, by transformers' own forward
             # (held to the same bound as the baseline's parity test: bf16 engines have bf16's floor).
             diffs = []
@@ -172,10 +172,10 @@ class WeightsTests(ConformanceBase):
         other_weights: dict[str, Any],
     ) -> None:
         items = list(other_weights.items())
-        stream = _breaking_stream(items, len(items) // 2, RuntimeError("trainer died half-way through the weights"))
+        stream = breaking_stream(items, len(items) // 2, RuntimeError("trainer died half-way through the weights"))
         with self.restoring(engine, original_weights):
-            _expect_raises(
-                RuntimeError, lambda: engine.load_weights(stream, bucket_bytes=_smallest_bucket(other_weights))
+            expect_raises(
+                RuntimeError, lambda: engine.load_weights(stream, bucket_bytes=smallest_bucket(other_weights))
             )
             self.assert_old_weights_or_refused(engine, baseline)
         self.assert_baseline(engine, baseline)
@@ -190,11 +190,11 @@ class WeightsTests(ConformanceBase):
             lambda: engine.generate(PROMPTS, GREEDY),
             lambda: engine.generate(prompt_token_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 1}),
         ):
-            error = _expect_raises(WeightsNotLoadedError, call)
+            error = expect_raises(WeightsNotLoadedError, call)
             assert "incomplete weights" in str(error) and "failed" in str(error), error
         engine.sleep(1)  # a sleep/wake cycle does not make half-written weights servable
         engine.wake()
-        _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+        expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
 
     def _streams_buckets(self, engine: GenerationEngine) -> bool:
         """True for engines that write each bucket as it comes (so a late failure leaves some written)."""
@@ -219,7 +219,7 @@ class WeightsTests(ConformanceBase):
             "not-a-tensor": (name, "not a tensor"),
             "not-a-pair": (name,),
         }[bad]
-        smallest = _smallest_bucket(other_weights)
+        smallest = smallest_bucket(other_weights)
         pulled: list[str] = []
 
         def stream() -> Iterator[Any]:
@@ -228,7 +228,7 @@ class WeightsTests(ConformanceBase):
                 yield item
 
         with self.restoring(engine, original_weights):
-            error = _expect_raises(WeightLoadError, lambda: engine.load_weights(stream(), bucket_bytes=smallest))
+            error = expect_raises(WeightLoadError, lambda: engine.load_weights(stream(), bucket_bytes=smallest))
             assert (entry[0] if bad != "not-a-pair" else f"entry {cut}") in str(error), error
             assert len(pulled) > cut, "the stream was not read up to the bad entry"
             if self._streams_buckets(engine):
@@ -245,12 +245,12 @@ class WeightsTests(ConformanceBase):
     ) -> None:
         """The RL step's order: sleep, wake weights, load (fails half-way), wake KV cache, generate."""
         items = list(other_weights.items())
-        stream = _breaking_stream(items, 3 * len(items) // 4, ConnectionError("the trainer's weight stream broke"))
+        stream = breaking_stream(items, 3 * len(items) // 4, ConnectionError("the trainer's weight stream broke"))
         with self.restoring(engine, original_weights):
             engine.sleep(1)
             engine.wake([TAG_WEIGHTS])
-            _expect_raises(
-                ConnectionError, lambda: engine.load_weights(stream, bucket_bytes=_smallest_bucket(other_weights))
+            expect_raises(
+                ConnectionError, lambda: engine.load_weights(stream, bucket_bytes=smallest_bucket(other_weights))
             )
             engine.wake([TAG_KV_CACHE])
             assert not engine.is_sleeping
@@ -270,15 +270,15 @@ class WeightsTests(ConformanceBase):
         """Recovery: once a load covers every weight again, outputs are exactly the new weights' own."""
         items = list(other_weights.items())
         half = len(items) // 2
-        failing = _breaking_stream(items, half, RuntimeError("trainer died half-way through the weights"))
-        smallest = _smallest_bucket(other_weights)
+        failing = breaking_stream(items, half, RuntimeError("trainer died half-way through the weights"))
+        smallest = smallest_bucket(other_weights)
         reference = other_record["results"]
         with self.restoring(engine, original_weights):
-            _expect_raises(RuntimeError, lambda: engine.load_weights(failing, bucket_bytes=smallest))
+            expect_raises(RuntimeError, lambda: engine.load_weights(failing, bucket_bytes=smallest))
             if not engine.state.weights_loaded:
                 # The weights the failed call had written do not count: a load of the rest is not enough.
                 engine.load_weights(items[half:], bucket_bytes=smallest)
-                _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+                expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
             report = engine.load_weights(iter(items), bucket_bytes=smallest)
             assert report.num_tensors == len(items) and report.num_buckets > 1
             assert engine.state.weights_loaded
@@ -289,14 +289,14 @@ class WeightsTests(ConformanceBase):
         """Outputs unchanged by flushes; where the engine counts cache hits, a flushed cache is really empty."""
         engine.flush_cache()
         self.assert_baseline(engine, baseline)
-        hits = _prefix_cache_hits(engine)
+        hits = engine_prefix_hits(engine)
         if hits is not None:
             self.assert_baseline(engine, baseline)
-            assert (_prefix_cache_hits(engine) or 0) > hits, "the repeated prompts should hit the prefix cache"
+            assert (engine_prefix_hits(engine) or 0) > hits, "the repeated prompts should hit the prefix cache"
             engine.flush_cache()
-            hits = _prefix_cache_hits(engine)
+            hits = engine_prefix_hits(engine)
             self.assert_baseline(engine, baseline)
-            assert _prefix_cache_hits(engine) == hits, "a prefix cached before flush_cache was reused"
+            assert engine_prefix_hits(engine) == hits, "a prefix cached before flush_cache was reused"
         engine.flush_cache()
         engine.flush_cache()
         self.assert_baseline(engine, baseline)
@@ -316,24 +316,24 @@ class WeightsTests(ConformanceBase):
         """
         counted = self.prefix_cache_survives_sleep
         if counted:
-            assert _prefix_cache_hits(engine) is not None, "prefix_cache_survives_sleep needs prefix_cache_hits"
+            assert engine_prefix_hits(engine) is not None, "prefix_cache_survives_sleep needs prefix_cache_hits"
             engine.generate(PROMPTS, GREEDY)
             engine.sleep(1)
             engine.wake([TAG_WEIGHTS])
             engine.wake([TAG_KV_CACHE])
-            before = _prefix_cache_hits(engine) or 0
+            before = engine_prefix_hits(engine) or 0
             self.assert_baseline(engine, baseline)
-            assert (_prefix_cache_hits(engine) or 0) > before, "without a load the kept cache should be hit"
+            assert (engine_prefix_hits(engine) or 0) > before, "without a load the kept cache should be hit"
         with self.restoring(engine, original_weights):
             engine.generate(PROMPTS, GREEDY)  # the cache now holds the original weights' prefixes
             engine.sleep(1)
             engine.wake([TAG_WEIGHTS])
             engine.load_weights(other_weights.items())
             engine.wake([TAG_KV_CACHE])
-            hits = _prefix_cache_hits(engine)
+            hits = engine_prefix_hits(engine)
             results = engine.generate(PROMPTS, GREEDY)
             if counted:
-                assert _prefix_cache_hits(engine) == hits, "the cache of the old weights was reused after the load"
+                assert engine_prefix_hits(engine) == hits, "the cache of the old weights was reused after the load"
             self.assert_same_outputs(results, other_record["results"])
         self.assert_baseline(engine, baseline)
 
@@ -378,17 +378,17 @@ class WeightsTests(ConformanceBase):
         items[at] = (name, _unreadable_like(tensor))
         whole = sum(t.numel() * t.element_size() for t in other_weights.values())
         with self.restoring(engine, original_weights):
-            _expect_raises(Exception, lambda: engine.load_weights(items, bucket_bytes=whole))
+            expect_raises(Exception, lambda: engine.load_weights(items, bucket_bytes=whole))
             if self.reads_tensors_before_writing:  # it failed on read, before any write: nothing changed
                 assert engine.state.weights_loaded, "the call failed before writing anything"
                 self.assert_same_outputs(engine.generate(PROMPTS, GREEDY), baseline)
                 return
             assert not engine.state.weights_loaded, "a bucket was being written: its old weights are not whole"
-            error = _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+            error = expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
             assert "incomplete weights" in str(error) and "failed" in str(error), error
             engine.sleep(1)  # a sleep/wake cycle does not make the half-written bucket servable
             engine.wake()
-            _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+            expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
             report = engine.load_weights(original_weights.items())
             assert report.num_tensors == len(original_weights) and engine.state.weights_loaded
             self.assert_same_outputs(engine.generate(PROMPTS, GREEDY), baseline)
@@ -417,8 +417,8 @@ class WeightsTests(ConformanceBase):
             bad.untyped_storage().resize_(0)
         stream = [*items[:-1], (name, bad)]
         with self.restoring(engine, original_weights):
-            error = _expect_raises(
-                WeightLoadError, lambda: engine.load_weights(stream, bucket_bytes=_smallest_bucket(other_weights))
+            error = expect_raises(
+                WeightLoadError, lambda: engine.load_weights(stream, bucket_bytes=smallest_bucket(other_weights))
             )
             assert name in str(error) and "allowed are" in str(error), error
             assert engine.state.weights_loaded, "nothing may have been written"
@@ -438,9 +438,9 @@ class WeightsTests(ConformanceBase):
         bad = tensor.clone()
         bad.view(-1)[bad.numel() // 2] = value
         stream = [*items[:-1], (name, bad)]
-        smallest = _smallest_bucket(other_weights)
+        smallest = smallest_bucket(other_weights)
         with self.restoring(engine, original_weights):
-            error = _expect_raises(
+            error = expect_raises(
                 WeightLoadError, lambda: engine.load_weights(stream, bucket_bytes=smallest, check_finite=True)
             )
             assert name in str(error) and "NaN or infinite" in str(error), error
@@ -531,7 +531,7 @@ class WeightsTests(ConformanceBase):
             lambda: engine.load_weights([]),
             lambda: sessions.begin_load(),
         ):
-            error = _expect_raises(EngineStateError, call)
+            error = expect_raises(EngineStateError, call)
             assert "load session" in str(error) and "commit() or abort()" in str(error), error
 
     def test_load_session_labels_and_flushes_only_at_commit(
@@ -559,7 +559,7 @@ class WeightsTests(ConformanceBase):
             results = engine.generate(PROMPTS, GREEDY)
             self.assert_same_outputs(results, other_record["results"])  # the commit flushed the old cache
             assert {o.weight_versions for r in results for o in r.outputs} == {((0, old + 7),)}
-            _expect_raises(EngineStateError, lambda: session.write(items[:1]))  # a committed session takes no more
+            expect_raises(EngineStateError, lambda: session.write(items[:1]))  # a committed session takes no more
             again = engine.load_weights(items, bucket_bytes=sum(t.numel() * t.element_size() for _, t in items[:half]))
             assert (again.num_tensors, again.num_bytes) == (report.num_tensors, report.num_bytes)
         engine.load_weights([], version=old)
@@ -580,12 +580,12 @@ class WeightsTests(ConformanceBase):
         with self.restoring(engine, original_weights):
             session = sessions.begin_load(version=old + 3)
             session.write(items[:2])
-            error = _expect_raises(WeightLoadError, lambda: session.write([items[1], *items[2:4]]))
+            error = expect_raises(WeightLoadError, lambda: session.write([items[1], *items[2:4]]))
             assert items[1][0] in str(error) and "twice" in str(error), error
             assert not engine.state.weights_loaded
-            refused = _expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
+            refused = expect_raises(WeightsNotLoadedError, lambda: engine.generate(PROMPTS, GREEDY))
             assert "load session failed after writing 2 weight(s)" in str(refused), refused
-            _expect_raises(EngineStateError, session.commit)  # the failure ended it
+            expect_raises(EngineStateError, session.commit)  # the failure ended it
         assert self._version(engine) == old
         self.assert_baseline(engine, baseline)
 
@@ -598,14 +598,14 @@ class WeightsTests(ConformanceBase):
         name, tensor = next(iter(other_weights.items()))
         old = self._version(engine)
         session = sessions.begin_load(version=old + 1)
-        _expect_raises(WeightLoadError, lambda: session.write([(name, tensor.flatten()[:-1].clone())]))
+        expect_raises(WeightLoadError, lambda: session.write([(name, tensor.flatten()[:-1].clone())]))
         assert engine.state.weights_loaded
 
         def failing_block() -> None:
             with sessions.begin_load(version=old + 1):
                 raise ConnectionError("the sender went away before the first bucket")
 
-        _expect_raises(ConnectionError, failing_block)
+        expect_raises(ConnectionError, failing_block)
         with sessions.begin_load(version=old + 1):
             pass  # left without commit(): aborted
         assert engine.state.weights_loaded and self._version(engine) == old
@@ -617,7 +617,7 @@ class WeightsTests(ConformanceBase):
         sessions = self._sessions(engine)
         old = self._version(engine)
         session = sessions.begin_load(version=old + 2)
-        error = _expect_raises(EngineStateError, lambda: sessions.begin_load())
+        error = expect_raises(EngineStateError, lambda: sessions.begin_load())
         assert f"version {old + 2}" in str(error), error
         self._assert_refused_while_open(engine, sessions)
         session.abort()

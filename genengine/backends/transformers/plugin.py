@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from genengine.hookspecs import RegisterBackend, hookimpl
+from genengine.backend import RegisterBackend, hookimpl
 
 
 @hookimpl
 def register_backends(register: RegisterBackend) -> None:
     register(
         "transformers",
-        "genengine.backends.transformers:TransformersEngine.from_config",
+        "genengine.backends.transformers.engine:TransformersEngine.from_config",
         requires=("torch", "transformers"),
         install_hint="pip install genengine",
         description="embedded PyTorch + transformers engine (CPU or one CUDA device)",
-        raw_runner="genengine.backends.transformers:hf_generate_tokens_per_second",
-        raw_engine="genengine.backends.transformers:HFRawEngine",
+        raw_runner="genengine.backends.transformers.engine:hf_generate_tokens_per_second",
+        raw_engine="genengine.backends.transformers.engine:HFRawEngine",
     )

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from genengine.demo import (
+from genengine.cli.demos.sync import (
     PROMPTS,
     DemoConfig,
     DemoResult,
@@ -78,7 +78,7 @@ def run_async_demo(
 
 async def _run(cfg: DemoConfig, say: Callable[[str], None]) -> tuple[DemoResult, int]:
 
-    from genengine.registry import create_engine
+    from genengine.plugins.registry import create_engine
 
     start = time.perf_counter()
     t = Trainer.build(cfg)

@@ -130,15 +130,15 @@ def run_async_bench(
     settings.check()
     with contextlib.ExitStack() as stack:
         if engine is None:
-            from genengine.bench.measure import resolve_backend
+            from genengine.cli.bench.measure import resolve_backend
 
             resolve_backend(settings.backend)  # a bad name fails before the model is built
             from genengine.config import EngineConfig
-            from genengine.registry import create_engine
+            from genengine.plugins.registry import create_engine
 
             model = settings.model
             if model is None:
-                from genengine.testing.tiny_model import build_tiny_model
+                from genengine.models.tiny_model import build_tiny_model
 
                 tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="genengine-bench-async-"))
                 model = str(build_tiny_model(Path(tmp) / "model"))
@@ -150,9 +150,9 @@ def run_async_bench(
             engine = create_engine(EngineConfig(options=dict(settings.options), **fields))
             stack.callback(engine.shutdown)
             if weights is None:
-                from genengine.bench.measure import _trainer_weights
+                from genengine.cli.bench.measure import trainer_weights
 
-                tensors = _trainer_weights(model, "cpu", settings.dtype)
+                tensors = trainer_weights(model, "cpu", settings.dtype)
                 weights = lambda: tensors.items()  # noqa: E731
         if not is_async_engine(engine):
             raise ConfigError(

@@ -1,6 +1,6 @@
 """The output of ``genengine bench``: the end-of-run table and the four-panel plot of a report.
 
-Both read only the report's plain data (what :func:`~genengine.bench.run_bench` returns, or its JSON
+Both read only the report's plain data (what :func:`~genengine.cli.bench.run_bench` returns, or its JSON
 file), so a saved report can be re-rendered without running anything.
 """
 

@@ -191,19 +191,19 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
     """Create the engine in this process and time ``settings.syncs`` syncs (after a warm-up one) with
     ``settings.in_flight`` requests generating; returns the report (plain JSON-able data)."""
     settings.check()
-    from genengine.bench.measure import resolve_backend
+    from genengine.cli.bench.measure import resolve_backend
 
     resolve_backend(settings.backend)  # a bad name fails before the model is built
     import torch
 
-    from genengine.bench.measure import _device_for, _device_name, _trainer_weights, _vocab_size
+    from genengine.cli.bench.measure import device_for, device_name, model_vocab_size, trainer_weights
     from genengine.config import EngineConfig
-    from genengine.registry import create_engine
+    from genengine.plugins.registry import create_engine
 
     with contextlib.ExitStack() as stack:
         model = settings.model
         if model is None:  # the session's tiny model (bf16 on disk), built once per process
-            from genengine.testing.tiny_model import tiny_model_dir
+            from genengine.models.tiny_model import tiny_model_dir
 
             model = str(tiny_model_dir())
             if settings.dtype is None:
@@ -214,17 +214,17 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
         if settings.mem_util is not None:
             fields["mem_util"] = settings.mem_util
         config = EngineConfig(options=dict(settings.options), **fields)
-        device = _device_for(settings)  # type: ignore[arg-type]
+        device = device_for(settings)  # type: ignore[arg-type]
         if any(Path(model).glob("*.safetensors")):
-            trainer = _trainer_weights(model, device, settings.trainer_dtype or config.dtype)
+            trainer = trainer_weights(model, device, settings.trainer_dtype or config.dtype)
         else:  # config.json alone (the engines' load_format="dummy"): random weights under the model's names
-            from genengine.bench.measure import random_weights
+            from genengine.cli.bench.measure import random_weights
 
             cast = getattr(torch, settings.trainer_dtype or config.dtype or "bfloat16", None)
             trainer = {n: t.to(cast) if cast is not None else t for n, t in random_weights(model, 1, device)}
         engine_dtype = getattr(torch, config.dtype) if config.dtype in ("bfloat16", "float16", "float32") else None
         gen = torch.Generator().manual_seed(settings.seed)
-        vocab = _vocab_size(model)
+        vocab = model_vocab_size(model)
         prompts = torch.randint(
             min(10, vocab - 1), vocab, (settings.in_flight, settings.prompt_len), generator=gen
         ).tolist()
@@ -248,7 +248,7 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
         return {
             "backend": str(settings.backend),
             "engine": type(engine).__name__,
-            "device": _device_name(device),
+            "device": device_name(device),
             "dtype": config.dtype,
             "trainer_dtype": settings.trainer_dtype or config.dtype,
             "num_tensors": len(trainer),

@@ -27,10 +27,17 @@ import pluggy
 
 from genengine import hookspecs
 from genengine.config import EngineConfig
-from genengine.errors import BackendImportError, BackendNotFoundError, ConfigError, DuplicateBackendError, closest
+from genengine.errors import (
+    BackendImportError,
+    BackendNotFoundError,
+    ConfigError,
+    DuplicateBackendError,
+    DuplicateTransportError,
+    TransportNotFoundError,
+    closest,
+)
+from genengine.plugins.versions import VerifiedRange, VersionStatus, installed_version
 from genengine.protocol import GenerationEngine
-from genengine.transport.errors import DuplicateTransportError, TransportNotFoundError
-from genengine.versions import VerifiedRange, VersionStatus, installed_version
 
 __all__ = [
     "BUILTIN_TRANSPORTS_PLUGIN",

@@ -7,17 +7,45 @@ steps every batch of the async requests in turn, admitting new rows between step
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from genengine.backends._sampling import buffer_layer_class
+from genengine.backends.transformers._sampling import buffer_layer_class
 
 if TYPE_CHECKING:
     import torch
 
-    from genengine.backends._sampling import Row
-    from genengine.backends.transformers import TransformersEngine, _Prefix
+    from genengine.backend import DriverLock
+    from genengine.backends.transformers._sampling import Row
 
-__all__ = ["DecodeBatch", "Scheduler"]
+__all__ = ["DecodeBatch", "Decoder", "Prefix", "Scheduler"]
+
+
+@dataclass
+class Prefix:
+    """A prompt's prefill: per-layer keys and values ``[kv_heads, len, head_dim]`` and the next-token logits."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    logits: torch.Tensor
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """What the decode loop needs of the engine, handed in by it: the loop never reaches into the engine."""
+
+    device: torch.device
+    max_batch_size: int
+    lock: DriverLock
+    """The engine's lock: each round runs under it, and lets waiting callers in between rounds."""
+    new_cache: Callable[[], Any]
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
+    """``(tokens [batch], allowed [batch, 1, 1, keys], positions [batch], cache) -> next-token logits``."""
+    sample: Callable[[torch.Tensor, list[Row]], tuple[torch.Tensor, list[int]]]
+    """``(logits, rows) -> (tokens, indices of the rows that go on)``; records each row's token."""
+    prefill: Callable[[list[tuple[int, ...]]], dict[tuple[int, ...], Prefix]]
 
 
 class DecodeBatch:
@@ -29,16 +57,16 @@ class DecodeBatch:
     the scheduler rebuilds the batch from a new prefill).
     """
 
-    def __init__(self, engine: TransformersEngine, rows: list[Row], prefixes: dict[tuple[int, ...], _Prefix]) -> None:
+    def __init__(self, decoder: Decoder, rows: list[Row], prefixes: dict[tuple[int, ...], Prefix]) -> None:
         import torch
 
-        self.engine, self.rows = engine, rows
+        self.decoder, self.rows = decoder, rows
         contexts = [row.context for row in rows]
         width = max(len(c) for c in contexts)
         capacity = width + max(row.params.max_new_tokens - len(row.out.tokens) for row in rows)
         batch = len(rows)
         first = prefixes[contexts[0]]
-        self.cache = engine._new_cache()
+        self.cache = decoder.new_cache()
         layers = []
         for layer in range(len(first.keys)):
             kv_heads, _, head_dim = first.keys[layer].shape
@@ -54,8 +82,8 @@ class DecodeBatch:
         allowed = torch.zeros((batch, 1, 1, capacity), dtype=torch.bool)
         for b, ctx in enumerate(contexts):
             allowed[b, :, :, width - len(ctx) : width] = True
-        self.allowed = allowed.to(engine.device)
-        self.positions = torch.tensor([len(c) for c in contexts], device=engine.device)
+        self.allowed = allowed.to(decoder.device)
+        self.positions = torch.tensor([len(c) for c in contexts], device=decoder.device)
         self.logits: torch.Tensor | None = torch.stack([prefixes[c].logits for c in contexts])
         self.unfed: torch.Tensor | None = None
         self.active = list(range(batch))
@@ -63,7 +91,7 @@ class DecodeBatch:
 
     def step(self) -> bool:
         """Sample one token for every live row (feeding the previous ones first); False once none is left."""
-        engine = self.engine
+        decoder = self.decoder
         gone = {j for j, i in enumerate(self.active) if self.rows[i].out.finish_reason is not None}  # aborted
         if gone:
             self._select([j for j in range(len(self.active)) if j not in gone])
@@ -72,18 +100,11 @@ class DecodeBatch:
         if self.unfed is not None:
             self.allowed[:, :, :, self.length] = True
             self.length += 1
-            out = engine._model(
-                input_ids=self.unfed[:, None],
-                attention_mask=engine._decode_mask(self.allowed[:, :, :, : self.length]),
-                position_ids=self.positions[:, None],
-                use_cache=True,
-                **{engine._cache_kwarg: self.cache},
-            )
-            self.logits = out.logits[:, -1].float()
+            self.logits = decoder.forward(self.unfed, self.allowed[:, :, :, : self.length], self.positions, self.cache)
             self.positions = self.positions + 1
         assert self.logits is not None
         live = [self.rows[i] for i in self.active]
-        self.unfed, keep = engine._sample(self.logits, live)
+        self.unfed, keep = decoder.sample(self.logits, live)
         self.logits = None
         for row in live:
             row.report()
@@ -97,7 +118,7 @@ class DecodeBatch:
         self.active = [self.active[j] for j in keep]
         if not keep:
             return
-        index = torch.tensor(keep, device=self.engine.device)
+        index = torch.tensor(keep, device=self.decoder.device)
         self.cache.batch_select_indices(index)
         self.allowed, self.positions = self.allowed[index], self.positions[index]
         if self.unfed is not None:
@@ -114,9 +135,9 @@ class Scheduler:
     turn, and stops stepping while generation is held. Each round runs under the engine's lock, so the
     synchronous calls (a ``generate``, a weight load, a sleep) land between rounds."""
 
-    def __init__(self, engine: TransformersEngine) -> None:
-        self.engine = engine
-        self.wakeup = threading.Condition(engine._lock.lock)
+    def __init__(self, decoder: Decoder) -> None:
+        self.decoder = decoder
+        self.wakeup = threading.Condition(decoder.lock.lock)
         self.pending: list[Row] = []
         self.batches: list[DecodeBatch] = []
         self.held = False
@@ -133,7 +154,7 @@ class Scheduler:
         import torch
 
         while True:
-            self.engine._lock.let_callers_in()
+            self.decoder.lock.let_callers_in()
             with self.wakeup:
                 while not self.stopping and (self.held or not (self.pending or self.batches)):
                     self.wakeup.wait()
@@ -146,16 +167,16 @@ class Scheduler:
                     self._fail_all(exc)
 
     def _round(self) -> None:
-        engine = self.engine
+        decoder = self.decoder
         if self.rebuild:
             self.pending[:0] = [row for b in self.batches for row in b.live_rows()]
             self.batches, self.rebuild = [], False
         if self.pending:
             rows, self.pending = self.pending, []
-            prefixes = engine._prefill(list(dict.fromkeys(row.context for row in rows)))
+            prefixes = decoder.prefill(list(dict.fromkeys(row.context for row in rows)))
             rows.sort(key=lambda row: len(row.context))
-            size = engine.max_batch_size
-            self.batches.extend(DecodeBatch(engine, rows[i : i + size], prefixes) for i in range(0, len(rows), size))
+            size = decoder.max_batch_size
+            self.batches.extend(DecodeBatch(decoder, rows[i : i + size], prefixes) for i in range(0, len(rows), size))
         self.batches = [b for b in self.batches if b.step()]
 
     def _fail_all(self, exc: BaseException) -> None:

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from genengine._optional import PLOT_INSTALL, plot_unavailable
-from genengine.environ import malloc_trim
+from genengine.engine.environ import malloc_trim
 from genengine.errors import ConfigError, InvalidArgumentError
+from genengine.plugins.optional import PLOT_INSTALL, plot_unavailable
 from genengine.protocol import SamplingParams
 
 __all__ = [
@@ -119,7 +119,7 @@ class DemoConfig:
 
     def check_engine(self) -> None:
         """What ``create_engine`` would refuse in these settings (backend, options), before the model is built."""
-        from genengine.registry import check_engine_config
+        from genengine.plugins.registry import check_engine_config
 
         check_engine_config(
             backend=self.backend, model=self.model, dtype=self.engine_dtype, seed=self.seed, **self.options
@@ -209,7 +209,7 @@ def run_demo(cfg: DemoConfig | None = None, *, echo: Callable[[str], None] | Non
 def _run(cfg: DemoConfig, echo: Callable[[str], None] | None) -> DemoResult:
     from tqdm import tqdm
 
-    from genengine.registry import create_engine
+    from genengine.plugins.registry import create_engine
 
     start = time.perf_counter()
     t = Trainer.build(cfg)
@@ -301,7 +301,7 @@ class Trainer:
         import torch
         import transformers
 
-        from genengine.testing.tiny_model import tiny_model_dir
+        from genengine.models.tiny_model import tiny_model_dir
 
         model = cfg.model or str(tiny_model_dir())
         dtype = cfg.engine_dtype

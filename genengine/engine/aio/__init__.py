@@ -3,12 +3,12 @@
 ``engine`` holds what a backend subclasses and the caller's handle on one of its requests (``RequestStream``),
 ``request`` the request a backend reports into, ``stream`` the base every stream shares, ``lock`` the lock a
 driver thread shares with callers; the contract's types (``StreamChunk``, ``PauseMode``) are
-``genengine.protocol``'s. Every name is re-exported here: ``from genengine.aio import X`` is the import to use.
+``genengine.protocol``'s. Every name is re-exported here: ``from genengine.engine.aio import X`` is the import to use.
 """
 
-from genengine.aio.engine import AsyncEngineBase, RequestStream
-from genengine.aio.lock import DriverLock
-from genengine.aio.request import AsyncRequest, normalize_async_request
+from genengine.engine.aio.engine import AsyncEngineBase, RequestStream
+from genengine.engine.aio.lock import DriverLock
+from genengine.engine.aio.request import AsyncRequest, normalize_async_request
 from genengine.protocol import PAUSE_MODES, PauseMode, StreamChunk
 
 __all__ = [

@@ -26,6 +26,7 @@ __all__ = [
     "VerifiedRange",
     "VersionStatus",
     "check_engine_version",
+    "genengine_version",
     "installed_version",
 ]
 
@@ -96,6 +97,11 @@ class VersionStatus:
     def in_range(self) -> bool | None:
         """True/False, or None when the engine is not installed (nothing to judge)."""
         return None if self.installed is None else self.verified.contains(self.installed)
+
+
+def genengine_version() -> str:
+    """genengine's own version, from its metadata (one place for it: pyproject.toml)."""
+    return installed_version("genengine") or "0+unknown"  # a source tree on sys.path that was never installed
 
 
 def installed_version(distribution: str) -> str | None:

@@ -6,11 +6,11 @@ call per parameter as LightRFT and OpenRLHF do), how much memory ``sleep`` reall
 long each ``wake`` stage takes. Every number comes from ``GenerationEngine`` calls, so any registered
 backend (or an engine class given as ``module:Class``) is measured the same way.
 
-The measuring (and how memory is read) is in :mod:`genengine.bench.measure`, the table and plot in
-:mod:`genengine.bench.report`.
+The measuring (and how memory is read) is in :mod:`genengine.cli.bench.measure`, the table and plot in
+:mod:`genengine.cli.bench.report`.
 """
 
-from genengine.bench.measure import BenchSettings, run_bench
-from genengine.bench.report import format_report, plot_report
+from genengine.cli.bench.measure import BenchSettings, run_bench
+from genengine.cli.bench.report import format_report, plot_report
 
 __all__ = ["BenchSettings", "format_report", "plot_report", "run_bench"]

@@ -5,7 +5,7 @@ The request registry, the pause modes, the queue of requests that arrive while p
 output and the errors trainers see are written here once, so that every backend has the same semantics and
 the conformance suite tests them once. A backend subclasses it instead of ``EngineBase`` and fills in four
 methods that talk to its scheduler (``_async_start``, ``_async_abort``, ``_async_hold``,
-``_async_release_hold``); the scheduler reports tokens through :class:`~genengine.aio.AsyncRequest`
+``_async_release_hold``); the scheduler reports tokens through :class:`~genengine.engine.aio.AsyncRequest`
 (``emit``, ``finish``, ``fail``) from whatever thread it runs on. ``sleep``, ``load_weights`` (and its
 load sessions) and ``shutdown`` are ``EngineBase``'s, guarded here against the requests in flight through its
 hooks (``_check_weights_may_change``, ``_on_new_weight_version``): ``EngineBase`` itself knows nothing of them.
@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from genengine.aio.request import AsyncRequest, normalize_async_request
-from genengine.aio.stream import StreamBase
-from genengine.base import EngineBase
+from genengine.engine.aio.request import AsyncRequest, normalize_async_request
+from genengine.engine.aio.stream import StreamBase
+from genengine.engine.base import EngineBase
 from genengine.errors import EngineStateError, InvalidArgumentError
 from genengine.protocol import PAUSE_MODES, GenerationResult, PauseMode, StreamChunk
 

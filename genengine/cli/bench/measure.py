@@ -56,7 +56,7 @@ class BenchSettings:
     sleep_levels: tuple[int, ...] = (1, 2)
     raw: bool = True
     pair_samples: int = 10
-    """Paired rounds of ours and the raw engine (a plugin's ``raw_engine``; genengine.bench.p1), >= 10."""
+    """Paired rounds of ours and the raw engine (a plugin's ``raw_engine``; genengine.cli.bench.p1), >= 10."""
     per_parameter: bool = True
     progress: bool = True
     seed: int = 0
@@ -171,7 +171,7 @@ def _model_config(model: str) -> dict[str, Any]:
     return data
 
 
-def _vocab_size(model: str) -> int:
+def model_vocab_size(model: str) -> int:
     cfg = _model_config(model)
     vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
     if not isinstance(vocab, int):
@@ -179,7 +179,7 @@ def _vocab_size(model: str) -> int:
     return vocab
 
 
-def _trainer_weights(model: str, device: str, dtype: str | None) -> dict[str, torch.Tensor]:
+def trainer_weights(model: str, device: str, dtype: str | None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors on the trainer's device, in the engine's dtype: what a trainer would send."""
     import torch
     from safetensors.torch import load_file
@@ -201,7 +201,7 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, unit="step", disable=not enabled, leave=False, dynamic_ncols=True)
 
 
-def _device_for(settings: BenchSettings) -> str:
+def device_for(settings: BenchSettings) -> str:
     import torch
 
     if not torch.cuda.is_available():
@@ -210,7 +210,7 @@ def _device_for(settings: BenchSettings) -> str:
     return f"cuda:{local}"
 
 
-def _device_name(device: str) -> str:
+def device_name(device: str) -> str:
     if device.startswith("cuda"):
         import torch
 
@@ -234,7 +234,7 @@ def _maybe_init_distributed(device: str) -> bool:
 def resolve_backend(given: Any) -> tuple[Any, str, str | None, Any]:
     """(backend for the config, display name, distribution, raw runner); imports the engine's module now,
     so a bad name fails before any model is built and imports do not count as engine memory."""
-    from genengine.registry import get_backend, resolve_ref
+    from genengine.plugins.registry import get_backend, resolve_ref
 
     backend = given
     if isinstance(backend, str) and ":" in backend:
@@ -265,7 +265,7 @@ def run_bench(settings: BenchSettings) -> dict[str, Any]:
         model = settings.model
         built = False
         if model is None:
-            from genengine.testing.tiny_model import build_tiny_model
+            from genengine.models.tiny_model import build_tiny_model
 
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="genengine-bench-"))
             import torch
@@ -284,18 +284,18 @@ def _run(
 ) -> dict[str, Any]:
     import torch
 
-    from genengine import __version__
     from genengine.config import EngineConfig
+    from genengine.plugins.registry import create_engine, resolve_ref
+    from genengine.plugins.versions import genengine_version
     from genengine.protocol import SamplingParams
-    from genengine.registry import create_engine, resolve_ref
 
     t_total = time.perf_counter()
-    device = _device_for(settings)
+    device = device_for(settings)
     owns_group = _maybe_init_distributed(device)
     show = settings.progress and _rank() == 0
     backend, name, distribution, raw_runner = resolved
 
-    from genengine.bench import p1
+    from genengine.cli.bench import p1
 
     raw_engine = p1.raw_engine_ref(backend) if settings.raw and settings.tp_size == 1 else None
     fields: dict[str, Any] = {"backend": backend, "model": model, "tp_size": settings.tp_size}
@@ -307,13 +307,13 @@ def _run(
         fields["mem_util"] = p1.PAIRED_GPU_MEM_UTIL
     config = EngineConfig(options=dict(settings.options), seed=settings.seed, **fields)
 
-    vocab = _vocab_size(model)
+    vocab = model_vocab_size(model)
     gen = torch.Generator().manual_seed(settings.seed)
     low = min(10, vocab - 1)
     prompts = torch.randint(low, vocab, (settings.batch_size, settings.prompt_len), generator=gen).tolist()
     probe = MemoryProbe(device)
     report: dict[str, Any] = {
-        "genengine_version": __version__,
+        "genengine_version": genengine_version(),
         "backend": name,
         "distribution": distribution,
         "model": "tiny (built by genengine bench)" if built else model,
@@ -322,7 +322,7 @@ def _run(
             for k in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size", "torch_dtype", "dtype")
             if k in _model_config(model)
         },
-        "device": _device_name(device),
+        "device": device_name(device),
         "memory_probe": probe.kind,
         "tp_size": settings.tp_size,
         "rank": _rank(),
@@ -352,7 +352,7 @@ def _run(
         # The trainer's weights exist before the engine does (and until after it is gone), so on a GPU they
         # are part of the baseline, not of the engine's memory.
         bar.set_postfix_str("reading checkpoint")
-        weights = _trainer_weights(model, device, config.dtype)
+        weights = trainer_weights(model, device, config.dtype)
         num_bytes = sum(t.numel() * t.element_size() for t in weights.values())
         report["weights"] = {"num_tensors": len(weights), "num_bytes": num_bytes}
         bar.set_postfix_str("creating engine")
@@ -567,7 +567,7 @@ def random_weights(model_dir: str, version: int, device: str) -> list[tuple[str,
     float32 on the CPU. Each tensor is its own allocation, as a trainer's parameters are."""
     import torch
 
-    from genengine.checkpoint import read_model_config, weight_spec
+    from genengine.engine.checkpoint import read_model_config, weight_spec
 
     config = read_model_config(model_dir)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32

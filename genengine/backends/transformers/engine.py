@@ -15,20 +15,23 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from genengine.aio import AsyncEngineBase, AsyncRequest, DriverLock
 from genengine.backend import (
     DEFAULT_BUCKET_BYTES,
     TAG_KV_CACHE,
     TAG_WEIGHTS,
+    AsyncEngineBase,
+    AsyncRequest,
     Completion,
     ConfigError,
+    DriverLock,
+    EngineClosedError,
     EngineConfig,
     FromConfig,
     GenerationResult,
     InvalidArgumentError,
+    Request,
     SamplingParams,
     Seeds,
     WeightInfo,
@@ -38,15 +41,12 @@ from genengine.backend import (
     text_decoder,
     torch_dtype,
 )
-from genengine.backends._sampling import Row, greedy, processed_sample
-from genengine.backends._scheduler import DecodeBatch, Scheduler
-from genengine.environ import malloc_trim
-from genengine.errors import EngineClosedError
+from genengine.backends.transformers._sampling import Row, greedy, processed_sample
+from genengine.backends.transformers._scheduler import DecodeBatch, Decoder, Prefix, Scheduler
+from genengine.engine.environ import malloc_trim
 
 if TYPE_CHECKING:
     import torch
-
-    from genengine.requests import Request
 
 __all__ = ["OPTIONS", "HFRawEngine", "TransformersEngine", "hf_generate_tokens_per_second"]
 
@@ -65,16 +65,6 @@ _ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2",
 
 # ---- option checks (all run before anything is loaded) -------------------------------------------------------
 # ---- per-call state ---------------------------------------------------------------------------------------
-@dataclass
-class _Prefix:
-    """A prompt's prefill: per-layer keys and values ``[kv_heads, len, head_dim]`` and the next-token logits."""
-
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
-    logits: torch.Tensor
-    nbytes: int
-
-
 class TransformersEngine(FromConfig, AsyncEngineBase):
     """A ``GenerationEngine`` running a transformers causal LM in this process.
 
@@ -181,7 +171,7 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
         self._unique_params = list({id(p): p for p in self._params.values()}.values())
         self._shapes = [tuple(p.shape) for p in self._unique_params]
         self._host_backup: list[torch.Tensor] | None = None
-        self._prefixes: OrderedDict[tuple[int, ...], _Prefix] = OrderedDict()
+        self._prefixes: OrderedDict[tuple[int, ...], Prefix] = OrderedDict()
         self._prefix_nbytes = 0
         self._prefix_hits = 0
         self._lock = DriverLock()  # the scheduler steps under it and lets waiting callers in first
@@ -262,11 +252,11 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
 
         return DynamicCache(config=self._config)
 
-    def _prefill(self, prompts: list[tuple[int, ...]]) -> dict[tuple[int, ...], _Prefix]:
+    def _prefill(self, prompts: list[tuple[int, ...]]) -> dict[tuple[int, ...], Prefix]:
         """KV and next-token logits of each distinct prompt, from the prefix cache or computed in batches."""
         import torch
 
-        found: dict[tuple[int, ...], _Prefix] = {}
+        found: dict[tuple[int, ...], Prefix] = {}
         todo = []
         for ids in prompts:
             hit = self._prefixes.get(ids)
@@ -303,12 +293,12 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
                 keys = [layer.keys[b, :, keep].clone() for layer in layers]
                 values = [layer.values[b, :, keep].clone() for layer in layers]
                 nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
-                entry = _Prefix(keys, values, logits[b].clone(), nbytes)
+                entry = Prefix(keys, values, logits[b].clone(), nbytes)
                 found[ids] = entry
                 self._remember(ids, entry)
         return found
 
-    def _remember(self, ids: tuple[int, ...], entry: _Prefix) -> None:
+    def _remember(self, ids: tuple[int, ...], entry: Prefix) -> None:
         if entry.nbytes > self.prefix_cache_bytes:
             return
         self._prefixes[ids] = entry
@@ -317,8 +307,25 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
             _, old = self._prefixes.popitem(last=False)
             self._prefix_nbytes -= old.nbytes
 
-    def _decode(self, rows: list[Row], prefixes: dict[tuple[int, ...], _Prefix]) -> None:
-        batch = DecodeBatch(self, rows, prefixes)
+    def _decoder(self) -> Decoder:
+        """The engine as the decode loop sees it."""
+        return Decoder(
+            self.device, self.max_batch_size, self._lock, self._new_cache, self._forward, self._sample, self._prefill
+        )
+
+    def _forward(self, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+        """One decode step of the model: each row's next-token logits after its newest token."""
+        out = self._model(
+            input_ids=ids[:, None],
+            attention_mask=self._decode_mask(allowed),
+            position_ids=positions[:, None],
+            use_cache=True,
+            **{self._cache_kwarg: cache},
+        )
+        return out.logits[:, -1].float()
+
+    def _decode(self, rows: list[Row], prefixes: dict[tuple[int, ...], Prefix]) -> None:
+        batch = DecodeBatch(self._decoder(), rows, prefixes)
         while batch.step():
             pass
 
@@ -356,10 +363,10 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
         """The engine's lock for a call from outside the scheduler (which steps under the same lock)."""
         return self._lock()
 
-    # ---- async (genengine.aio's hooks) --------------------------------------------------------------------
+    # ---- async (genengine.engine.aio's hooks) --------------------------------------------------------------------
     def _ensure_scheduler(self) -> Scheduler:
         if self._scheduler is None:
-            self._scheduler = Scheduler(self)
+            self._scheduler = Scheduler(self._decoder())
         return self._scheduler
 
     def _async_start(self, request: AsyncRequest) -> None:

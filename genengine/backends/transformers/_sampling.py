@@ -14,7 +14,7 @@ from genengine.backend import Completion, SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from genengine.aio import AsyncRequest
+    from genengine.backend import AsyncRequest
 
 __all__ = ["TINY_TEMPERATURE", "Row", "buffer_layer_class", "greedy", "processed_sample"]
 

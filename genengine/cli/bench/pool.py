@@ -27,10 +27,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from genengine.bench.measure import random_weights
-from genengine.environ import scoped_environ
+from genengine.cli.bench.measure import random_weights
+from genengine.engine.environ import scoped_environ
+from genengine.engine.ipc import HANDLES, HANDLES_ENV
 from genengine.errors import ConfigError, InvalidArgumentError
-from genengine.ipc import HANDLES, HANDLES_ENV
 
 __all__ = ["PoolBenchSettings", "format_pool_report", "random_weights", "run_pool_bench"]
 
@@ -69,7 +69,7 @@ class PoolBenchSettings:
     sleep_level: int = 1
     """The level both sides sleep at. Level 2 frees as much device memory as level 1 (vLLM's level 1 copies the
     weights to pinned host memory first: 17-19 s per engine at 7B on the H200)."""
-    weights: str = "genengine.bench.pool:random_weights"
+    weights: str = "genengine.cli.bench.pool:random_weights"
     """``module:function`` called in the trainer actor as ``fn(model_dir, version, device)``: the trainer's
     (name, tensor) pairs for that version."""
     num_cpus: float = 1.0
@@ -116,7 +116,7 @@ class PoolBenchSettings:
             raise InvalidArgumentError(
                 f"backend={self.backend!r} must be a registered backend's name (a pool's replicas build it)"
             )
-        from genengine.registry import get_backend
+        from genengine.plugins.registry import get_backend
 
         get_backend(self.backend)  # an unknown name raises, listing the registered ones
         if self.transport is not None:
@@ -135,8 +135,9 @@ class PoolBenchTrainer:
     def run(self) -> dict[str, Any]:
         import torch
 
-        from genengine import SamplingParams, create_engine
-        from genengine.checkpoint import read_model_config, vocab_size
+        from genengine.engine.checkpoint import read_model_config, vocab_size
+        from genengine.plugins.registry import create_engine
+        from genengine.protocol import SamplingParams
         from genengine.ray import EnginePool
 
         s = self.s
@@ -144,10 +145,10 @@ class PoolBenchTrainer:
         device = "cuda" if gpu else "cpu"
         model = s.model
         if model is None:
-            from genengine.testing.tiny_model import tiny_model_dir
+            from genengine.models.tiny_model import tiny_model_dir
 
             model = str(tiny_model_dir())
-        from genengine.registry import resolve_ref
+        from genengine.plugins.registry import resolve_ref
 
         make = resolve_ref(s.weights)
         if not callable(make):
@@ -262,7 +263,7 @@ class PoolBenchTrainer:
         alive at a time, as a trainer's step overwrites its parameters."""
         import torch
 
-        from genengine import SamplingParams
+        from genengine.protocol import SamplingParams
 
         s = self.s
         rng = random.Random(s.seed + 1)
@@ -273,8 +274,8 @@ class PoolBenchTrainer:
             got = target.generate(prompt_token_ids=probe, sampling_params=greedy)
             return [o.token_ids for r in got for o in r.outputs], [o.weight_versions for r in got for o in r.outputs]
 
-        from genengine.bench.sync import one_sync, split_traced, summarize_phases
-        from genengine.transport._trace import ENV as TRACE_ENV
+        from genengine.cli.bench.sync import one_sync, split_traced, summarize_phases
+        from genengine.transport import TRACE_ENV
 
         trace_dir = os.environ.get(TRACE_ENV)
         phases: dict[str, list[dict[str, Any]]] = {"in_process": [], "pool": []}
@@ -432,7 +433,7 @@ def format_pool_report(report: Mapping[str, Any]) -> str:
     width = max(len(k) for k, _ in rows)
     table = "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
     if "phases" in sync:  # the same syncs by phase (genengine bench --sync's table)
-        from genengine.bench.sync import format_sync_report
+        from genengine.cli.bench.sync import format_sync_report
 
         table += "\n" + format_sync_report(pool_sync_phases(report))
     return table

@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgumentError(
                 f"--plot {args.plot}: --async prints a table; the default comparison, --sync and --pool draw figures"
             )
-        from genengine._optional import PLOT_INSTALL, plot_unavailable
+        from genengine.plugins.optional import PLOT_INSTALL, plot_unavailable
 
         why = plot_unavailable()
         if why is not None:
@@ -167,7 +167,7 @@ def _run(args: argparse.Namespace) -> int:
         return _run_async(args)
     if args.pool:
         return _run_pool(args)
-    from genengine.bench import BenchSettings, format_report, plot_report, run_bench
+    from genengine.cli.bench import BenchSettings, format_report, plot_report, run_bench
 
     settings = BenchSettings(
         backend=args.backend,
@@ -197,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_async(args: argparse.Namespace) -> int:
-    from genengine.bench.asynchronous import AsyncBenchSettings, format_async_report, run_async_bench
+    from genengine.cli.bench.asynchronous import AsyncBenchSettings, format_async_report, run_async_bench
 
     if args.tp_size != 1:  # refused as every other bad setting is (report_error, exit status 2)
         raise InvalidArgumentError(
@@ -223,7 +223,7 @@ def _run_async(args: argparse.Namespace) -> int:
 
 
 def _run_sync(args: argparse.Namespace) -> int:
-    from genengine.bench.sync import SyncBenchSettings, format_sync_report, run_sync_bench, write_plot
+    from genengine.cli.bench.sync import SyncBenchSettings, format_sync_report, run_sync_bench, write_plot
 
     if args.tp_size != 1:
         raise InvalidArgumentError(
@@ -250,7 +250,7 @@ def _run_sync(args: argparse.Namespace) -> int:
 
 
 def _run_pool(args: argparse.Namespace) -> int:
-    from genengine.bench.pool import PoolBenchSettings, format_pool_report, run_pool_bench
+    from genengine.cli.bench.pool import PoolBenchSettings, format_pool_report, run_pool_bench
 
     if args.tp_size != 1:
         raise InvalidArgumentError(f"--tp-size {args.tp_size}: bench --pool measures tp_size=1 replicas; allowed: 1")
@@ -273,8 +273,8 @@ def _run_pool(args: argparse.Namespace) -> int:
     report = run_pool_bench(settings)
     _write(args, report, format_pool_report(report))
     if args.plot and "phases" in report.get("sync", {}):
-        from genengine.bench.pool import pool_sync_phases
-        from genengine.bench.sync import write_plot
+        from genengine.cli.bench.pool import pool_sync_phases
+        from genengine.cli.bench.sync import write_plot
 
         write_plot(pool_sync_phases(report), args.plot, print)
     return 0

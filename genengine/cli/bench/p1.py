@@ -1,9 +1,9 @@
 """``genengine bench``'s P1, paired: ours in this process and the raw engine alive at once in a child process,
-sampled in turn on the same prompts (:func:`genengine.bench.paired.run_paired`), so the ratio can judge 1 %.
+sampled in turn on the same prompts (:func:`genengine.cli.bench.paired.run_paired`), so the ratio can judge 1 %.
 
 The raw engine comes from the plugin's ``raw_engine`` registration: ``(config) -> engine`` with
 ``generate_tokens(prompt_token_ids, max_new_tokens) -> int`` and ``close()``. The child is this module run as
-``python -m genengine.bench.p1 SPEC_JSON --result-fd N``; it builds the engine from the same ``EngineConfig``
+``python -m genengine.cli.bench.p1 SPEC_JSON --result-fd N``; it builds the engine from the same ``EngineConfig``
 (started before ours, so the two memory profiles do not overlap) and generates, greedy with EOS ignored, on
 :func:`prompts_for` of each round's seed, as ours does.
 """
@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from genengine.bench.paired import SampleChild, run_paired
+from genengine.cli.bench.paired import SampleChild, run_paired
 
 __all__ = [
     "PAIRED_GPU_MEM_UTIL",
@@ -45,7 +45,7 @@ def raw_engine_ref(backend: Any) -> Any:
     """The backend's ``raw_engine`` registration (None: not a registered name, or it has none)."""
     if not isinstance(backend, str) or ":" in backend:
         return None
-    from genengine.registry import get_backend
+    from genengine.plugins.registry import get_backend
 
     return get_backend(backend).raw_engine
 
@@ -74,7 +74,7 @@ def start_raw_child(config: Any, pair: Mapping[str, Any]) -> SampleChild:
     """The raw engine's child for ``config`` (an ``EngineConfig``), started and up (a RuntimeError saying why not)."""
     fields = {k: getattr(config, k) for k in ("backend", "model", "tp_size", "mem_util", "dtype", "seed")}
     spec = {**pair, "config": {**fields, "options": dict(config.options)}}
-    child = SampleChild("raw engine", [sys.executable, "-m", "genengine.bench.p1", json.dumps(spec)])
+    child = SampleChild("raw engine", [sys.executable, "-m", "genengine.cli.bench.p1", json.dumps(spec)])
     try:
         child.wait_ready()
     except BaseException:
@@ -85,7 +85,7 @@ def start_raw_child(config: Any, pair: Mapping[str, Any]) -> SampleChild:
 
 def generate_runs(engine: Any, prompts: list[list[int]], greedy: Any, repeats: int, bar: Any) -> dict[str, Any]:
     """Ours alone (no raw engine to pair with): the median of ``repeats`` runs, with their spread."""
-    from genengine.bench.paired import summarize
+    from genengine.cli.bench.paired import summarize
 
     runs = []
     for i in range(repeats):
@@ -132,9 +132,9 @@ def run_pair(ours: OursSide, raw: SampleChild, *, samples: int, warmup: int) -> 
 
 
 def _child(spec: dict[str, Any], result_fd: int) -> None:
-    from genengine.bench.paired import serve
+    from genengine.cli.bench.paired import serve
     from genengine.config import EngineConfig
-    from genengine.registry import resolve_ref
+    from genengine.plugins.registry import resolve_ref
 
     out = os.fdopen(result_fd, "w", encoding="utf-8")
     try:
