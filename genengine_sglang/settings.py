@@ -24,8 +24,7 @@ from genengine.backend import (
     option_number,
     resolve_model_dir,
 )
-from genengine_sglang._server_args import SERVER_ARGS_FIELDS
-from genengine_sglang.compat import check_installed
+from genengine_sglang.compat import check_installed, recorded_server_args
 
 __all__ = [
     "BACKEND",
@@ -109,12 +108,13 @@ _RESERVED_SERVER_ARGS = {
 def passthrough_options() -> frozenset[str]:
     """The SGLang server arguments accepted as options and passed to ``sglang.Engine`` unchanged.
 
-    Every field of the installed ``sglang.srt.server_args.ServerArgs`` (of 0.5.17's, from
-    ``genengine_sglang._server_args``, where SGLang is not installed or fails to import: the engine's start
-    reports that), less those genengine sets itself and genengine's own option names. Imported here, at
+    Every field of the installed ``sglang.srt.server_args.ServerArgs`` (where SGLang is not installed or fails
+    to import, which the engine's start reports: the recorded fields of the installed release, or of the newest
+    verified one, ``compat.recorded_server_args``, made from each release's wheel by tools/engine_surface.py),
+    less those genengine sets itself and genengine's own option names. Imported here, at
     resolve time, so that importing this module stays free of SGLang.
     """
-    names: Iterable[str] = SERVER_ARGS_FIELDS
+    names: Iterable[str] | None = None
     if importlib.util.find_spec("sglang") is not None:
         try:
             from sglang.srt.server_args import ServerArgs
@@ -122,6 +122,8 @@ def passthrough_options() -> frozenset[str]:
             names = [f.name for f in fields(ServerArgs)]
         except Exception:
             pass
+    if names is None:
+        names = recorded_server_args()
     return frozenset(names) - set(_RESERVED_SERVER_ARGS) - set(OUR_OPTIONS)
 
 
