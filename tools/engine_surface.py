@@ -349,6 +349,14 @@ def surface(engine: str, version: str, wheel_path: str) -> dict[str, Any]:
         else:
             functions.setdefault(key, None)  # a module-level value: present, not callable as far as we know
     digest = hashlib.sha256(Path(wheel_path).read_bytes()).hexdigest()
+    # The release's exact pins (``Requires-Dist: name==version``, no extra): what tools/gpu/prepare.sh must
+    # carry at those versions, and torch's, which says the torch line the release belongs to.
+    metadata = next(n for n in wheel._zip.namelist() if n.endswith(".dist-info/METADATA"))
+    pinned: dict[str, str] = {}
+    for line in wheel._zip.read(metadata).decode().splitlines():
+        m = re.match(r"Requires-Dist: ([A-Za-z0-9_.\-]+)(\[[^]]*\])? ?==([^,;\s]+)\s*(;.*)?$", line)
+        if m and "extra ==" not in (m.group(4) or ""):
+            pinned[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(3)
     fields = {key: classes[aliases.get(key, key)]["fields"] for key in upstream.FIELDS}
     fields_of = {aliases.get(key, key) for key in upstream.FIELDS}  # their fields are in "fields" already
     return {
@@ -357,6 +365,7 @@ def surface(engine: str, version: str, wheel_path: str) -> dict[str, Any]:
         "wheel": os.path.basename(wheel_path),
         "wheel_sha256": digest,
         "generated_by": "tools/engine_surface.py",
+        "requires_exact": dict(sorted(pinned.items())),
         "modules": {m: _public(modules[m], used) for m in sorted(modules)},
         "aliases": dict(sorted(aliases.items())),
         "functions": {f: functions[f] for f in sorted(functions)},
