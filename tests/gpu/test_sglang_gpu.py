@@ -520,3 +520,15 @@ def test_server_args_fallback_equals_the_installed_fields() -> None:
     assert not missing and not extra, f"SGLang {sglang.__version__}: recorded fields lack {missing}, have extra {extra}"
     assert list(recorded) == installed
     assert passthrough_options() <= set(installed) and not passthrough_options() & set(OUR_OPTIONS)
+
+
+def test_declared_upstream_uses_exist_in_the_installed_sglang() -> None:
+    """Every sglang name, member and keyword the plugin declares (``genengine_sglang.upstream``) exists in the
+    installed sglang when imported, as the recorded surface (read from the wheel by AST) says."""
+    import importlib.metadata
+
+    from support.upstream_uses import unresolved_uses
+
+    version = importlib.metadata.version("sglang").split("+")[0]
+    unresolved = unresolved_uses("genengine_sglang", version)
+    assert not unresolved, f"sglang {version}: {unresolved}"

@@ -485,3 +485,15 @@ def test_fallback_engine_args_match_the_installed_vllm() -> None:
     assert not missing and not extra, f"vLLM {vllm.__version__}: recorded fields lack {missing}, have extra {extra}"
     settings.engine_arg_names.cache_clear()
     assert settings.engine_arg_names() == installed
+
+
+def test_declared_upstream_uses_exist_in_the_installed_vllm() -> None:
+    """Every vllm name, member and keyword the plugin declares (``genengine_vllm.upstream``) exists in the
+    installed vllm when imported, as the recorded surface (read from the wheel by AST) says."""
+    import importlib.metadata
+
+    from support.upstream_uses import unresolved_uses
+
+    version = importlib.metadata.version("vllm").split("+")[0]
+    unresolved = unresolved_uses("genengine_vllm", version)
+    assert not unresolved, f"vllm {version}: {unresolved}"
