@@ -17,7 +17,7 @@ import functools
 import importlib.metadata
 import inspect
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from typing import Any
 
@@ -28,10 +28,12 @@ __all__ = [
     "SUPPORTED",
     "VERIFIED",
     "check_installed",
+    "graph_options",
     "local_serialized_tensor",
     "prompt_ids_returned",
     "recorded_server_args",
     "request_prompt_ids",
+    "split_graph_options",
     "surface",
     "with_prompt_ids",
 ]
@@ -55,6 +57,12 @@ SUPPORTED: tuple[str, ...] = (
 _PROMPT_IDS = "sglang.srt.managers.io_struct:GenerateReqInput(return_prompt_token_ids)"
 _LST_NEW = "sglang.srt.model_executor.model_runner_components.weight_updater:LocalSerializedTensor(values)"
 _LST_OLD = "sglang.srt.model_executor.model_runner:LocalSerializedTensor(values)"
+_GRAPHS_SPLIT = "sglang.srt.server_args:ServerArgs(cuda_graph_max_bs_decode, disable_prefill_cuda_graph)"
+_GRAPHS_ONE = "sglang.srt.server_args:ServerArgs(cuda_graph_max_bs, disable_piecewise_cuda_graph)"
+_GRAPH_BACKENDS = (
+    "sglang.srt.server_args:ServerArgs(cuda_graph_backend_prefill, cuda_graph_backend_decode, cuda_graph_config)"
+)
+_OLDER_THAN_0514 = ("0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1")
 
 BRANCHES: Mapping[str, tuple[str, ...]] = {
     # prompt_ids_returned / request_prompt_ids: GenerateReqInput.return_prompt_token_ids came in 0.5.13.
@@ -62,6 +70,10 @@ BRANCHES: Mapping[str, tuple[str, ...]] = {
     # local_serialized_tensor: the class moved to model_runner_components.weight_updater in 0.5.16.
     _LST_NEW: ("0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1"),
     _LST_OLD: ("0.5.16", "0.5.17"),
+    # split_graph_options / graph_options: per-phase CUDA-graph options (decode, prefill) came in 0.5.14.
+    _GRAPHS_SPLIT: _OLDER_THAN_0514,
+    _GRAPH_BACKENDS: _OLDER_THAN_0514,
+    _GRAPHS_ONE: ("0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17"),
 }
 """Each use of ``genengine_sglang.upstream.USES`` that some supported releases lack → those releases."""
 
@@ -135,6 +147,21 @@ def with_prompt_ids(outputs: Sequence[Mapping[str, Any]], ids: list[Any] | None)
         out if out.get("prompt_token_ids") is not None else {**out, "prompt_token_ids": row}
         for out, row in zip(outputs, ids, strict=True)
     ]
+
+
+def split_graph_options(server_args: Iterable[str]) -> bool:
+    """Whether these ``ServerArgs`` fields set CUDA graphs per phase (0.5.14 on: ``cuda_graph_max_bs_decode``,
+    ``disable_prefill_cuda_graph``, ``cuda_graph_backend_prefill``) rather than for all (``cuda_graph_max_bs``,
+    ``disable_piecewise_cuda_graph``, breakable graphs off unless ``enable_breakable_cuda_graph``)."""
+    return "cuda_graph_max_bs_decode" in set(server_args)
+
+
+def graph_options(max_bs: int, server_args: Iterable[str] | None = None) -> dict[str, Any]:
+    """Server arguments for decode CUDA graphs up to batch ``max_bs`` and no prefill graphs, in the installed
+    release's terms (``server_args``: its ``ServerArgs`` fields, by default the installed or recorded ones)."""
+    if split_graph_options(recorded_server_args() if server_args is None else server_args):
+        return {"cuda_graph_max_bs_decode": max_bs, "disable_prefill_cuda_graph": True}
+    return {"cuda_graph_max_bs": max_bs, "disable_piecewise_cuda_graph": True}
 
 
 def local_serialized_tensor() -> Any:

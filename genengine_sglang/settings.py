@@ -24,7 +24,7 @@ from genengine.backend import (
     option_number,
     resolve_model_dir,
 )
-from genengine_sglang.compat import check_installed, recorded_server_args
+from genengine_sglang.compat import check_installed, recorded_server_args, split_graph_options
 
 __all__ = [
     "BACKEND",
@@ -268,17 +268,29 @@ def server_kwargs(settings: SGLangSettings, *, base_gpu_id: int, port: int) -> d
 GRAPH_SAVER_ENV = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"
 
 
-def check_graph_memory_saver(kwargs: Mapping[str, Any], environ: Mapping[str, str]) -> None:
+def check_graph_memory_saver(
+    kwargs: Mapping[str, Any], environ: Mapping[str, str], server_args: Iterable[str] | None = None
+) -> None:
     """Refuse, before any process starts, what SGLang 0.5.17 would crash on after loading the model.
 
     With ``$SGLANG_MEMORY_SAVER_CUDA_GRAPH`` true (so that a release frees the CUDA graphs' pool too, as
     slime sets it) and the memory saver on, SGLang's "breakable" CUDA graphs, its default for prefill on
     CUDA, raise ``NotImplementedError`` in the scheduler, and SGLang's launcher answers a failed child with
-    SIGQUIT, which kills the trainer. Only the combination is refused.
+    SIGQUIT, which kills the trainer. Only the combination is refused. ``server_args``: the installed
+    ``ServerArgs`` fields; before 0.5.14 (no per-phase graph backends, ``compat.split_graph_options``)
+    breakable graphs are off unless ``enable_breakable_cuda_graph=True``, and only that is refused.
     """
     if environ.get(GRAPH_SAVER_ENV, "").strip().lower() not in ("1", "true"):
         return
     if not kwargs.get("enable_memory_saver") or kwargs.get("disable_cuda_graph"):
+        return
+    if server_args is not None and not split_graph_options(server_args):
+        if kwargs.get("enable_breakable_cuda_graph"):
+            raise ConfigError(
+                f"{GRAPH_SAVER_ENV}={environ[GRAPH_SAVER_ENV]!r} with sleep on and enable_breakable_cuda_graph=True:"
+                " SGLang's breakable CUDA graphs refuse the memory saver and its failure kills this process. "
+                "Allowed: unset it, or leave enable_breakable_cuda_graph off, or disable_cuda_graph=True"
+            )
         return
     prefill = kwargs.get("cuda_graph_backend_prefill")
     prefill_breakable = (

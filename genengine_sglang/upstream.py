@@ -59,6 +59,11 @@ USES: tuple[str, ...] = (
     # mapping.py (sampling_to_sglang): the sampling-parameter keys we send
     "sglang.srt.sampling.sampling_params:SamplingParams(max_new_tokens, temperature, ignore_eos, n, stop, "
     "stop_token_ids, sampling_seed, top_k, custom_params)",
+    # compat.graph_options (benchmarks/bench_pool.py), settings.check_graph_memory_saver: CUDA graphs per phase
+    # from 0.5.14, for all phases before
+    "sglang.srt.server_args:ServerArgs(cuda_graph_max_bs_decode, disable_prefill_cuda_graph)",
+    "sglang.srt.server_args:ServerArgs(cuda_graph_max_bs, disable_piecewise_cuda_graph)",
+    "sglang.srt.server_args:ServerArgs(cuda_graph_backend_prefill, cuda_graph_backend_decode, cuda_graph_config)",
     # settings.py (server_kwargs): the server arguments genengine sets itself
     "sglang.srt.server_args:ServerArgs(model_path, tp_size, mem_fraction_static, dtype, base_gpu_id, gpu_id_step, "
     "port, skip_tokenizer_init, trust_remote_code, disable_cuda_graph, random_seed, enable_memory_saver, "

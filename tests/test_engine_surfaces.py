@@ -213,3 +213,29 @@ def test_sglang_local_serialized_tensor_is_found_where_the_release_has_it(monkey
     assert compat.local_serialized_tensor() is old  # 0.5.12 - 0.5.15.post1
     _fake(monkeypatch, "sglang.srt.model_executor.model_runner_components.weight_updater", LocalSerializedTensor=new)
     assert compat.local_serialized_tensor() is new  # 0.5.16 on
+
+
+def test_sglang_graph_options_follow_the_release() -> None:
+    """CUDA-graph options are per phase from 0.5.14 (``cuda_graph_max_bs_decode``, ``disable_prefill_cuda_graph``),
+    for all phases before (``cuda_graph_max_bs``, ``disable_piecewise_cuda_graph``): each release gets its own
+    names, which its recorded ``ServerArgs`` has; and the graph-saver refusal follows the same split."""
+    from genengine.errors import ConfigError
+    from genengine_sglang import compat
+    from genengine_sglang.settings import check_graph_memory_saver
+
+    key = "sglang.srt.server_args:ServerArgs"
+    for version in compat.SUPPORTED:
+        fields = _surface("sglang", version)["fields"][key]
+        options = compat.graph_options(64, fields)
+        assert set(options) <= set(fields), (version, options)
+        assert compat.split_graph_options(fields) == (
+            version not in ("0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1")
+        )
+    old = _surface("sglang", "0.5.12")["fields"][key]
+    new = _surface("sglang", "0.5.17")["fields"][key]
+    on, env = {"enable_memory_saver": True}, {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
+    check_graph_memory_saver(on, env, old)  # breakable graphs are off by default before 0.5.14
+    with pytest.raises(ConfigError, match="enable_breakable_cuda_graph=True"):
+        check_graph_memory_saver({**on, "enable_breakable_cuda_graph": True}, env, old)
+    with pytest.raises(ConfigError, match="prefill, its default"):
+        check_graph_memory_saver(on, env, new)
