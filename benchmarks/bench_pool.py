@@ -28,13 +28,15 @@ from typing import Any
 
 from _bench_7b import MEM_UTIL, N_PROMPTS, NEW_TOKENS, PROMPT_LEN, make_model_dir
 
+from genengine_sglang.compat import graph_options
+
 MEM_UTILS = {"sglang": (0.3, 0.6), "vllm": (0.3, 0.3)}
 """(in-process, replica). SGLang sizes its pool as a fraction of the whole GPU minus what is already taken
 when it starts, so the replica, which starts second, asks for more to get about as much."""
 
 
 GRAPHS = {
-    "sglang": {"cuda_graph_max_bs_decode": 64, "disable_prefill_cuda_graph": True},
+    "sglang": graph_options(64),  # decode graphs up to 64, no prefill graphs: named per release (compat)
     "vllm": {"max_num_seqs": 64},
 }
 """With CUDA graphs (``--eager`` turns them off), captured up to the batch of 64: eager decode at 7B is bound by the

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from genengine.backend import EngineStateError, InvalidArgumentError
 from genengine_sglang._loop import LoopThread
+from genengine_sglang.compat import request_prompt_ids
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.mapping import SglEntry, finish_from_sglang, sampling_to_sglang, stream_delta
 
@@ -272,7 +273,7 @@ class AsyncDriver:
         request = sample.handle.request
         params = request.params
         sgl, use_filter = sample.entry.params, sample.entry.use_filter
-        kwargs: dict[str, Any] = {"return_logprob": params.logprobs, "return_prompt_token_ids": True}
+        kwargs: dict[str, Any] = {"return_logprob": params.logprobs}
         if sample.tokens:
             prompt = sample.handle.prompt_token_ids
             if prompt is None:
@@ -291,6 +292,9 @@ class AsyncDriver:
         key = self._extra_key()
         if key is not None:
             kwargs["extra_key"] = key  # GenerateReqInput.extra_key: the radix cache's namespace
+        ids = request_prompt_ids(kwargs, getattr(self._tm, "tokenizer", None))  # SGLang's flag, or ours (< 0.5.13)
+        if ids is not None and sample.handle.prompt_token_ids is None:
+            sample.handle.prompt_token_ids = tuple(ids[0])
         sample.rid = uuid.uuid4().hex
         sample.segments += 1
         sample.seen = 0

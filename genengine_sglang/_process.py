@@ -91,7 +91,7 @@ def launch(kwargs: Mapping[str, Any], *, enable_sleep: bool) -> tuple[Any, ExitH
         if key not in known:
             hint = closest(key, known)
             raise ConfigError(f"SGLang has no server argument {key!r}" + (f" (did you mean {hint!r}?)" if hint else ""))
-    check_graph_memory_saver(kwargs, os.environ)
+    check_graph_memory_saver(kwargs, os.environ, known)
     trainer_sigterm = signal.getsignal(signal.SIGTERM)
     with engine_environment(enable_sleep):
         try:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from genengine.backend import ipc_dumps
+from genengine_sglang.compat import local_serialized_tensor
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.settings import SYNC_LOADER
 
@@ -117,8 +118,7 @@ def apply_payloads(
         ret = engine.update_weights_from_tensor(gathered, load_format="flattened_bucket", flush_cache=False)
         _check(ret, "a flattened bucket of weights")
     else:
-        from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
-
+        LocalSerializedTensor = local_serialized_tensor()
         # LightRFT's shape: one call per parameter, one serialized handle per rank.
         for items in zip(*gathered, strict=True):
             name = items[0][0]

@@ -43,6 +43,7 @@ from genengine.distributed import (
 from genengine_sglang import _process, _weightsync
 from genengine_sglang._group import collective_timeout, make_group, on_leader
 from genengine_sglang._weightsync import LoadCall
+from genengine_sglang.compat import request_prompt_ids, with_prompt_ids
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.mapping import build_entries, results_from_sglang
 from genengine_sglang.settings import (
@@ -233,7 +234,6 @@ class SGLangEngine(AsyncEngineBase):
             kwargs: dict[str, Any] = {
                 "sampling_params": [e.params for e in entries],
                 "return_logprob": [e.logprobs for e in entries],
-                "return_prompt_token_ids": True,
             }
             if requests[0].prompt is not None:
                 kwargs["text"] = [by_index[e.request].prompt for e in entries]
@@ -246,8 +246,9 @@ class SGLangEngine(AsyncEngineBase):
             key = self._cache_key()
             if key is not None:
                 kwargs["extra_key"] = key
-            outputs = self._call_sglang(GenerateReqInput(**kwargs))
             tokenizer = getattr(self._engine.tokenizer_manager, "tokenizer", None)
+            prompt_ids = request_prompt_ids(kwargs, tokenizer)  # SGLang's flag, or our tokenization (< 0.5.13)
+            outputs = with_prompt_ids(self._call_sglang(GenerateReqInput(**kwargs)), prompt_ids)
             decode = None if tokenizer is None else lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
             return results_from_sglang(requests, entries, outputs, decode)
 

@@ -24,8 +24,7 @@ from genengine.backend import (
     option_number,
     resolve_model_dir,
 )
-from genengine_sglang._server_args import SERVER_ARGS_FIELDS
-from genengine_sglang.compat import check_installed
+from genengine_sglang.compat import check_installed, recorded_server_args, split_graph_options
 
 __all__ = [
     "BACKEND",
@@ -109,12 +108,13 @@ _RESERVED_SERVER_ARGS = {
 def passthrough_options() -> frozenset[str]:
     """The SGLang server arguments accepted as options and passed to ``sglang.Engine`` unchanged.
 
-    Every field of the installed ``sglang.srt.server_args.ServerArgs`` (of 0.5.17's, from
-    ``genengine_sglang._server_args``, where SGLang is not installed or fails to import: the engine's start
-    reports that), less those genengine sets itself and genengine's own option names. Imported here, at
+    Every field of the installed ``sglang.srt.server_args.ServerArgs`` (where SGLang is not installed or fails
+    to import, which the engine's start reports: the recorded fields of the installed release, or of the newest
+    verified one, ``compat.recorded_server_args``, made from each release's wheel by tools/engine_surface.py),
+    less those genengine sets itself and genengine's own option names. Imported here, at
     resolve time, so that importing this module stays free of SGLang.
     """
-    names: Iterable[str] = SERVER_ARGS_FIELDS
+    names: Iterable[str] | None = None
     if importlib.util.find_spec("sglang") is not None:
         try:
             from sglang.srt.server_args import ServerArgs
@@ -122,6 +122,8 @@ def passthrough_options() -> frozenset[str]:
             names = [f.name for f in fields(ServerArgs)]
         except Exception:
             pass
+    if names is None:
+        names = recorded_server_args()
     return frozenset(names) - set(_RESERVED_SERVER_ARGS) - set(OUR_OPTIONS)
 
 
@@ -266,17 +268,29 @@ def server_kwargs(settings: SGLangSettings, *, base_gpu_id: int, port: int) -> d
 GRAPH_SAVER_ENV = "SGLANG_MEMORY_SAVER_CUDA_GRAPH"
 
 
-def check_graph_memory_saver(kwargs: Mapping[str, Any], environ: Mapping[str, str]) -> None:
+def check_graph_memory_saver(
+    kwargs: Mapping[str, Any], environ: Mapping[str, str], server_args: Iterable[str] | None = None
+) -> None:
     """Refuse, before any process starts, what SGLang 0.5.17 would crash on after loading the model.
 
     With ``$SGLANG_MEMORY_SAVER_CUDA_GRAPH`` true (so that a release frees the CUDA graphs' pool too, as
     slime sets it) and the memory saver on, SGLang's "breakable" CUDA graphs, its default for prefill on
     CUDA, raise ``NotImplementedError`` in the scheduler, and SGLang's launcher answers a failed child with
-    SIGQUIT, which kills the trainer. Only the combination is refused.
+    SIGQUIT, which kills the trainer. Only the combination is refused. ``server_args``: the installed
+    ``ServerArgs`` fields; before 0.5.14 (no per-phase graph backends, ``compat.split_graph_options``)
+    breakable graphs are off unless ``enable_breakable_cuda_graph=True``, and only that is refused.
     """
     if environ.get(GRAPH_SAVER_ENV, "").strip().lower() not in ("1", "true"):
         return
     if not kwargs.get("enable_memory_saver") or kwargs.get("disable_cuda_graph"):
+        return
+    if server_args is not None and not split_graph_options(server_args):
+        if kwargs.get("enable_breakable_cuda_graph"):
+            raise ConfigError(
+                f"{GRAPH_SAVER_ENV}={environ[GRAPH_SAVER_ENV]!r} with sleep on and enable_breakable_cuda_graph=True:"
+                " SGLang's breakable CUDA graphs refuse the memory saver and its failure kills this process. "
+                "Allowed: unset it, or leave enable_breakable_cuda_graph off, or disable_cuda_graph=True"
+            )
         return
     prefill = kwargs.get("cuda_graph_backend_prefill")
     prefill_breakable = (

@@ -1,22 +1,61 @@
-"""The vLLM releases this plugin was verified against: the one place for that fact.
+"""The vLLM releases this plugin supports and was verified against, and where they differ: the one place.
 
-pyproject's ``vllm`` extra declares exactly this range (tests/test_engine_versions.py holds them equal);
-widen it only after both ends have passed the GPU suite and ``verify.sh`` (docs/deployment.md's matrix).
+``SUPPORTED`` are the releases the code is written for: each has a recorded API surface
+(``surfaces/VERSION.json``, made by ``tools/engine_surface.py`` from the release's wheel) that
+``tests/test_engine_surfaces.py`` checks the plugin's uses (``genengine_vllm.upstream``) against on the CPU.
+``VERIFIED`` is the part of them run on the H200 (GPU suite and ``verify.sh``); pyproject's ``vllm`` extra
+declares exactly that range (tests/test_engine_versions.py holds them equal); widen it only after both ends
+have passed (docs/deployment.md's matrix). Where releases differ in what the plugin uses, a function here
+branches on the feature, and ``BRANCHES`` names the use and the releases that lack it (the surface test holds
+that list exact). 0.24.0 - 0.26.0 need none: every name, member and keyword the plugin uses is in all four.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import json
 from collections.abc import Mapping
+from importlib import resources
 from typing import Any
 
 from genengine.backend import VerifiedRange, VersionStatus, check_engine_version
 
-__all__ = ["VERIFIED", "check_installed"]
+__all__ = ["BRANCHES", "SUPPORTED", "VERIFIED", "check_installed", "recorded_engine_args", "surface"]
 
 VERIFIED = VerifiedRange("vllm", minimum="0.26.0", maximum="0.26.0")
 """Verified 2026-12-03 on the H200 with torch 2.11 (docs/deployment.md, "Supported engine versions")."""
+
+SUPPORTED: tuple[str, ...] = ("0.24.0", "0.25.0", "0.25.1", "0.26.0")
+"""Every release from 0.24.0 to 0.26.0 on the index (all pin torch 2.11.0), each with a recorded surface."""
+
+BRANCHES: Mapping[str, tuple[str, ...]] = {}
+"""Each use of ``genengine_vllm.upstream.USES`` that some supported releases lack → those releases (none)."""
 
 
 def check_installed(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> VersionStatus:
     """Refuse an installed vLLM outside ``VERIFIED`` unless the user allows it (see ``check_engine_version``)."""
     return check_engine_version(VERIFIED, options, backend="vllm", environ=environ)
+
+
+def surface(version: str) -> dict[str, Any] | None:
+    """The recorded surface of ``version`` (``surfaces/VERSION.json``), or None when none was recorded."""
+    path = resources.files("genengine_vllm").joinpath("surfaces", f"{version}.json")
+    if not path.is_file():
+        return None
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return data
+
+
+@functools.cache
+def recorded_engine_args() -> frozenset[str]:
+    """``EngineArgs``' public field names where vLLM cannot be imported: the installed release's recorded
+    ones (read from its metadata, vLLM not imported), else those of the newest verified release."""
+    try:
+        installed: str | None = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    data = (surface(installed) if installed else None) or surface(VERIFIED.maximum)
+    if data is None:
+        raise RuntimeError(f"genengine_vllm/surfaces/{VERIFIED.maximum}.json is missing from the install")
+    return frozenset(f for f in data["fields"]["vllm.engine.arg_utils:EngineArgs"] if not f.startswith("_"))

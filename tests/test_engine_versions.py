@@ -244,8 +244,9 @@ def test_backends_lists_engine_version_and_whether_verified(fake_installed: Any,
 
     assert main(["backends"]) == 0
     table = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
-    assert re.search(rf"sglang {re.escape(sglang_compat.VERIFIED.maximum)}\s+yes \(sglang==", table["sglang"])
-    assert re.search(r"vllm 0\.99\.0\s+NO \(vllm==", table["vllm"])
+    sglang_range, vllm_range = (re.escape(c.VERIFIED.requirement) for c in (sglang_compat, vllm_compat))
+    assert re.search(rf"sglang {re.escape(sglang_compat.VERIFIED.maximum)}\s+yes \({sglang_range}\)", table["sglang"])
+    assert re.search(rf"vllm 0\.99\.0\s+NO \({vllm_range}\)", table["vllm"])
 
     fake_installed("vllm", None)
     assert main(["backends", "--json"]) == 0

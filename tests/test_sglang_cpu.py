@@ -332,13 +332,14 @@ def test_server_kwargs_keep_the_reference_arguments(model_dir: Path) -> None:
 
 
 def test_every_sglang_server_argument_passes_through(model_dir: Path) -> None:
-    """Options are the fields of SGLang's ``ServerArgs`` (the installed one, else 0.5.17's copy), less what
-    genengine sets itself and its own option names; each goes to ``sglang.Engine`` unchanged."""
-    from genengine_sglang._server_args import SERVER_ARGS_FIELDS
+    """Options are the fields of SGLang's ``ServerArgs`` (the installed one, else the recorded fields of the
+    newest verified release), less what genengine sets itself and its own option names; each goes to
+    ``sglang.Engine`` unchanged."""
+    from genengine_sglang.compat import recorded_server_args
     from genengine_sglang.settings import OUR_OPTIONS, passthrough_options
 
     allowed = passthrough_options()
-    assert allowed <= set(SERVER_ARGS_FIELDS) or HAS_SGLANG
+    assert allowed <= set(recorded_server_args()) or HAS_SGLANG
     for reserved in ("model_path", "tp_size", "mem_fraction_static", "dtype", "custom_weight_loader", "nnodes"):
         assert reserved not in allowed
     assert not allowed & set(OUR_OPTIONS)

@@ -768,11 +768,19 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 @needs_no_vllm
-def test_engine_arg_names_fall_back_to_the_pinned_list() -> None:
+def test_engine_arg_names_fall_back_to_the_recorded_list() -> None:
+    from genengine_vllm import compat
+
     vsettings.engine_arg_names.cache_clear()
-    assert vsettings.engine_arg_names() is vsettings.FALLBACK_ENGINE_ARGS
-    assert {"max_model_len", "enable_prefix_caching", "gpu_memory_utilization"} <= vsettings.FALLBACK_ENGINE_ARGS
-    assert not any(name.startswith("_") for name in vsettings.FALLBACK_ENGINE_ARGS)
+    fallback = compat.recorded_engine_args()
+    assert vsettings.engine_arg_names() is fallback
+    assert fallback == {  # no vLLM installed here: the newest verified release's recorded fields
+        f
+        for f in compat.surface(compat.VERIFIED.maximum)["fields"]["vllm.engine.arg_utils:EngineArgs"]  # type: ignore[index]
+        if not f.startswith("_")
+    }
+    assert {"max_model_len", "enable_prefix_caching", "gpu_memory_utilization"} <= fallback
+    assert not any(name.startswith("_") for name in fallback)
 
 
 @needs_no_vllm

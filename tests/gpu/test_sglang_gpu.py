@@ -501,19 +501,35 @@ def test_shutdown_with_streams_open_ends_them_with_abort() -> None:
 
 
 def test_server_args_fallback_equals_the_installed_fields() -> None:
-    """Options are checked against the installed ``ServerArgs``, and against a copy of 0.5.17's fields where
-    SGLang is not installed: the copy must hold exactly the installed fields (the same names, order aside),
-    so a config accepted on a CPU machine is accepted here and the other way round."""
+    """Options are checked against the installed ``ServerArgs``, and against the recorded fields of the
+    installed release (``compat.recorded_server_args()``: ``surfaces/VERSION.json``, read from its wheel by
+    AST) where SGLang cannot be imported: they must be exactly the installed fields, in order, so a config
+    accepted on a CPU machine is accepted here and the other way round."""
     import dataclasses
 
     import sglang
     from sglang.srt.server_args import ServerArgs
 
-    from genengine_sglang._server_args import SERVER_ARGS_FIELDS
+    from genengine_sglang import compat
     from genengine_sglang.settings import OUR_OPTIONS, passthrough_options
 
+    release = sglang.__version__.split("+")[0]
+    assert compat.surface(release) is not None, f"no recorded surface for SGLang {sglang.__version__}"
+    recorded = compat.recorded_server_args()
     installed = [f.name for f in dataclasses.fields(ServerArgs)]
-    missing, extra = sorted(set(installed) - set(SERVER_ARGS_FIELDS)), sorted(set(SERVER_ARGS_FIELDS) - set(installed))
-    assert not missing and not extra, f"SGLang {sglang.__version__}: fallback lacks {missing}, has extra {extra}"
-    assert len(SERVER_ARGS_FIELDS) == len(installed)
+    missing, extra = sorted(set(installed) - set(recorded)), sorted(set(recorded) - set(installed))
+    assert not missing and not extra, f"SGLang {sglang.__version__}: recorded fields lack {missing}, have extra {extra}"
+    assert list(recorded) == installed
     assert passthrough_options() <= set(installed) and not passthrough_options() & set(OUR_OPTIONS)
+
+
+def test_declared_upstream_uses_exist_in_the_installed_sglang() -> None:
+    """Every sglang name, member and keyword the plugin declares (``genengine_sglang.upstream``) exists in the
+    installed sglang when imported, as the recorded surface (read from the wheel by AST) says."""
+    import importlib.metadata
+
+    from support.upstream_uses import unresolved_uses
+
+    version = importlib.metadata.version("sglang").split("+")[0]
+    unresolved = unresolved_uses("genengine_sglang", version)
+    assert not unresolved, f"sglang {version}: {unresolved}"

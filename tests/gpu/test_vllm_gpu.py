@@ -466,18 +466,34 @@ def test_prefix_cache_drift_and_the_setting_that_removes_it(trainer_world: Any) 
 
 
 def test_fallback_engine_args_match_the_installed_vllm() -> None:
-    """The pass-through names used where vLLM is not installed are the installed vLLM's ``EngineArgs`` fields:
-    ``settings.FALLBACK_ENGINE_ARGS == {f.name for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_")}``,
-    and ``engine_arg_names()`` reads exactly that set here. A vLLM upgrade that adds or drops a field fails here
-    until the list in genengine_vllm/settings.py is its new field list."""
+    """The pass-through names used where vLLM cannot be imported are the installed vLLM's ``EngineArgs`` fields:
+    ``compat.recorded_engine_args()`` (this release's ``surfaces/VERSION.json``, read from its wheel by AST) ==
+    ``{f.name for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_")}``, and ``engine_arg_names()``
+    reads exactly that set here. A release without a recorded surface fails here: run tools/engine_surface.py."""
     import vllm
     from vllm.engine.arg_utils import EngineArgs
 
-    from genengine_vllm import settings
+    from genengine_vllm import compat, settings
 
+    assert compat.surface(vllm.__version__.split("+")[0]) is not None, (
+        f"no recorded surface for vLLM {vllm.__version__}"
+    )
+    recorded = compat.recorded_engine_args()
     installed = frozenset(f.name for f in dataclasses.fields(EngineArgs) if not f.name.startswith("_"))
-    missing = sorted(installed - settings.FALLBACK_ENGINE_ARGS)
-    extra = sorted(settings.FALLBACK_ENGINE_ARGS - installed)
-    assert not missing and not extra, f"vLLM {vllm.__version__}: fallback lacks {missing}, has extra {extra}"
+    missing = sorted(installed - recorded)
+    extra = sorted(recorded - installed)
+    assert not missing and not extra, f"vLLM {vllm.__version__}: recorded fields lack {missing}, have extra {extra}"
     settings.engine_arg_names.cache_clear()
     assert settings.engine_arg_names() == installed
+
+
+def test_declared_upstream_uses_exist_in_the_installed_vllm() -> None:
+    """Every vllm name, member and keyword the plugin declares (``genengine_vllm.upstream``) exists in the
+    installed vllm when imported, as the recorded surface (read from the wheel by AST) says."""
+    import importlib.metadata
+
+    from support.upstream_uses import unresolved_uses
+
+    version = importlib.metadata.version("vllm").split("+")[0]
+    unresolved = unresolved_uses("genengine_vllm", version)
+    assert not unresolved, f"vllm {version}: {unresolved}"

@@ -1,5 +1,5 @@
 #!/bin/bash
-# prepare.sh ENGINE OUTDIR   (ENGINE = vllm | sglang)
+# prepare.sh ENGINE OUTDIR [VERSION]   (ENGINE = vllm | sglang; VERSION: default the pinned one, 0.26.0 / 0.5.17)
 #
 # Runs on a CPU dev machine with pip access. Downloads the pinned wheels that the
 # GPU machine lacks, drops the parts that are not needed on an H200 (Hopper, sm90),
@@ -12,35 +12,63 @@
 #      JIT_CACHE=a.tar.xz[:b.tar.xz...] (compiled kernels of earlier runs, unpacked into $HOME),
 #      TEST_PINS (what genengine and its GPU tests import that the image lacks; "" to carry none),
 #      WITH_RAY=1 (also carry Ray 2.60.0 and its missing requirements, for genengine.ray's GPU test),
-#      WITH_TRL=1 (also carry TRL 1.16.0 and its missing requirements, for verify.sh's trl part).
+#      WITH_TRL=1 (also carry TRL 1.16.0 and its missing requirements, for verify.sh's trl part),
+#      PINS_ONLY=1 (print the pins for ENGINE and VERSION, and stop).
 #
 # Copy of shared/gpu/prepare.sh, adapted for this repo: carries genengine's test pins, several JIT
 # caches, and only the kit files present in this folder (install.sh, smoke.py).
 set -euo pipefail
 die() { echo "prepare.sh: ERROR: $*" >&2; exit 1; }
-[ $# -eq 2 ] || die "usage: prepare.sh vllm|sglang OUTDIR"
-ENGINE=$1; OUTDIR=$2
+[ $# -eq 2 ] || [ $# -eq 3 ] || die "usage: prepare.sh vllm|sglang OUTDIR [VERSION]"
+ENGINE=$1; OUTDIR=$2; VERSION=${3:-}
 KIT=$(cd "$(dirname "$0")" && pwd)
-for t in python3 tar xz split sha256sum git; do command -v $t >/dev/null || die "missing tool: $t"; done
+[ "${PINS_ONLY:-0}" = 1 ] || for t in python3 tar xz split sha256sum git; do command -v $t >/dev/null || die "missing tool: $t"; done
 
 # --- pins: what the GPU image (python 3.12, torch 2.11.0+cu130, transformers 5.17.0) lacks ---
+# One row per engine release, from that release's Requires-Dist (each pins torch==2.11.0): the engine, and the
+# versions it pins exactly of what is carried (SGLang: sglang-kernel, flashinfer-python, sgl-deep-gemm,
+# transformers, apache-tvm-ffi, xgrammar; vLLM: apache-tvm-ffi). The rest is the same for every release
+# (a release's lower bounds are all met by these; checked for vLLM 0.24.0-0.26.0 and SGLang 0.5.12-0.5.17).
 COMMON="pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
  msgspec==0.23.0 pyzmq==27.3.0 pybase64==1.5.1 jiter==0.19.0 sniffio==1.3.1
- distro==1.9.0 partial-json-parser==0.2.1.1.post7 xgrammar==0.2.1 fastapi==0.136.3 starlette==1.10.0"
+ distro==1.9.0 partial-json-parser==0.2.1.1.post7 fastapi==0.136.3 starlette==1.10.0"
+XGRAMMAR=xgrammar==0.2.1
 case "$ENGINE" in
-  vllm) PINS="vllm==0.26.0 openai==2.54.0 apache-tvm-ffi==0.1.10 cachetools==8.0.2 cbor2==6.3.0
- openai-harmony==0.0.8 llguidance==1.7.6 $COMMON" ;;
-  # sglang 0.5.17 registers configs that transformers 5.17 already has ('qwen3_asr'),
-  # so it gets its own pinned transformers 5.12.1 (which needs tokenizers<=0.23.0).
-  sglang) PINS="sglang==0.5.17 openai==2.6.1 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1
- torch-memory-saver==0.0.10 sgl-deep-gemm==0.1.5.post1 transformers==5.12.1 tokenizers==0.22.2
- apache-tvm-ffi==0.1.11 orjson==3.13.0 setproctitle==1.3.8 dill==0.4.1 compressed-tensors==0.20.1
+  vllm)
+    VERSION=${VERSION:-0.26.0}
+    case "$VERSION" in
+      0.24.0|0.25.0|0.25.1) TVM=0.1.9 ;;
+      0.26.0) TVM=0.1.10 ;;
+      *) die "no pins for vllm $VERSION (known: 0.24.0 0.25.0 0.25.1 0.26.0)" ;;
+    esac
+    PINS="vllm==$VERSION openai==2.54.0 apache-tvm-ffi==$TVM cachetools==8.0.2 cbor2==6.3.0
+ openai-harmony==0.0.8 llguidance==1.7.6" ;;
+  sglang)
+    VERSION=${VERSION:-0.5.17}
+    # kernel, flashinfer, deep-gemm, transformers, tvm-ffi, xgrammar: as the release's METADATA pins them.
+    case "$VERSION" in
+      0.5.12|0.5.12.post1) REL="0.4.2.post2 0.6.11.post1 0.1.0 5.6.0 0.1.9 0.2.0" ;;
+      0.5.13|0.5.13.post1) REL="0.4.3 0.6.12 0.1.2 5.8.1 0.1.9 0.2.1" ;;
+      0.5.14) REL="0.4.4 0.6.12 0.1.3 5.8.1 0.1.9 0.2.1" ;;
+      0.5.15|0.5.15.post1) REL="0.4.4 0.6.12 0.1.4 5.12.1 0.1.11 0.2.1" ;;
+      0.5.16) REL="0.4.5 0.6.14 0.1.4.post1 5.12.1 0.1.11 0.2.1" ;;
+      0.5.17) REL="0.4.5 0.6.15.post1 0.1.5.post1 5.12.1 0.1.11 0.2.1" ;;
+      *) die "no pins for sglang $VERSION (known: 0.5.12 0.5.12.post1 0.5.13 0.5.13.post1 0.5.14 0.5.15 0.5.15.post1 0.5.16 0.5.17)" ;;
+    esac
+    read -r KERNEL FLASHINFER DEEPGEMM TRANSFORMERS TVM XGR <<< "$REL"
+    XGRAMMAR=xgrammar==$XGR
+    # SGLang registers configs that the image's transformers 5.17 already has ('qwen3_asr'), so it gets the
+    # transformers its release pins (5.6.0-5.12.1 all need tokenizers<=0.23.0; 0.23.0 is not on PyPI: 0.22.2).
+    PINS="sglang==$VERSION openai==2.6.1 sglang-kernel==$KERNEL flashinfer-python==$FLASHINFER
+ torch-memory-saver==0.0.10 sgl-deep-gemm==$DEEPGEMM transformers==$TRANSFORMERS tokenizers==0.22.2
+ apache-tvm-ffi==$TVM orjson==3.13.0 setproctitle==1.3.8 dill==0.4.1 compressed-tensors==0.20.1
  loguru==0.7.3 gguf==0.19.0 uvicorn==0.54.0 ipython==9.18.1 asttokens==3.0.2 executing==2.3.0
  ipython-pygments-lexers==1.1.1 jedi==0.20.1 matplotlib-inline==0.2.2 parso==0.8.7 pexpect==4.9.0
  prompt-toolkit==3.0.53 ptyprocess==0.7.0 pure-eval==0.2.4 stack-data==0.6.3 traitlets==5.16.1
- wcwidth==0.9.4 $COMMON" ;;
+ wcwidth==0.9.4" ;;
   *) die "ENGINE must be vllm or sglang" ;;
 esac
+PINS="$PINS $COMMON $XGRAMMAR"
 # genengine imports pluggy; its GPU tests run under pytest (tools/gpu/run_tests.sh). Pure-Python wheels.
 PINS="$PINS ${TEST_PINS-pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4 pygments==2.21.0}"
 # WITH_RAY=1: also Ray 2.60.0 for genengine.ray (tests/gpu/test_ray_gpu.py) and what the image lacks of its
@@ -57,6 +85,9 @@ if [ "${WITH_TRL:-0}" = 1 ]; then
   PINS="$PINS trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19"
   case " $PINS " in *" dill=="*) ;; *) PINS="$PINS dill==0.4.1" ;; esac
 fi
+
+# PINS_ONLY=1: print the wheels this kit would carry, one pin a line, and stop (nothing downloaded or written).
+if [ "${PINS_ONLY:-0}" = 1 ]; then printf '%s\n' $PINS; exit 0; fi
 
 # --- files dropped (see README.md "What is dropped and why") ---
 DROP='^xgrammar/lib/libxgrammar\.a$'                                  # static lib, only for C++ linking
@@ -149,11 +180,11 @@ for p in "$WORK"/part.*; do
   d="$OUTDIR/$ENGINE/c$(printf %02d $i)"; mkdir -p "$d"
   mv "$p" "$d/"; cp "$WORK/SHA256SUMS" "$KIT/install.sh" "$d/"
   for f in smoke.py tp2_smoke.py anchor_bench.py; do [ ! -f "$KIT/$f" ] || cp "$KIT/$f" "$d/"; done
-  echo "ENGINE=$ENGINE" > "$d/MANIFEST.env"; i=$((i + 1))
+  printf 'ENGINE=%s\nENGINE_VERSION=%s\n' "$ENGINE" "$VERSION" > "$d/MANIFEST.env"; i=$((i + 1))
 done
 j=0
 for f in "${JIT_FILES[@]}"; do cp "$f" "$d/jit-cache-$j.tar.xz"; j=$((j + 1)); done
-echo "== $ENGINE: $(du -m "$WORK/payload.tar.xz" | cut -f1) MiB in $N chunk(s) of <= $((CHUNK_B / MiB)) MiB under $OUTDIR/$ENGINE"
+echo "== $ENGINE $VERSION: $(du -m "$WORK/payload.tar.xz" | cut -f1) MiB in $N chunk(s) of <= $((CHUNK_B / MiB)) MiB under $OUTDIR/$ENGINE"
 echo
 echo "Make these GPU-runner calls back to back (the machine stays warm only briefly between calls):"
 for ((i = 0; i < N; i++)); do

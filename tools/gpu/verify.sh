@@ -314,8 +314,11 @@ for part in $PARTS; do
   esac
 done
 
+# The engine release that ran: the installed distribution's version (the kit's site first, as every part saw it).
+ENGINE_VERSION=$(PYTHONPATH="$SITE_ENGINE${PYTHONPATH:+:$PYTHONPATH}" python3 -c \
+  'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$ENGINE" 2>/dev/null) || ENGINE_VERSION="not installed"
 {
-  echo "### verify.sh $ENGINE — $(date -u +%Y-%m-%dT%H:%MZ), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(elapsed) s of a $BUDGET s budget"
+  echo "### verify.sh $ENGINE $ENGINE_VERSION — $(date -u +%Y-%m-%dT%H:%MZ), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(elapsed) s of a $BUDGET s budget"
   echo
   echo "| part | rc | s | result |"
   echo "| --- | --- | --- | --- |"
