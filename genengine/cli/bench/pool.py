@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from genengine.cli.bench.measure import random_weights
@@ -32,7 +33,7 @@ from genengine.engine.environ import scoped_environ
 from genengine.engine.ipc import HANDLES, HANDLES_ENV
 from genengine.errors import ConfigError, InvalidArgumentError
 
-__all__ = ["PoolBenchSettings", "format_pool_report", "random_weights", "run_pool_bench"]
+__all__ = ["PoolBenchSettings", "format_pool_report", "random_weights", "run_pool_bench", "source_root"]
 
 GOALS = {"ratio": 0.95, "sync_seconds": 0.1}
 
@@ -335,6 +336,12 @@ class PoolBenchTrainer:
         }
 
 
+def source_root() -> str:
+    """The folder that holds the ``genengine`` package, for the Ray workers' ``PYTHONPATH``: never the package
+    folder itself, whose ``ray`` subpackage would then shadow Ray in every worker."""
+    return str(Path(__file__).resolve().parents[__name__.count(".")])
+
+
 def run_pool_bench(settings: PoolBenchSettings) -> dict[str, Any]:
     """Start (or join) Ray, put the trainer actor in a one-bundle placement group and run the measurements
     there; returns the report (plain JSON-able data)."""
@@ -350,7 +357,7 @@ def run_pool_bench(settings: PoolBenchSettings) -> dict[str, Any]:
     gpu = torch.cuda.is_available()
     started = not ray.is_initialized()
     if started:
-        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        here = source_root()
         module = sys.modules.get(settings.weights.partition(":")[0])
         paths = [here, *([os.path.dirname(module.__file__)] if module and module.__file__ else [])]
         path = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])
