@@ -151,6 +151,7 @@ class GenEngineRolloutWorker:
         self._error: BaseException | None = None
         self._progress_at = time.time()
         self._requests = 0
+        self._live_ids: set[str] = set()
         self._next_group = 0
 
     # ---- TRL's protocol ----------------------------------------------------------------------------------
@@ -237,6 +238,10 @@ class GenEngineRolloutWorker:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self._live_ids:  # a cancelled reader does not always end its request at once: end them here
+                with contextlib.suppress(Exception):  # a closed engine has none left
+                    await self.engine.abort(sorted(self._live_ids))
+                self._live_ids.clear()
 
     def _next_row(self) -> tuple[int, dict[str, Any]]:
         group_id = self._next_group
@@ -259,10 +264,12 @@ class GenEngineRolloutWorker:
             prompt_token_ids=prompt_ids, sampling_params=params, request_id=f"trl-async-{group_id}"
         )
         self._requests += 1
+        self._live_ids.add(stream.request_id)
         try:
             async for _chunk in stream:
                 self._progress_at = time.time()
             result = stream.result()
+            self._live_ids.discard(stream.request_id)  # ended (a cancelled one is aborted by the loop)
         finally:
             self._requests -= 1
             if not self._stopping.is_set():
