@@ -49,7 +49,7 @@ from genengine.integrations.trl_config import (
     engine_config_source,
     resolve_engine_config,
 )
-from genengine.protocol import LoadReport, SamplingParams, is_async_engine
+from genengine.protocol import LoadReport, PauseMode, SamplingParams, is_async_engine
 from genengine.registry import create_engine
 
 check_trl_version()
@@ -387,7 +387,7 @@ class GenEngineWeightTransfer:
         engine: Any,
         *,
         worker: GenEngineRolloutWorker | None = None,
-        pause_mode: str = "keep",
+        pause_mode: PauseMode = "keep",
         clear_cache: bool = True,
         control_timeout_s: float = 300.0,
     ) -> None:
@@ -398,7 +398,7 @@ class GenEngineWeightTransfer:
         if worker is not None and worker.engine is not engine:
             raise InvalidArgumentError("worker rolls out on another engine than this transfer's")
         self.engine = engine
-        self.pause_mode = pause_mode
+        self.pause_mode: PauseMode = pause_mode
         self.clear_cache = bool(clear_cache)
         self.control_timeout_s = float(control_timeout_s)
         self.last_load: LoadReport | None = None
