@@ -240,6 +240,14 @@ def test_a_pause_carries_samples_over_a_weight_update(setup: Setup, engine: Any)
     worker = make_worker(setup, engine)
     transfer = GenEngineWeightTransfer(engine, worker=worker)
     weights = perturbed(setup)
+    streams: dict[str, Any] = {}
+    real_stream = engine.stream
+
+    def stream(*args: Any, **kwargs: Any) -> Any:  # the real stream, kept to read its weight versions after
+        streams[kwargs["request_id"]] = real_stream(*args, **kwargs)
+        return streams[kwargs["request_id"]]
+
+    engine.stream = stream
     try:
         transfer.init_weight_transfer()
         worker.start()
@@ -258,9 +266,14 @@ def test_a_pause_carries_samples_over_a_weight_update(setup: Setup, engine: Any)
     finally:
         worker.stop()
     samples = drain(worker.rollout_buffer)
-    # A group is tagged with the oldest weights that sampled it: those carried over keep version 0.
+    # A group is tagged with the oldest weights that sampled any of its tokens: those carried over keep version 0.
     assert {s.model_version for s in samples} == {0, 1}
+    spans = {
+        s.group_id: [o.weight_versions for o in streams[f"trl-async-{s.group_id}"].result().outputs] for s in samples
+    }
+    assert any(len(v) > 1 for group in spans.values() for v in group), "no queued sample spans the update"
     for s in samples:
+        assert s.model_version == min(version for v in spans[s.group_id] for _, version in v)
         n = int(s.completion_mask.sum())
         assert n == 48 and len(s.input_ids) == len(s.old_log_probs) == len(s.completion_mask)
         assert (s.old_log_probs[-n:] < 0).all() and (s.old_log_probs[:-n] == 0).all()
