@@ -449,3 +449,25 @@ def test_torch_tree_attention_is_causal_attention_per_segment() -> None:
         torch.testing.assert_close(out[cu_q[s] : cu_q[s + 1]], ref.transpose(0, 1)[keys[s] - queries[s] :])
     with pytest.raises(NotImplementedError, match="sliding window"):
         varlen_attention(q, k, v, cu_q, cu_k, 5, 7, window_size=(3, 0))
+
+
+def test_docs_async_recipe_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/trl.md's async recipe runs as written: two steps of TRL's AsyncGRPOTrainer on the embedded engine."""
+    import re
+
+    import torch
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "trl.md").read_text()
+    start = text.index("\n## TRL's async trainer\n")
+    section = text[start : text.index("\n## ", start + 1)]
+    recipe = re.findall(r"^```python\n(.*?)^```", section, re.M | re.S)[0]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "docs_trl_async"}
+    threads = torch.get_num_threads()
+    try:
+        exec(compile(recipe, "docs/trl.md async recipe", "exec"), namespace)
+    finally:
+        torch.set_num_threads(threads)
+    trainer, worker, transfer = namespace["trainer"], namespace["worker"], namespace["transfer"]
+    assert trainer.state.global_step == 2 and transfer.versions == [1, 2, 3] and trainer.model_version == 3
+    assert worker.engine.state.closed, "the recipe's worker.shutdown() freed the engine"
