@@ -339,6 +339,10 @@ def test_check_health_reports_a_stuck_engine(setup: Setup, engine: Any) -> None:
         time.sleep(1.5)
         with pytest.raises(RuntimeError, match="stuck"):
             worker.check_health(stale_after_s=1.0)
+        worker.stop_timeout_s = 1.0
+        began = time.monotonic()
+        worker.stop()  # TRL's end of train() after the failure: it must not wait on the stuck engine for long
+        assert time.monotonic() - began < 10
     finally:
         release.set()
         model.forward = forward

@@ -97,13 +97,13 @@ class _LoopThread:
             future.cancel()
             raise EngineStateError(f"{what} did not return within {timeout_s:.0f}s (is the engine stuck?)") from None
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 5.0) -> None:
         with self._lock:
             loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
         if loop is None or thread is None:
             return
         loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=30)
+        thread.join(timeout=timeout_s)
         if not thread.is_alive():
             loop.close()
 
@@ -132,6 +132,8 @@ class GenEngineRolloutWorker:
         self.engine = engine
         self.rollout_buffer: queue.Queue[RolloutSample] = queue.Queue(maxsize=queue_maxsize)
         self.metrics_queue: queue.Queue[dict[str, Any]] = queue.Queue(maxsize=4096)
+        self.stop_timeout_s = 15.0
+        """How long ``stop()`` waits for the loop to abort its requests and end (a stuck engine may never let it)."""
         self.model_version = 0
         """The trainer's policy version (``update_model_version``): what staleness is measured against."""
         self._dataset = dataset
@@ -172,10 +174,14 @@ class GenEngineRolloutWorker:
         future, self._future = self._future, None
         if future is not None:
             try:
-                future.result(timeout=60)
+                future.result(timeout=self.stop_timeout_s)
+            except concurrent.futures.TimeoutError:
+                _log.warning(
+                    "the rollout loop did not end within %gs (a stuck engine?): left behind", self.stop_timeout_s
+                )
             except BaseException as exc:  # already recorded for check_health
                 _log.debug("rollout loop ended with %r", exc)
-        self._runner.stop()
+        self._runner.stop(timeout_s=min(5.0, self.stop_timeout_s))
 
     def update_model_version(self, model_version: int) -> None:
         """The trainer's policy version is now ``model_version``: older rollouts count as stale against it."""
@@ -207,9 +213,10 @@ class GenEngineRolloutWorker:
             self.engine.shutdown()
 
     # ---- the loop --------------------------------------------------------------------------------------------
-    def _idle_by_design(self, blocked: bool) -> bool:
-        """No token is expected: nothing in flight, the queue is full, or a weight sync holds the engine."""
-        return blocked or self._requests == 0 or self.engine.paused is not None
+    def _idle_by_design(self) -> bool:
+        """No token is expected: nothing in flight, or a weight sync holds the engine (a full queue is marked
+        where the worker waits on it)."""
+        return self._requests == 0 or self.engine.paused is not None
 
     async def _run(self) -> None:
         try:
@@ -225,7 +232,7 @@ class GenEngineRolloutWorker:
         score_lock = asyncio.Lock()
         try:
             while not self._stopping.is_set():
-                if self._idle_by_design(False):
+                if self._idle_by_design():
                     self._progress_at = time.time()
                 while (len(tasks) + 1) * self._group <= self._max_inflight and not self._stopping.is_set():
                     group_id, row = self._next_row()
@@ -295,7 +302,8 @@ class GenEngineRolloutWorker:
         texts = [self._tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
         conversational = not isinstance(prompt, str)
         completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        kwargs = {key: [value] * len(outputs) for key, value in row.items() if key not in ("prompt", "completion")}
+        skip = ("prompt", "completion", "completion_ids")  # as TRL's worker: the other columns go to the rewards
+        kwargs = {key: [value] * len(outputs) for key, value in row.items() if key not in skip}
         kwargs.update(prompts=[prompt] * len(outputs), completions=completions, completion_ids=completion_ids)
         columns = []
         for func in self._reward_funcs:
@@ -318,6 +326,8 @@ class GenEngineRolloutWorker:
         versions = [v for o in outputs for _, v in (o.weight_versions or ())]
         version = min(versions) if versions else int(self.engine.weight_version)
         mixed = sum(1 for o in outputs if len(o.weight_versions or ()) > 1)
+        # TRL's samples carry messages (its trace logger reads them as such), whatever the dataset's prompts are.
+        messages = prompt if conversational else [{"role": "user", "content": prompt}]
         samples = []
         for i, output in enumerate(outputs):
             n_prompt, n_completion = len(prompt_ids), len(output.token_ids)
@@ -326,8 +336,8 @@ class GenEngineRolloutWorker:
             metrics.update({f"rewards/{n}": float(per_func[j, i]) for j, n in enumerate(self._reward_names)})
             samples.append(
                 RolloutSample(
-                    prompt=prompt,
-                    completion=completions[i],
+                    prompt=messages,
+                    completion=[{"role": "assistant", "content": texts[i]}],
                     input_ids=np.asarray(prompt_ids + completion_ids[i], dtype=np.int64),
                     completion_mask=np.asarray([0] * n_prompt + [1] * n_completion, dtype=np.int64),
                     old_log_probs=np.asarray([0.0] * n_prompt + logprobs, dtype=np.float32),
