@@ -174,6 +174,48 @@ def test_async_grpo_trainer_learns_on_the_embedded_engine(setup: Setup, tmp_path
     assert engine.state.closed, "make_async_backend built the engine, so worker.shutdown() frees it"
 
 
+def test_an_engine_that_dies_fails_the_training_with_its_error(setup: Setup, tmp_path: Path) -> None:
+    """The engine shut down under a running AsyncGRPOTrainer: once the queued samples are used up, TRL's
+    ``check_health`` poll (every 5 s of an empty queue) raises the worker's error and ``train()`` ends."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    from genengine.integrations.trl_async import make_async_backend
+
+    changes = {"per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8, "max_steps": 50}
+    changes["weight_sync_steps"] = 100  # no sync after the engine dies: the failure must come through check_health
+    args = async_config(tmp_path, **changes)
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    worker, transfer = make_async_backend(
+        ENGINE, model=setup.model_dir, args=args, train_dataset=dataset, reward_funcs=count_tokens
+    )
+
+    class KillAfterStep1(TrainerCallback):
+        def on_step_end(self, _args: Any, state: Any, _control: Any, **_: Any) -> None:
+            if state.global_step == 1:
+                worker.engine.shutdown()
+
+    trainer = AsyncGRPOTrainer(
+        model=setup.model_dir,
+        reward_funcs=count_tokens,
+        args=args,
+        train_dataset=dataset,
+        processing_class=setup.tokenizer,
+        rollout_worker=worker,
+        weight_transfer=transfer,
+        callbacks=[KillAfterStep1()],
+    )
+    try:
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match="genengine rollout worker failed") as info:
+            trainer.train()
+        assert time.monotonic() - began < 60 and trainer.state.global_step < args.max_steps
+        assert info.value.__cause__ is not None  # the engine's own error, chained
+    finally:
+        worker.shutdown()
+
+
 # ---- the worker and the transfer alone -------------------------------------------------------------------------
 @pytest.fixture
 def engine(setup: Setup) -> Iterator[Any]:
