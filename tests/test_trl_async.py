@@ -420,6 +420,7 @@ def test_a_pause_is_not_taken_for_a_stuck_engine(setup: Setup, engine: Any) -> N
         ({}, {"train_dataset": [{"text": "no prompt column"}]}, "'prompt' column"),
         ({}, {"genengine": "transfomers"}, "did you mean 'transformers'"),
         ({}, {"genengine": {"backend": "transformers", "tp_size": 2}}, "tp_size=2"),
+        ({}, {"WORLD_SIZE": "2"}, "WORLD_SIZE=2: the TRL async integration runs in one training process"),
     ],
 )
 def test_bad_input_is_refused_before_an_engine_starts(
@@ -432,6 +433,8 @@ def test_bad_input_is_refused_before_an_engine_starts(
         raise AssertionError("an engine was started for bad input")
 
     monkeypatch.setattr(trl_async, "create_engine", no_engine)
+    kwargs = dict(kwargs)
+    world = kwargs.pop("WORLD_SIZE", None)
     given: dict[str, Any] = {
         "genengine": ENGINE,
         "model": setup.model_dir,
@@ -439,6 +442,8 @@ def test_bad_input_is_refused_before_an_engine_starts(
         "train_dataset": [{"prompt": p} for p in PROMPTS],
         "reward_funcs": count_tokens,
     } | kwargs
+    if world is not None:  # after the config: TRL's would try to join that world
+        monkeypatch.setenv("WORLD_SIZE", world)
     with pytest.raises(GenEngineError, match=match):
         trl_async.make_async_backend(given.pop("genengine"), **given)
 

@@ -508,7 +508,13 @@ def make_async_backend(
     sampling = replace(check_trl_settings(settings), n=int(args.num_generations))
     if args.max_staleness < 0:
         raise ConfigError(f"max_staleness={args.max_staleness} must be >= 0")
-    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * _world_size()
+    if _world_size() > 1:
+        raise ConfigError(
+            f"WORLD_SIZE={_world_size()}: the TRL async integration runs in one training process (TRL uses the "
+            "rollout worker on rank 0 only, and make_async_backend starts an engine wherever it is called); "
+            "allowed: one process"
+        )
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps
     inflight = args.max_inflight_tasks if args.max_inflight_tasks > 0 else max(args.max_staleness, 1) * per_step
     if inflight < args.num_generations:
         raise ConfigError(
