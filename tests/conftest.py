@@ -30,6 +30,7 @@ _LONG_FILES = (
     "test_ray_pool_sync.py",
     "test_ray_pool.py",
     "test_ray_colocated.py",
+    "test_ray_trl_async.py",
     "test_template_plugin.py",
     "test_soak.py",
     "test_demo.py",
