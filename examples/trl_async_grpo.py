@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> list[dict[str, Any]
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     from genengine.integrations.trl_async import make_async_backend
-    from genengine.testing.tiny_model import tiny_model_dir
+    from genengine.models.tiny_model import tiny_model_dir
 
     on_gpu = args.backend != "transformers" and torch.cuda.is_available()
     if not on_gpu:

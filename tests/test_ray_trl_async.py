@@ -20,7 +20,7 @@ from support.ray_cluster import pool_leftovers  # noqa: E402
 from support.ray_pool import cluster, faults, model, other_weights  # noqa: E402,F401
 
 from genengine import SamplingParams  # noqa: E402
-from genengine.demo import TRL_PROMPTS as PROMPTS  # noqa: E402
+from genengine.cli.demos.sync import TRL_PROMPTS as PROMPTS  # noqa: E402
 from genengine.ray import EnginePool  # noqa: E402
 
 

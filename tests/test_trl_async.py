@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from genengine.demo import TRL_PROMPTS as PROMPTS
+from genengine.cli.demos.sync import TRL_PROMPTS as PROMPTS
 from genengine.testing.tiny_model import tiny_model_dir
 
 pytestmark = pytest.mark.skipif(find_spec("trl") is None, reason="trl is not installed: pip install -e '.[trl]'")
@@ -46,7 +46,7 @@ def setup() -> Iterator[Setup]:
     import transformers
 
     import genengine
-    from genengine.demo import pick_target
+    from genengine.cli.demos.sync import pick_target
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -60,7 +60,7 @@ def setup() -> Iterator[Setup]:
 
 
 def target_reward(target: int) -> Callable[..., list[float]]:
-    from genengine.demo import rewards_and_advantages
+    from genengine.cli.demos.sync import rewards_and_advantages
 
     def target_share(completion_ids: list[list[int]], **_: Any) -> list[float]:
         samples = [([], list(c), []) for c in completion_ids]

@@ -49,8 +49,8 @@ from genengine.integrations.trl_config import (
     engine_config_source,
     resolve_engine_config,
 )
+from genengine.plugins.registry import create_engine
 from genengine.protocol import LoadReport, PauseMode, SamplingParams, is_async_engine
-from genengine.registry import create_engine
 
 check_trl_version()
 
