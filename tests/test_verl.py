@@ -224,6 +224,23 @@ def test_weight_update_from_sync_and_async_generators_with_sleep_and_wake(rollou
     assert out.extra_fields["global_steps"] == 4
 
 
+def test_a_sync_the_server_refuses_fails_at_once_and_the_next_one_works(rollout: Any, model: str) -> None:
+    """A sync into an engine whose weights sleep (the worker skipped resume(["weights"])) fails at once with the
+    engine's error (not at the transport's timeout), and the next sync forms a new group and lands."""
+    import time
+
+    asyncio.run(rollout.replica.sleep())
+    start = time.monotonic()
+    with pytest.raises(Exception, match=r"wake\(\['weights'\]\) before load_weights"):
+        rollout.ray.get(rollout.trainer.update_weights.remote(model, 5, "sync"), timeout=120)
+    assert time.monotonic() - start < 30
+    rollout.ray.get(rollout.trainer.resume.remote(["weights"]), timeout=120)
+    rollout.ray.get(rollout.trainer.update_weights.remote(model, 5, "sync"), timeout=120)
+    rollout.ray.get(rollout.trainer.resume.remote(["kv_cache"]), timeout=120)
+    out = generate(rollout.client(), PROMPT, {**GREEDY, "max_tokens": 2})
+    assert out.extra_fields["global_steps"] == 5
+
+
 def test_a_sync_in_the_middle_of_generation_spans_two_versions(rollout: Any, model: str) -> None:
     """A sync while a request runs (no abort): genengine holds it, loads, and goes on with the new weights; the
     output names both versions (min/max_global_steps), and global_steps is the newer."""

@@ -37,6 +37,20 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+async def _result(ref: Any) -> Any:
+    return await ref
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _close_quietly(sender: Any) -> None:
+    with contextlib.suppress(Exception):
+        sender.close()
+
+
 def _full(tensor: Any) -> Any:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
@@ -134,15 +148,26 @@ class GenEngineServerAdapter(BaseRollout):
         if self._sender is None or incarnation != self._incarnation:
             await self._form_group(server, incarnation)
         loop = asyncio.get_running_loop()
-        receiving = server.receive_weights.remote()
-        try:
-            report = await asyncio.to_thread(self._sender.send, bridge(weights, loop), version=version)
-            await receiving
-        except BaseException:
-            await self._close_group()  # the server's receive fails once its sender is gone
-            with contextlib.suppress(Exception):
-                await receiving
-            raise
+        sender = self._sender
+        receiving = asyncio.ensure_future(_result(server.receive_weights.remote()))
+        sending = asyncio.ensure_future(asyncio.to_thread(sender.send, bridge(weights, loop), version=version))
+        done, _ = await asyncio.wait({receiving, sending}, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in (receiving, sending) if t in done and t.exception() is not None]
+        if failed:
+            # A failure on either side leaves the group out of step: the next sync forms a new one. A server that
+            # failed outside the transport's protocol (e.g. its engine refused the load) is reported now, not at
+            # the group's timeout; the sender's thread ends at that timeout and closes its end then.
+            self._sender, self._incarnation = None, None
+            sending.add_done_callback(lambda _: _close_quietly(sender))
+            receiving.add_done_callback(_consume)
+            if not receiving.done():  # the engine's own error usually follows the sender's within moments
+                await asyncio.wait({receiving}, timeout=10)
+            if sending.done():
+                with contextlib.suppress(Exception):
+                    await server.transport_close.remote()
+            errors = [t.exception() for t in (receiving, sending) if t.done() and t.exception() is not None]
+            raise errors[0] from (errors[1] if len(errors) > 1 else None)  # type: ignore[misc]
+        report = sending.result()
         self.last_report = report
         if global_steps is not None:
             await server.set_global_steps.remote(global_steps)

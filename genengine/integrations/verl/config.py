@@ -192,7 +192,7 @@ def engine_settings(rollout: Any, model: Any = None, *, check_backend: bool = Tr
             "or 2 (free weights too: verl syncs them after every sleep)"
         )
     mb = _int(f"{_PREFIX}.engine_kwargs.{NAME}.bucket_megabytes", data.get("bucket_megabytes", 512), 1)
-    timeout = data.get("timeout_s", 600.0)
+    timeout = data.get("timeout_s", 120.0)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ConfigError(f"{_PREFIX}.engine_kwargs.{NAME}.timeout_s={timeout!r} must be a number of seconds > 0")
     return VerlEngineSettings(
