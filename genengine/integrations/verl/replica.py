@@ -68,6 +68,9 @@ class GenEngineReplica(RolloutReplica):
         where: list[tuple[str, list[str]]] = await asyncio.gather(*calls)
         node_id = where[0][0]
         gpus = ",".join(g for _, ids in where for g in ids[:1])
+        options: dict[str, Any] = {}
+        if gpus:  # keep the CUDA_VISIBLE_DEVICES the server sets itself (as verl's vLLM server does)
+            options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
         server: Any = self.server_class.options(
             scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
                 node_id=node_id, soft=False
@@ -75,6 +78,7 @@ class GenEngineReplica(RolloutReplica):
             name=self._name(),
             max_concurrency=self.max_concurrency,
             num_cpus=0,
+            **options,
         ).remote(
             config=self.config,
             model_config=self.model_config,
