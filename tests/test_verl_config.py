@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,29 @@ def test_the_entry_point_is_declared_for_verl() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["entry-points"]["verl.plugins"] == {"genengine": "genengine.integrations.verl.plugin"}
     assert "verl==0.9.1; python_version < '3.13'" in project["optional-dependencies"]["verl"]
+
+
+def test_import_verl_loads_the_entry_point_and_registers_genengine(tmp_path: Path) -> None:
+    """The entry point as an installed distribution declares it (its entry_points.txt), loaded by ``import verl``
+    itself in a fresh process: rollout.name=genengine resolves to the replica and the adapter."""
+    import subprocess
+
+    pytest.importorskip("verl.workers.rollout.replica", reason="verl 0.9.1 is not installed (make setup installs it)")
+    info = tmp_path / "genengine_verl_probe-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: genengine-verl-probe\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[verl.plugins]\ngenengine = genengine.integrations.verl.plugin\n")
+    code = (
+        "import verl\n"
+        "from verl.workers.rollout.replica import get_rollout_replica_class\n"
+        "from verl.workers.rollout.base import get_rollout_class\n"
+        "print(get_rollout_replica_class('genengine').__name__, get_rollout_class('genengine').__name__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["GenEngineReplica", "GenEngineServerAdapter"]
 
 
 def test_the_plugin_registers_the_replica_and_the_adapter() -> None:
