@@ -10,7 +10,7 @@
 # folder, default a temporary one), MODEL (an HF model folder; default: the tiny random Qwen2 built into OUT), and
 # any extra Hydra overrides as arguments. Needs verl 0.9.1 (pip install 'genengine[verl]' or the GPU kit's
 # WITH_VERL=1), Ray and the engine. The two lines that select genengine are marked below; docs/verl.md says more.
-# Prints verl's per-step metrics; the step times are timing_s/gen, timing_s/update_weights and timing_s/step.
+# The FSDP actor uses PyTorch's SDPA attention (no flash-attn needed). Prints verl's per-step metrics; the step times are timing_s/gen, timing_s/update_weights and timing_s/step.
 set -euo pipefail
 ROLLOUT=${ROLLOUT:-genengine}
 BACKEND=${BACKEND:-sglang}
@@ -78,6 +78,7 @@ fi
   data.dataloader_num_workers=0 \
   actor_rollout_ref.model.path="$MODEL" \
   actor_rollout_ref.model.use_remove_padding=False \
+  +actor_rollout_ref.model.override_config.attn_implementation=sdpa \
   actor_rollout_ref.model.enable_gradient_checkpointing=False \
   actor_rollout_ref.actor.strategy=fsdp \
   actor_rollout_ref.actor.optim.lr=1e-5 \
