@@ -10,7 +10,8 @@
 # folder, default a temporary one), MODEL (an HF model folder; default: the tiny random Qwen2 built into OUT), and
 # any extra Hydra overrides as arguments. Needs verl 0.9.1 (pip install 'genengine[verl]' or the GPU kit's
 # WITH_VERL=1), Ray and the engine. The two lines that select genengine are marked below; docs/verl.md says more.
-# The FSDP actor uses PyTorch's SDPA attention (no flash-attn needed). Prints verl's per-step metrics; the step times are timing_s/gen, timing_s/update_weights and timing_s/step.
+# The FSDP actor uses PyTorch's SDPA attention (no flash-attn needed). Prints verl's per-step metrics; the step
+# times are timing_s/gen, timing_s/update_weights and timing_s/step.
 set -euo pipefail
 ROLLOUT=${ROLLOUT:-genengine}
 BACKEND=${BACKEND:-sglang}
