@@ -31,6 +31,7 @@ _LONG_FILES = (
     "test_ray_pool.py",
     "test_ray_colocated.py",
     "test_ray_trl_async.py",
+    "test_verl.py",  # verl's own client on the plugin: shares the Ray files' cluster
     "test_template_plugin.py",
     "test_soak.py",
     "test_demo.py",
@@ -40,7 +41,7 @@ _LONG_FILES = (
     "test_fuzz.py",
     "test_distributed.py",
 )
-_RAY_FILES = frozenset(name for name in _LONG_FILES if name.startswith("test_ray_"))
+_RAY_FILES = frozenset(name for name in _LONG_FILES if name.startswith(("test_ray_", "test_verl.py")))
 
 
 def pytest_configure(config: pytest.Config) -> None:

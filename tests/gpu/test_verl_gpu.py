@@ -1,0 +1,123 @@
+"""verl 0.9.1's own trainer on one GPU (marker gpu): ``examples/verl_grpo.sh`` (``python -m verl.trainer.main_ppo``,
+GRPO, FSDP actor, hybrid rollout, a tiny random Qwen2, a generated parquet and a rule reward) for 5 steps with
+``rollout.name=genengine`` on the installed engine, then the same config with verl's own rollout of that engine
+(``rollout.name=vllm`` or ``sglang``) beside it for the step-time comparison.
+
+Checked (genengine): the run ends 0 after 5 steps, every step logs a weight update (``timing_s/update_weights``)
+and a reward (``critic/score/mean``), and once the trainer's processes are gone no process holds memory on the GPU.
+Written to ``$OUT/verl_steps_ENGINE.json``: seconds per step split into generate (``timing_s/gen``), weight update
+(``timing_s/update_weights``) and the rest, per rollout (median of steps 2-5: step 1 compiles and warms up). verl's
+own rollout is measured but not required to run (verl 0.9.1 is written against vLLM 0.24 and SGLang 0.5.12, the kit
+pins vLLM 0.26 and SGLang 0.5.17): its failure is recorded in the JSON, not raised.
+
+    WITH_RAY=1 WITH_VERL=1 bash tools/gpu/prepare.sh ENGINE gpu-kit   # then the kit's install calls
+    bash tools/gpu/run_tests.sh ENGINE tests/gpu/test_verl_gpu.py
+    GENENGINE_VERL_BASELINE=0 bash tools/gpu/run_tests.sh ENGINE tests/gpu/test_verl_gpu.py   # genengine's only
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("ray")
+pytest.importorskip("verl", reason="verl 0.9.1 is not installed (the GPU kit's WITH_VERL=1)")
+
+from support.gpu_checks import gpu_memory_by_process_per_gpu, installed_engine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE = installed_engine("GENENGINE_VERL_BACKEND")
+STEPS = 5
+_LINE = re.compile(r"step:(\d+) - (.*)")
+
+
+def _overrides(engine: str, rollout: str) -> list[str]:
+    """The kit's SGLang settings (tools/gpu/run_tests.sh's GENENGINE_SGLANG_OPTIONS: no FlashAttention 3, no
+    JIT-compiled sampling), as genengine's options or as verl's own ``engine_kwargs.sglang``."""
+    if engine != "sglang":
+        return []
+    options = json.loads(os.environ.get("GENENGINE_SGLANG_OPTIONS", "{}"))
+    key = "genengine.options" if rollout == "genengine" else "sglang"
+    return [f"+actor_rollout_ref.rollout.engine_kwargs.{key}.{k}={v}" for k, v in options.items()]
+
+
+def _run(rollout: str, engine: str, out: Path, extra: list[str]) -> tuple[int, list[dict[str, float]], str]:
+    env = {**os.environ, "ROLLOUT": rollout, "BACKEND": engine, "STEPS": str(STEPS), "OUT": str(out)}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "examples" / "verl_grpo.sh"), *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    log = proc.stdout + proc.stderr
+    (out / "log.txt").write_text(log)
+    steps: list[dict[str, float]] = []
+    for match in _LINE.finditer(log):
+        metrics: dict[str, float] = {}
+        for item in match.group(2).split(" - "):
+            key, _, value = item.partition(":")
+            try:
+                metrics[key.strip()] = float(value)
+            except ValueError:
+                continue
+        metrics["step"] = float(match.group(1))
+        steps.append(metrics)
+    return proc.returncode, steps, log
+
+
+def _split(steps: list[dict[str, float]]) -> dict[str, Any]:
+    later = steps[1:] or steps
+    gen = statistics.median(s.get("timing_s/gen", 0.0) for s in later)
+    update = statistics.median(s.get("timing_s/update_weights", 0.0) for s in later)
+    step = statistics.median(s.get("timing_s/step", 0.0) for s in later)
+    return {
+        "generate_s": gen,
+        "update_weights_s": update,
+        "rest_s": step - gen - update,
+        "step_s": step,
+        "steps": len(steps),
+    }
+
+
+def _gpu_processes(timeout_s: float = 60.0) -> dict[str, dict[int, float]]:
+    """NVML's processes per GPU, once none holds memory or after ``timeout_s`` (Ray's workers exit after the
+    driver)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = {gpu: procs for gpu, procs in gpu_memory_by_process_per_gpu().items() if procs}
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(1)
+
+
+@pytest.mark.skipif(ENGINE is None, reason="needs SGLang or vLLM")
+def test_verl_grpo_runs_on_genengine_and_beside_verls_own_rollout(tmp_path: Path) -> None:
+    assert ENGINE is not None
+    report: dict[str, Any] = {"engine": ENGINE, "steps": STEPS}
+    code, steps, log = _run("genengine", ENGINE, tmp_path / "genengine", _overrides(ENGINE, "genengine"))
+    assert code == 0, log[-6000:]
+    assert [int(s["step"]) for s in steps] == list(range(1, STEPS + 1)), log[-3000:]
+    for s in steps:
+        assert "timing_s/update_weights" in s and "critic/score/mean" in s, s
+    report["genengine"] = _split(steps)
+    assert not _gpu_processes(), f"processes still hold GPU memory after the run: {_gpu_processes(0)}"
+
+    if os.environ.get("GENENGINE_VERL_BASELINE", "1") == "0":  # genengine's run only (one command's 10 minutes)
+        report["verl"] = {"error": "not run (GENENGINE_VERL_BASELINE=0)"}
+    else:
+        code, steps, log = _run(ENGINE, ENGINE, tmp_path / "verl", _overrides(ENGINE, ENGINE))
+        ok = code == 0 and len(steps) == STEPS
+        report["verl"] = _split(steps) if ok else {"error": f"exit {code}, {len(steps)} step(s)", "tail": log[-3000:]}
+    out = Path(os.environ.get("OUT", tmp_path))
+    (out / f"verl_steps_{ENGINE}.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
