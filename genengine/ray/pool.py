@@ -8,14 +8,16 @@ failure names the replica (index, actor id, node) and the call. A replica that R
 weights, version and sleep/pause state before it is routed to again (docs/deployment.md, "Health").
 
 This class is a facade over one-way parts: :mod:`~genengine.ray.options` (every argument checked before any
-actor exists), :mod:`~genengine.ray.fleet` (the replicas, their health and the one fan-out call),
-:mod:`~genengine.ray.sync` (weight syncs) and :mod:`~genengine.ray.stream` (``PoolStream``). Importing this
-module imports neither Ray nor torch.
+actor exists), :mod:`~genengine.ray.fleet` (what the pool knows of its replicas, changed only through its
+verbs), :mod:`~genengine.ray.lifecycle` (placement, start, health, restore), :mod:`~genengine.ray.dispatch`
+(routing), :mod:`~genengine.ray.fanout` (the one fan-out, side-effect free), :mod:`~genengine.ray.handle` (the
+typed calls on a replica), :mod:`~genengine.ray.sync` (weight syncs), :mod:`~genengine.ray.stream`
+(``PoolStream``) and :mod:`~genengine.ray.asynchronous` (the async calls, inherited). Importing this module
+imports neither Ray nor torch.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -23,12 +25,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from genengine.config import option_number
-from genengine.engine.aio import PauseMode, normalize_async_request
 from genengine.errors import ConfigError, InvalidArgumentError
 from genengine.protocol import EngineState, GenerationResult, LoadReport
-from genengine.ray.errors import ReplicaDiedError, ReplicaTimeoutError
-from genengine.ray.fleet import Fleet, ReplicaInfo
-from genengine.ray.options import PLACEMENTS, Placement, PoolOptions, check_bundles, ray_module
+from genengine.ray.asynchronous import AsyncPoolCalls
+from genengine.ray.dispatch import Dispatch
+from genengine.ray.errors import ReplicaTimeoutError
+from genengine.ray.fleet import Fleet
+from genengine.ray.handle import Replica, ReplicaInfo
+from genengine.ray.lifecycle import Lifecycle
+from genengine.ray.options import PLACEMENTS, Placement, PoolOptions, check_bundles
 from genengine.ray.router import Router
 from genengine.ray.stream import PoolStream, StreamRegistry
 from genengine.ray.sync import WeightSync
@@ -44,7 +49,7 @@ __all__ = ["PLACEMENTS", "EnginePool", "PoolStream", "ReplicaInfo"]
 _log = logging.getLogger(__name__)
 
 
-class EnginePool:
+class EnginePool(AsyncPoolCalls):
     """``num_replicas`` engines as Ray actors, used exactly as one engine from ``create_engine``.
 
     ``config`` and ``engine_kwargs`` are what ``create_engine`` takes (each replica gets ``seed + index``, so
@@ -91,9 +96,11 @@ class EnginePool:
         self.router = Router(max_imbalance=max_imbalance)
         self._id = uuid.uuid4().hex[:8]
         self._fleet = Fleet(self._options, self.router, self._id)
-        self._sync = WeightSync(self._fleet)
+        self._life = Lifecycle(self._fleet, refill=lambda replica: self._sync.refill(replica))
+        self._dispatch = Dispatch(self._fleet, self._life)
+        self._sync = WeightSync(self._fleet, self._life)
         self._streams = StreamRegistry()
-        self._fleet.start()
+        self._life.start()
 
     # ---- replicas ---------------------------------------------------------------------------------------------
     def check_health(self, *, wait: bool = True) -> list[ReplicaInfo]:
@@ -101,8 +108,8 @@ class EnginePool:
         that Ray will not restart is reported ``dead``."""
         self._fleet.check_open()
         with self._fleet.lock:
-            self._fleet.ping("check_health")
-            self._fleet.recover(wait=wait)
+            self._life.ping("check_health")
+            self._life.recover(wait=wait)
             return self.replicas
 
     def add_replica(self, *, bundle_index: int | None = None) -> int:
@@ -116,13 +123,7 @@ class EnginePool:
         elif bundle_index is not None:
             raise ConfigError("bundle_index is for placement='colocated'")
         with fleet.lock:
-            replica = fleet.new_replica(bundle_index)
-            try:
-                fleet.restore(replica, fleet.first_info(replica))
-            except BaseException:
-                fleet.teardown([replica])
-                del fleet.replicas[replica.index]
-                raise
+            replica = self._life.add(bundle_index)
             self._sync.forget_group()  # the weight-sync group is formed again with the new member
             return replica.index
 
@@ -142,9 +143,9 @@ class EnginePool:
                 raise ReplicaTimeoutError(f"{replica.where} still has requests after {timeout:g} s of draining")
             time.sleep(0.05)
         with fleet.lock:
-            del fleet.replicas[index]
+            fleet.drop(replica)
             self._sync.forget_group()
-        fleet.teardown([replica])
+        self._life.teardown([replica])
 
     def restart_replica(self, index: int) -> None:
         """Kill replica ``index``'s actor and let Ray restart it (a hung engine); it is restored at the next call."""
@@ -154,7 +155,7 @@ class EnginePool:
         if replica is None:
             raise InvalidArgumentError(f"replica index={index!r} is not in the pool; it has {sorted(fleet.replicas)}")
         fleet.mark_stale(replica)
-        ray_module().kill(replica.actor, no_restart=False)
+        replica.kill(restart=True)
 
     @property
     def replicas(self) -> list[ReplicaInfo]:
@@ -189,25 +190,7 @@ class EnginePool:
 
     @timeout_s.setter
     def timeout_s(self, value: float) -> None:
-        self._fleet.timeout_s = option_number("timeout_s", value)
-
-    @property
-    def in_flight(self) -> int:
-        """Requests submitted and not finished, on every replica up (each answers at once, within ``timeout_s``):
-        running, held by a ``keep`` pause, or queued during a pause."""
-        fleet = self._fleet
-        if fleet.closed:
-            return 0
-        mine = self._streams.by_replica()
-        outcomes = fleet.call(
-            "in_flight", lambda r: r.actor.in_flight.remote(mine.get(r.index, [])), fleet.active(), errors="return"
-        )
-        return sum(int(o.value) for o in outcomes if o.error is None)
-
-    @property
-    def paused(self) -> PauseMode | None:
-        paused = self._fleet.paused
-        return paused[0] if paused is not None else None
+        self._fleet.set_timeout(option_number("timeout_s", value))
 
     # ---- generate ----------------------------------------------------------------------------------------------
     def generate(
@@ -235,21 +218,21 @@ class EnginePool:
             vocab_size=self._options.vocab_size,
             supports_images=True,
         )
-        keys = self._fleet.keys(requests, session_id)
+        keys = self._dispatch.keys(requests, session_id)
         self._fleet.check_can_generate()
-        return self._fleet.generate(requests, keys)
+        return self._dispatch.generate(requests, keys)
 
     # ---- sleep, wake, weights -------------------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
-        self._fleet.call("sleep", lambda r: r.actor.call.remote(r.incarnation, "sleep", level))
+        self._life.each("sleep", lambda r: r.sleep(level))
 
     def wake(self, tags: str | Sequence[str] | None = None) -> None:
         if tags is not None and not isinstance(tags, str):
             tags = list(tags)
-        self._fleet.call("wake", lambda r: r.actor.call.remote(r.incarnation, "wake", tags))
+        self._life.each("wake", lambda r: r.wake(tags))
 
     def flush_cache(self) -> None:
-        self._fleet.call("flush_cache", lambda r: r.actor.call.remote(r.incarnation, "flush_cache"))
+        self._life.each("flush_cache", Replica.flush_cache)
 
     def load_weights(
         self,
@@ -277,116 +260,6 @@ class EnginePool:
             raise InvalidArgumentError(f"source={source!r} must be a callable returning (name, tensor) pairs or None")
         self._sync.source = source
 
-    # ---- async ----------------------------------------------------------------------------------------------------
-    def stream(
-        self,
-        prompt: str | None = None,
-        sampling_params: Any = None,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        image_data: Any = None,
-        request_id: str | None = None,
-        session_id: str | None = None,
-    ) -> PoolStream:
-        """``AsyncEngineBase.stream`` through the pool: one prompt, on the replica the router picks."""
-        self._fleet.check_open()
-        request, request_id = normalize_async_request(
-            prompt,
-            sampling_params,
-            prompt_token_ids,
-            image_data,
-            request_id,
-            vocab_size=self._options.vocab_size,
-            supports_images=True,
-        )
-        if session_id is not None and not isinstance(session_id, str):
-            raise InvalidArgumentError(f"session_id={session_id!r} must be a string or None")
-        self._streams.check_new(request_id)
-        self._fleet.check_can_generate()
-        (key,) = self._fleet.keys([request], session_id)
-        handle = PoolStream(self._fleet, request, request_id, key, self.abort)
-        self._streams.add(handle)
-        handle.submit()
-        return handle
-
-    async def generate_async(
-        self,
-        prompt: str | None = None,
-        sampling_params: Any = None,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        image_data: Any = None,
-        request_id: str | None = None,
-        session_id: str | None = None,
-    ) -> GenerationResult:
-        """One prompt's completions; a replica dying under it raises ``ReplicaDiedError`` unless the pool's
-        ``request_retries`` allows submitting it again (from scratch) to another replica."""
-        retries = self._options.request_retries
-        for attempt in range(retries + 1):
-            stream = self.stream(
-                prompt,
-                sampling_params,
-                prompt_token_ids=prompt_token_ids,
-                image_data=image_data,
-                request_id=request_id,
-                session_id=session_id,
-            )
-            try:
-                return await stream.collect()
-            except ReplicaDiedError as exc:
-                if attempt == retries:
-                    raise
-                _log.warning("%s; retrying request %s elsewhere", exc, stream.request_id)
-        raise AssertionError("unreachable")
-
-    async def abort(self, request_ids: str | Sequence[str] | None = None) -> list[str]:
-        """Abort requests (every one in flight when None) on the replicas serving them; returns the ids aborted."""
-        fleet = self._fleet
-        fleet.check_open()
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
-        elif request_ids is not None and not isinstance(request_ids, Sequence):
-            raise InvalidArgumentError(f"request_ids={request_ids!r}: allowed are None, an id, or a list of ids")
-        targets: Mapping[int, list[str] | None]
-        if request_ids is None:
-            targets = {r.index: None for r in fleet.active()}
-        else:
-            targets = self._streams.by_replica([str(rid) for rid in request_ids])
-        replicas = [fleet.replicas[i] for i in targets if i in fleet.replicas]
-        if not replicas:
-            return []
-        outcomes = await asyncio.to_thread(
-            fleet.call, "abort", lambda r: r.actor.abort.remote(r.incarnation, targets[r.index]), replicas
-        )
-        return [rid for o in outcomes for rid in o.value]
-
-    async def pause_generation(self, mode: PauseMode = "keep", *, clear_cache: bool = True) -> None:
-        """``AsyncEngineBase.pause_generation`` on every replica (a replica restarted meanwhile is paused too).
-        Cancelled (``wait_for`` giving up on a ``"wait"`` drain), it cancels the replicas' pauses: none is left
-        paused."""
-        refs: list[Any] = []
-        before, self._fleet.paused = self._fleet.paused, (mode, clear_cache)  # at once, as an engine sets it
-
-        def submit(r: Any) -> Any:
-            refs.append(r.actor.pause_generation.remote(r.incarnation, mode, clear_cache))
-            return refs[-1]
-
-        try:
-            await asyncio.to_thread(self._fleet.call, "pause_generation", submit)
-        except BaseException as exc:
-            self._fleet.paused = before
-            if isinstance(exc, asyncio.CancelledError):
-                ray = ray_module()
-                for ref in refs:
-                    ray.cancel(ref)
-            raise
-
-    async def resume_generation(self) -> None:
-        await asyncio.to_thread(
-            self._fleet.call, "resume_generation", lambda r: r.actor.resume_generation.remote(r.incarnation)
-        )
-        self._fleet.paused = None
-
     # ---- end ----------------------------------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Shut every engine down (``timeout_s``), kill the actors and free the placement groups the pool made.
@@ -399,9 +272,9 @@ class EnginePool:
                 self._sync.close_group()
             except Exception:
                 _log.debug("closing the weight-sync group failed", exc_info=True)
-            fleet.teardown(list(fleet.replicas.values()))
+            self._life.teardown(list(fleet.replicas.values()))
         finally:
-            fleet.closed = True
+            fleet.close()
             self._sync.kept.clear()
 
     def __enter__(self) -> EnginePool:

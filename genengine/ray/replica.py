@@ -17,17 +17,14 @@ import asyncio
 import os
 import sys
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from genengine.protocol import EngineState, GenerationEngine, is_async_engine
 from genengine.ray.errors import StaleReplicaError
 
-__all__ = ["CONTROL_CALLS", "EngineReplica", "Reply"]
-
-CONTROL_CALLS = ("generate", "sleep", "wake", "flush_cache")
-"""Synchronous engine calls ``EngineReplica.call`` runs (``load_weights`` has its own method)."""
+__all__ = ["EngineReplica", "Reply"]
 
 _REMEMBERED = 4096
 """Stream ids a replica remembers having passed to its engine (``in_flight`` asks for the pool's newest)."""
@@ -35,8 +32,9 @@ _REMEMBERED = 4096
 
 @dataclass(frozen=True)
 class Reply:
-    """What an engine call on a replica returns: the call's value and the engine's state and weight version
-    right after it (the pool keeps both per replica)."""
+    """What every engine call on a replica returns (``generate``, ``sleep``, ``wake``, ``flush_cache``,
+    ``load_weights``, ``transport_receive``, ``abort``, ``pause_generation``, ``resume_generation``): the call's
+    value and the engine's state and weight version right after it, which the pool records per replica."""
 
     value: Any
     state: EngineState
@@ -108,22 +106,41 @@ class EngineReplica:
         assert self.engine is not None, "checked by _check"
         return self.engine
 
-    def _status(self) -> tuple[Any, int]:
-        engine = self._engine()
-        return engine.state, _version(engine)
-
     def _reply(self, value: Any) -> Reply:
-        return Reply(value, *self._status())
+        engine = self._engine()
+        return Reply(value, engine.state, _version(engine))
 
-    # ---- synchronous engine calls ---------------------------------------------------------------------------
-    async def call(self, expect: str | None, method: str, *args: Any, **kwargs: Any) -> Reply:
-        """``engine.<method>(*args, **kwargs)`` in a worker thread."""
+    # ---- synchronous engine calls (one typed method each) ------------------------------------------------------
+    async def _run(self, expect: str | None, call: Callable[[Any], Any]) -> Reply:
+        """``call(engine)`` in a worker thread, one at a time; its value with the engine's state right after."""
         self._check(expect)
-        if method not in CONTROL_CALLS:
-            raise ValueError(f"method {method!r} is not a replica call; allowed: {', '.join(CONTROL_CALLS)}")
+        engine = self._engine()
         async with self._lock:
-            value = await asyncio.to_thread(getattr(self._engine(), method), *args, **kwargs)
+            value = await asyncio.to_thread(call, engine)
             return self._reply(value)
+
+    async def generate(
+        self,
+        expect: str | None,
+        prompts: list[str] | None,
+        sampling_params: list[Any],
+        prompt_token_ids: list[list[int]] | None,
+        image_data: list[Any] | None,
+    ) -> Reply:
+        """``engine.generate`` of one batch (the prompts the pool routed here)."""
+        return await self._run(
+            expect,
+            lambda e: e.generate(prompts, sampling_params, prompt_token_ids=prompt_token_ids, image_data=image_data),
+        )
+
+    async def sleep(self, expect: str | None, level: int) -> Reply:
+        return await self._run(expect, lambda e: e.sleep(level))
+
+    async def wake(self, expect: str | None, tags: str | list[str] | None) -> Reply:
+        return await self._run(expect, lambda e: e.wake(tags))
+
+    async def flush_cache(self, expect: str | None) -> Reply:
+        return await self._run(expect, lambda e: e.flush_cache())
 
     async def load_weights(
         self,
@@ -137,17 +154,11 @@ class EngineReplica:
         """Load tensors the pool put in Ray's object store, one ``ray.get`` a tensor as the buckets need them."""
         import ray
 
-        self._check(expect)
-
-        def load() -> Any:
+        def load(engine: Any) -> Any:
             pairs = ((name, ray.get(ref)) for name, ref in zip(names, refs, strict=True))
-            return self._engine().load_weights(
-                pairs, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
-            )
+            return engine.load_weights(pairs, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
 
-        async with self._lock:
-            report = await asyncio.to_thread(load)
-            return self._reply(report)
+        return await self._run(expect, load)
 
     # ---- the async capability -------------------------------------------------------------------------------
     async def stream(
@@ -189,17 +200,20 @@ class EngineReplica:
         count = engine.in_flight if engine is not None and is_async_engine(engine) else 0
         return count + sum(1 for rid in request_ids if rid not in self._submitted)
 
-    async def abort(self, expect: str | None, request_ids: Sequence[str] | None) -> list[str]:
+    async def abort(self, expect: str | None, request_ids: Sequence[str] | None) -> Reply:
+        """The ids aborted."""
         self._check(expect)
-        return list(await self._async().abort(request_ids))
+        return self._reply(list(await self._async().abort(request_ids)))
 
-    async def pause_generation(self, expect: str | None, mode: str, clear_cache: bool) -> None:
+    async def pause_generation(self, expect: str | None, mode: str, clear_cache: bool) -> Reply:
         self._check(expect)
         await self._async().pause_generation(mode, clear_cache=clear_cache)  # type: ignore[arg-type]
+        return self._reply(None)
 
-    async def resume_generation(self, expect: str | None) -> None:
+    async def resume_generation(self, expect: str | None) -> Reply:
         self._check(expect)
         await self._async().resume_generation()
+        return self._reply(None)
 
     # ---- weight transports (genengine.transport) ------------------------------------------------------------
     async def transport_join(self, expect: str | None, spec: Any, rank: int) -> None:
@@ -211,16 +225,14 @@ class EngineReplica:
         await self.transport_close()
         self._receiver = await asyncio.to_thread(open_receiver, spec, rank, self.engine)
 
-    async def transport_receive(self, expect: str | None, check_finite: bool = False) -> tuple[Any, Any, int]:
+    async def transport_receive(self, expect: str | None, check_finite: bool = False) -> Reply:
         """Receive one sync from the group's sender into the engine (one load session: a write per bucket,
         checked with ``check_finite``, and one commit)."""
         self._check(expect)
         receiver = self._receiver
         if receiver is None:
             raise RuntimeError(f"replica {self.index} is in no weight-sync group (the pool forms one before a sync)")
-        async with self._lock:
-            report = await asyncio.to_thread(receiver.receive, self.engine, check_finite=check_finite)
-            return (report, *self._status())
+        return await self._run(expect, lambda e: receiver.receive(e, check_finite=check_finite))
 
     async def transport_close(self) -> None:
         receiver, self._receiver = self._receiver, None

@@ -17,8 +17,11 @@ from genengine.engine.aio import StreamChunk
 from genengine.engine.aio.stream import StreamBase
 from genengine.errors import InvalidArgumentError
 from genengine.protocol import GenerationResult
+from genengine.ray.dispatch import Dispatch
 from genengine.ray.errors import ReplicaError, ReplicaTimeoutError, StaleReplicaError
-from genengine.ray.fleet import Fleet, Replica
+from genengine.ray.fanout import Outcome, translate
+from genengine.ray.fleet import Fleet
+from genengine.ray.handle import Replica
 from genengine.requests import Request
 
 __all__ = ["PoolStream", "StreamRegistry"]
@@ -30,12 +33,14 @@ class PoolStream(StreamBase):
     def __init__(
         self,
         fleet: Fleet,
+        dispatch: Dispatch,
         request: Request,
         request_id: str,
         key: str | None,
         abort: Callable[[str], Awaitable[Any]],
     ) -> None:
         self._fleet = fleet
+        self._dispatch = dispatch
         self._request = request
         self._request_id = request_id
         self._key = key
@@ -70,19 +75,12 @@ class PoolStream(StreamBase):
 
     def submit(self) -> None:
         """Route the request and start it on that replica."""
-        fleet, request = self._fleet, self._request
-        ((index, _),) = fleet.route([(self._key, request.params.n)], [0]).items()
-        replica = fleet.replicas[index]
+        request = self._request
+        ((index, _),) = self._dispatch.route([(self._key, request.params.n)], [0]).items()
+        replica = self._fleet.replicas[index]
         self._replica = replica
         charge = self._charge = (replica, replica.incarnation)
-        self._gen = replica.actor.stream.options(num_returns="streaming").remote(
-            replica.incarnation,
-            request.prompt,
-            request.params,
-            list(request.prompt_token_ids) if request.prompt_token_ids is not None else None,
-            request.image,
-            self._request_id,
-        )
+        self._gen = replica.stream(request, self._request_id)
         # The load is the replica's work, not the reader's: it ends when the replica's generator does (finished,
         # aborted, or the actor gone), whether or not anybody reads the chunks left.
         self._gen.completed().future().add_done_callback(lambda _: self._release(charge))
@@ -95,8 +93,7 @@ class PoolStream(StreamBase):
             if self._charge is None or (charge is not None and charge is not self._charge):
                 return
             (replica, incarnation), self._charge = self._charge, None
-        if self._fleet.replicas.get(replica.index) is replica and replica.incarnation == incarnation:
-            self._fleet.router.done(replica.index, self._request.params.n)
+        self._fleet.release(replica, incarnation, self._request.params.n)
 
     def _finish(self) -> None:
         if not self._done:
@@ -127,7 +124,8 @@ class PoolStream(StreamBase):
                 )
                 continue
             except Exception as exc:
-                error = self._fleet.translate(replica, exc, f"stream {self._request_id!r}")
+                error = translate(replica, exc, f"stream {self._request_id!r}")
+                self._fleet.apply([Outcome(replica, error=error)])  # a replica restarted or gone: no traffic
                 if isinstance(error, StaleReplicaError) and not self._yielded:
                     self._release()
                     await asyncio.to_thread(self.submit)  # it never ran: send it elsewhere

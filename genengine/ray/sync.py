@@ -22,7 +22,10 @@ from typing import Any
 from genengine.errors import EngineStateError, GenEngineError, InvalidArgumentError, WeightLoadError
 from genengine.protocol import LoadReport
 from genengine.ray.errors import ReplicaDiedError, ReplicaError, ReplicaTimeoutError, StaleReplicaError
-from genengine.ray.fleet import Fleet, Outcome, Replica, raise_first
+from genengine.ray.fanout import Outcome, raise_first
+from genengine.ray.fleet import Fleet
+from genengine.ray.handle import Replica
+from genengine.ray.lifecycle import Lifecycle
 from genengine.ray.options import ray_module
 from genengine.weights import check_load_options, check_named_tensors, check_storage
 
@@ -125,8 +128,9 @@ class _SyncFailed(Exception):
 class WeightSync:
     """Weight syncs to the fleet's replicas, and the weights a restored replica is refilled with."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, lifecycle: Lifecycle) -> None:
         self.fleet = fleet
+        self.lifecycle = lifecycle
         opts = fleet.options
         self.transport = opts.transport
         self.transport_options = dict(opts.transport_options)
@@ -137,7 +141,6 @@ class WeightSync:
         self._group: tuple[tuple[int, str], ...] = ()
         self._group_name = ""
         self._group_count = 0
-        fleet.refill = self.refill
 
     @property
     def group(self) -> str | None:
@@ -156,11 +159,11 @@ class WeightSync:
         check_named_tensors(named_tensors)
         check_load_options(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
         start = time.perf_counter()
-        fleet.recover()
+        self.lifecycle.recover()
         with fleet.lock:
             if self.transport is not None:
                 self._confirm_members()
-            replicas = fleet.ready("load_weights")
+            replicas = self.lifecycle.ready("load_weights")
             if self.transport is not None:
                 if bucket_bytes is not None:
                     raise InvalidArgumentError(
@@ -185,13 +188,7 @@ class WeightSync:
                         raise again.error from again.error.__cause__
             else:
                 report = self._load(replicas, named_tensors, version, bucket_bytes, check_finite)
-            if version is not None:
-                fleet.version = version
-            fleet.loaded_once = True
-            for r in replicas:
-                if r.needs_weights:
-                    r.needs_weights = False
-                    fleet.router.add(r.index)
+            fleet.mark_loaded(replicas, version)
         return LoadReport(report.num_tensors, report.num_bytes, report.num_buckets, time.perf_counter() - start)
 
     def refill(self, replica: Replica) -> bool:
@@ -249,7 +246,7 @@ class WeightSync:
         fleet.check_open()
         outcomes = fleet.call(
             "load_weights",
-            lambda r: r.actor.load_weights.remote(r.incarnation, names, refs, version, bucket_bytes, check_finite),
+            lambda r: r.load_weights(names, refs, version, bucket_bytes, check_finite),
             replicas,
             errors="return",
         )
@@ -262,15 +259,14 @@ class WeightSync:
             return done[0].value
         probed = [o.replica for o in failed if not o.died]
         mixed = []
-        for probe in fleet.call("load_weights", lambda r: r.actor.info.remote(), probed, errors="return"):
+        for probe in fleet.call("load_weights", Replica.ask_info, probed, errors="return"):
             info = probe.value
             if isinstance(info, Mapping) and info.get("state") is not None:
-                replica = probe.replica
-                replica.state = info["state"]
-                if not replica.state.weights_loaded:
-                    replica.needs_weights = True
-                    mixed.append(replica)
-                    fleet.unroute(replica)
+                if info["state"].weights_loaded:
+                    fleet.record(probe.replica, info["state"])
+                else:
+                    fleet.mark_needs_weights(probe.replica, info["state"])
+                    mixed.append(probe.replica)
         lines = [f"load_weights failed on {len(failed)} of {len(replicas)} replica(s)"]
         lines += [f"{type(o.error).__name__}: {o.error}" for o in failed]  # each names its replica
         lines.append(
@@ -293,8 +289,8 @@ class WeightSync:
         """Before a transport sync: ping every healthy replica so that one that restarted unnoticed is
         restored, or left out, before the group is formed or used. A member that is not what the group was
         formed with would make the sync wait for it until the group's timeout."""
-        self.fleet.ping("load_weights")
-        self.fleet.recover()
+        self.lifecycle.ping("load_weights")
+        self.lifecycle.recover()
 
     def _load_transport(
         self, replicas: list[Replica], named_tensors: Any, version: int | None, check_finite: bool
@@ -315,7 +311,7 @@ class WeightSync:
         self._ensure_group(replicas)
         group = self._group_name
         ranks = {r.index: rank for rank, r in enumerate(replicas, 1)}
-        calls = [(r, r.actor.transport_receive.remote(r.incarnation, check_finite)) for r in replicas]
+        calls = [(r, r.transport_receive(check_finite)) for r in replicas]
         sent: BaseException | None = None
         try:
             self._sender.send(pairs, version=label)
@@ -340,8 +336,7 @@ class WeightSync:
             broken = broken or isinstance(o.error, lost) or not isinstance(cause, GenEngineError)
             if _partial(o):
                 # Some buckets landed: its weights are a mix under the old label. No traffic until a full sync.
-                o.replica.needs_weights = True
-                fleet.unroute(o.replica)
+                fleet.mark_needs_weights(o.replica)
         if broken:
             with contextlib.suppress(Exception):
                 self.close_group()
@@ -398,7 +393,7 @@ class WeightSync:
             device="cpu" if name == "gloo" else "cuda",
             **self.transport_options,
         )
-        calls = [(r, r.actor.transport_join.remote(r.incarnation, spec, rank)) for rank, r in enumerate(replicas, 1)]
+        calls = [(r, r.transport_join(spec, rank)) for rank, r in enumerate(replicas, 1)]
         sender = self._open_sender(spec, calls)
         self._sender, self._group, self._group_name = sender, members, spec.group_name
         _log.info("weight-sync group %r formed: %s", spec.group_name, ", ".join(r.where for r in replicas))
@@ -452,4 +447,4 @@ class WeightSync:
         if sender is not None:
             sender.close()
             live = self.fleet.active()
-            self.fleet.call("transport_close", lambda r: r.actor.transport_close.remote(), live, errors="return")
+            self.fleet.call("transport_close", Replica.transport_close, live, errors="return")
