@@ -26,7 +26,10 @@ __all__ = [
     "check_load_options",
     "check_named_tensors",
     "check_storage",
+    "check_stream",
+    "group_buckets",
     "iter_buckets",
+    "materialize",
     "tensor_nbytes",
 ]
 
@@ -120,8 +123,11 @@ def _check_storage_bytes(name: str, tensor: torch.Tensor) -> None:
         )
 
 
-def _check_data(name: str, tensor: torch.Tensor, info: WeightInfo) -> None:
-    """The metadata checks (no data is read): a kind with data, a floating dtype, the engine's shape."""
+def _check_data(name: str, tensor: torch.Tensor, info: WeightInfo | None) -> None:
+    """The metadata checks (no data is read): a kind with data, a floating dtype, the engine's shape.
+
+    ``info`` None: a stream checked without an engine's spec (a transport's sender, ``check_stream``): no shape
+    to compare, and the dtype message names the tensor's own (as it always has on that side)."""
     import torch
 
     if tensor.is_meta:
@@ -134,9 +140,9 @@ def _check_data(name: str, tensor: torch.Tensor, info: WeightInfo) -> None:
     if not tensor.is_floating_point():
         raise WeightLoadError(
             f"weight {name!r} has dtype {tensor.dtype}; a floating dtype is required "
-            f"(it is cast to the engine's {info.dtype})"
+            f"(it is cast to the engine's {tensor.dtype if info is None else info.dtype})"
         )
-    if tuple(tensor.shape) != info.shape:
+    if info is not None and tuple(tensor.shape) != info.shape:
         raise WeightLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, the engine expects {info.shape}")
 
 
@@ -149,26 +155,88 @@ def check_tensor_finite(name: str, tensor: torch.Tensor) -> None:
         )
 
 
+def _pair(index: int, item: Any) -> tuple[str, Any]:
+    """Entry ``index`` of a stream as (name, tensor): a pair whose name is a string."""
+    if not isinstance(item, tuple) or len(item) != 2:
+        raise WeightLoadError(f"entry {index} is {type(item).__name__}, expected a (name, tensor) pair")
+    name, tensor = item
+    if not isinstance(name, str):
+        raise WeightLoadError(f"entry {index}: name {name!r} is not a string")
+    return name, tensor
+
+
+def _twice(name: str) -> WeightLoadError:
+    return WeightLoadError(f"weight {name!r} given twice in one load_weights call")
+
+
+def _not_a_tensor(name: str, tensor: object) -> WeightLoadError:
+    return WeightLoadError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+
+
+def check_stream(items: Iterable[Any]) -> list[tuple[str, torch.Tensor]]:
+    """A weight transport sender's one check of the trainer's pulled stream, before anything is sent.
+
+    The sender has no engine's list of weights: it checks what it can without one, with ``load_weights``'
+    messages: (name, tensor) pairs, a string name given once, a ``torch.Tensor`` of a kind with data and a
+    floating dtype. Reads no tensor data. Names and shapes are checked once more, against the engine, by each
+    receiver's load session (the other side of the sync)."""
+    import torch
+
+    seen: set[str] = set()
+    checked = []
+    for index, item in enumerate(items):
+        name, tensor = _pair(index, item)
+        if name in seen:
+            raise _twice(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise _not_a_tensor(name, tensor)
+        _check_data(name, tensor, None)
+        seen.add(name)
+        checked.append((name, tensor))
+    return checked
+
+
+def materialize(
+    bucket: Iterable[tuple[str, torch.Tensor]], *, check_finite: bool = False
+) -> list[tuple[str, torch.Tensor]]:
+    """Checked pairs as plain dense tensors, right before they are written or packed (no check of their own).
+
+    DTensors are gathered with ``full_tensor()``, a collective over their mesh: every rank reaches it in stream
+    order, since every rank handles the same buckets in order (with ``check_finite``, a gathered DTensor's values
+    are checked: the whole tensor, so every rank decides alike). Views are made contiguous."""
+    import torch
+
+    ready = []
+    with torch.no_grad():
+        for name, tensor in bucket:
+            if _is_dtensor(tensor):
+                tensor = tensor.full_tensor()  # type: ignore[attr-defined]
+                if check_finite:
+                    check_tensor_finite(name, tensor)
+            tensor = tensor.detach()
+            if not tensor.is_contiguous():
+                tensor = tensor.contiguous()
+            ready.append((name, tensor))
+    return ready
+
+
 class WeightValidator:
     """Checks one ``load_weights`` call's tensors: known name, not seen before, a tensor of a kind with data,
-    floating, the engine's shape (and, with ``check_finite``, finite values)."""
+    floating, the engine's shape (and, with ``check_finite``, finite values).
+
+    Each tensor is checked once, by ``check``, right before its bucket is written (``LoadSession.write``, or
+    ``iter_buckets`` over a source it pulled whole). Only a one-pass stream's buckets are checked again
+    (``recheck``): the trainer's code ran while the rest of the bucket was pulled."""
 
     def __init__(self, spec: Mapping[str, WeightInfo], *, check_finite: bool = False) -> None:
         self.spec = spec
         self.check_finite = check_finite
         self.seen: set[str] = set()
-        self.checked_just_before = False
-        """Set by ``iter_buckets`` when it checked the whole source after pulling it: no trainer code runs
-        between those checks and the writes, so ``prepare`` need not check the metadata again."""
 
     def check(self, index: int, item: Any) -> tuple[str, torch.Tensor]:
         import torch
 
-        if not isinstance(item, tuple) or len(item) != 2:
-            raise WeightLoadError(f"entry {index} is {type(item).__name__}, expected a (name, tensor) pair")
-        name, tensor = item
-        if not isinstance(name, str):
-            raise WeightLoadError(f"entry {index}: name {name!r} is not a string")
+        name, tensor = _pair(index, item)
         info = self.spec.get(name)
         if info is None:
             hint = closest(name, self.spec)
@@ -178,39 +246,25 @@ class WeightValidator:
                 + f"; the engine has {len(self.spec)} weights"
             )
         if name in self.seen:
-            raise WeightLoadError(f"weight {name!r} given twice in one load_weights call")
+            raise _twice(name)
         if not isinstance(tensor, torch.Tensor):
-            raise WeightLoadError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+            raise _not_a_tensor(name, tensor)
         _check_data(name, tensor, info)
         if self.check_finite and not _is_dtensor(tensor):  # a DTensor's values are checked once gathered
             check_tensor_finite(name, tensor)
         self.seen.add(name)
         return name, tensor
 
+    def recheck(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """A one-pass stream's bucket, checked again right before it is written: the trainer may free or re-point
+        a tensor after handing it over (its code runs while the engine pulls the rest of the bucket), and
+        reading freed storage crashes the process. The metadata only: names were settled by ``check``."""
+        for name, tensor in bucket:
+            _check_data(name, tensor, self.spec[name])
+
     def prepare(self, bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        """A checked bucket as ``_apply_weights`` takes it, right before it is written.
-
-        The metadata is checked again (unless ``checked_just_before``): a trainer may free or re-point a tensor
-        after handing it over (the engine holds up to a bucket of them), and reading freed storage crashes the
-        process. DTensors are gathered with ``full_tensor()``, a collective over their mesh: every rank reaches
-        it in stream order, since every rank prepares the same buckets in order. Views are made contiguous.
-        """
-        import torch
-
-        ready = []
-        with torch.no_grad():
-            for name, tensor in bucket:
-                if not self.checked_just_before:
-                    _check_data(name, tensor, self.spec[name])
-                if _is_dtensor(tensor):
-                    tensor = tensor.full_tensor()  # type: ignore[attr-defined]
-                    if self.check_finite:
-                        check_tensor_finite(name, tensor)  # the whole tensor: every rank decides alike
-                tensor = tensor.detach()
-                if not tensor.is_contiguous():
-                    tensor = tensor.contiguous()
-                ready.append((name, tensor))
-        return ready
+        """A checked bucket as ``_apply_weights`` takes it: ``materialize`` with this call's ``check_finite``."""
+        return materialize(bucket, check_finite=self.check_finite)
 
 
 def iter_buckets(
@@ -229,20 +283,31 @@ def iter_buckets(
     The whole source is checked before the first bucket is yielded when ``validate_all_first`` is set
     (all-or-nothing at the price of holding every reference at once) and when the source is a dict (or
     its items view), list or tuple, which holds every reference anyway. A one-pass iterator is otherwise
-    checked bucket by bucket: a bad entry is found before its own bucket is written, not before earlier ones.
+    checked bucket by bucket: a bad entry is found before its own bucket is written, not before earlier ones,
+    and each bucket's metadata is checked again right before it is yielded (``WeightValidator.recheck``).
     """
     source: Iterable[Any] = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-    if validate_all_first or isinstance(source, _HOLDS_ITS_TENSORS):
-        # Pulled first, checked after: no trainer code runs between these checks and the writes, so a tensor
-        # the trainer released after handing it over (see WeightValidator.prepare) is caught here too.
-        pulled = list(source)
-        source_iter: Iterable[tuple[str, torch.Tensor]] = [validator.check(i, item) for i, item in enumerate(pulled)]
-        validator.checked_just_before = True
+    one_pass = not (validate_all_first or isinstance(source, _HOLDS_ITS_TENSORS))
+    if one_pass:
+        checked: Iterable[tuple[str, torch.Tensor]] = (validator.check(i, item) for i, item in enumerate(source))
     else:
-        source_iter = (validator.check(i, item) for i, item in enumerate(source))
+        # Pulled first, checked after: no trainer code runs between these checks and the writes, so a tensor
+        # the trainer released after handing it over is caught here, and needs no second check.
+        pulled = list(source)
+        checked = [validator.check(i, item) for i, item in enumerate(pulled)]
+    for bucket in group_buckets(checked, bucket_bytes, cost):
+        if one_pass:
+            validator.recheck(bucket)
+        yield bucket
+
+
+def group_buckets(
+    pairs: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, cost: Callable[[torch.Tensor], int] = tensor_nbytes
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Checked pairs in order, in buckets whose ``cost`` sums to at most ``bucket_bytes`` (a larger tensor alone)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
-    for name, tensor in source_iter:
+    for name, tensor in pairs:
         nbytes = cost(tensor)
         if bucket and size + nbytes > bucket_bytes:
             yield bucket

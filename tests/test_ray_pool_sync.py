@@ -173,12 +173,11 @@ class TestGlooSync:
     def test_a_corrupted_bucket_names_the_replicas_and_changes_nothing(
         self, gloo: EnginePool, local: Any, other_weights: dict[str, Any], monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        from genengine.transport import ChecksumError
-        from genengine.transport._layout import CORRUPT_ENV
+        from genengine.transport import ChecksumError, faults
 
         version, group = gloo.weight_version, gloo.transport_group
         want = tokens(gloo.generate(PROMPTS, GREEDY))
-        monkeypatch.setenv(CORRUPT_ENV, "0")  # in the sender's (this) process: bucket 0 arrives corrupted
+        monkeypatch.setattr(faults.FAULTS, "corrupt_bucket", 0)  # the sender's (this) process: bucket 0 corrupted
         with pytest.raises(ChecksumError) as caught:
             gloo.load_weights(other_weights.items(), version=16)
         message = str(caught.value)
@@ -188,13 +187,13 @@ class TestGlooSync:
         assert [info(r)["weight_version"] for r in gloo.replicas] == [version] * 2 and gloo.weight_version == version
         assert tokens(gloo.generate(PROMPTS, GREEDY)) == want  # nothing of the sync was loaded anywhere
         # a later bucket: the earlier ones landed, so both replicas are a mix and are kept out of traffic
-        monkeypatch.setenv(CORRUPT_ENV, "1")
+        monkeypatch.setattr(faults.FAULTS, "corrupt_bucket", 1)
         with pytest.raises(ChecksumError, match=r"loaded part of the sync and take no traffic"):
             gloo.load_weights(other_weights.items(), version=17)
         assert [r.needs_weights for r in gloo.replicas] == [True, True] and gloo.weight_version == version
         with pytest.raises(WeightsNotLoadedError, match=r"no replica takes traffic: replica 0 \(actor"):
             gloo.generate(PROMPTS, GREEDY)
-        monkeypatch.delenv(CORRUPT_ENV)
+        monkeypatch.setattr(faults.FAULTS, "corrupt_bucket", None)
         gloo.load_weights(other_weights.items(), version=18)  # the group survived both: same name
         assert gloo.transport_group == group and [r.needs_weights for r in gloo.replicas] == [False, False]
         assert [info(r)["weight_version"] for r in gloo.replicas] == [18, 18]

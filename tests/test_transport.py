@@ -460,3 +460,100 @@ def test_cuda_ipc_handles_come_from_the_environment_and_a_bad_value_names_the_al
     monkeypatch.setenv(ipc.HANDLES_ENV, "nvlink")
     with pytest.raises(InvalidArgumentError, match=r"_HANDLES='nvlink': allowed are 'driver', 'torch'"):
         ipc.handles()
+
+
+# ---- one check of each tensor on each side of a sync (issue 42) ------------------------------------------------
+@pytest.mark.parametrize("sessions", [True, False], ids=["load-session", "load_weights-only"])
+def test_a_sync_checks_each_tensor_once_on_each_side(sessions: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every check of a tensor's metadata goes through ``genengine.weights._check_data``, and of its values
+    through ``check_tensor_finite``: counted per side of a real multi-bucket gloo sync (rank 0 in a thread of
+    this process, rank 1 here), each tensor is checked once by the sender (planning; packing checks nothing
+    again) and once by the receiver (its load session's write; nothing again before the engine writes it), and
+    its values once, by the receiver (``check_finite``). ``load_weights-only``: an engine without load sessions
+    (one ``load_weights`` at the commit, each bucket's values checked on arrival)."""
+    import threading
+    from collections import Counter
+
+    from genengine import weights as weights_module
+    from genengine.backends.transformers.engine import TransformersEngine
+    from genengine.models.tiny_model import tiny_model_dir
+
+    model = str(tiny_model_dir())
+    tw.configure(model)
+    stream = tw.trainer_stream("B")  # bf16 and fp32, views at an offset and transposed ones
+    spec = TransportSpec(**_spec(world_size=2))
+    sent: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            sender = get_transport("gloo").sender(spec)
+            try:
+                sent["report"] = sender.send(stream, version=4)
+            finally:
+                sender.close()
+        except BaseException as exc:
+            sent["error"] = exc
+
+    sender_thread = threading.Thread(target=send, name="rank-0")
+    checks: dict[str, list[tuple[str, str]]] = {"data": [], "finite": []}
+
+    def counted(kind: str, real: Any) -> Any:
+        def spy(name: str, *args: Any) -> Any:
+            side = "sender" if threading.current_thread() is sender_thread else "receiver"
+            checks[kind].append((side, name))
+            return real(name, *args)
+
+        return spy
+
+    with TransformersEngine(model, dtype="float32") as engine:  # built before the count starts
+        monkeypatch.setattr(weights_module, "_check_data", counted("data", weights_module._check_data))
+        finite = weights_module.check_tensor_finite
+        monkeypatch.setattr(weights_module, "check_tensor_finite", counted("finite", finite))
+        sender_thread.start()
+        receiver = get_transport("gloo").receiver(spec, 1)
+        try:
+            target = engine if sessions else types.SimpleNamespace(load_weights=engine.load_weights)  # no sessions
+            report = receiver.receive(target, check_finite=True)  # type: ignore[arg-type]
+        finally:
+            receiver.close()
+            sender_thread.join(30)
+        assert "error" not in sent, sent
+        assert sent["report"].num_buckets > 2 and report.num_tensors == len(stream) and engine.weight_version == 4
+    names = Counter(name for name, _ in stream)
+    assert max(names.values()) == 1
+    for kind, side, want in (
+        ("data", "sender", names),
+        ("data", "receiver", names),
+        ("finite", "sender", Counter()),
+        ("finite", "receiver", names),
+    ):
+        got = Counter(name for s, name in checks[kind] if s == side)
+        assert got == want, (kind, side, {n: c for n, c in got.items() if c != want[n]} or set(want) - set(got))
+
+
+def test_fault_injection_is_read_once_per_sync_when_it_is_planned() -> None:
+    """``genengine.transport.faults``: the plan takes the hook's value; packing reads nothing (a fault set while a
+    sync is packed applies from the next one), and the flipped byte is after the checksum (the receiver's catches
+    it)."""
+    import torch
+
+    from genengine.transport import _layout, faults
+
+    stream = [(f"w{i}", torch.full((256,), float(i))) for i in range(4)]
+    with faults.injected(corrupt_bucket=1):
+        plan = _layout.plan(stream, version=1, bucket_bytes=1024, checksum=True)
+    clean = _layout.plan(stream, version=1, bucket_bytes=1024, checksum=True)
+    assert len(plan.buckets) == 4 and faults.FAULTS.corrupt_bucket is None
+    buf = torch.zeros(plan.buffer_bytes, dtype=torch.uint8)
+    with faults.injected(corrupt_bucket=0):
+        for k, bucket in enumerate(plan.buckets):
+            _layout.pack(plan, k, buf)
+            flipped = int(_layout.checksum_of(buf, bucket.nbytes)) != _layout.read_trailer(buf, bucket)[1]
+            assert flipped == (k == 1), k
+            _layout.pack(clean, k, buf)
+            assert int(_layout.checksum_of(buf, bucket.nbytes)) == _layout.read_trailer(buf, bucket)[1], k
+    with (
+        pytest.raises(TypeError, match=r"unknown fault\(s\) \['corrupt'\]; allowed: \['corrupt_bucket'\]"),
+        faults.injected(corrupt=1),
+    ):
+        pass

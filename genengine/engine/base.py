@@ -397,8 +397,8 @@ class LoadSession:
     """One weight load into an ``EngineBase``, bucket by bucket: ``write`` each bucket as it arrives, then
     ``commit`` once (the cache flush and the ``version`` label happen there, once per load, not per bucket).
 
-    Each write checks its tensors against the engine's spec (a name written twice in one session is an error)
-    and writes them. Any failure ends the session as ``load_weights``' failures do: before the first write the
+    Each write checks its tensors against the engine's spec, once (a name written twice in one session is an
+    error), and writes them. Any failure ends the session as ``load_weights``' failures do: before the first write the
     old weights stay whole; after it the engine refuses to generate until a load covers every weight. Used as
     a context manager, an error inside the block aborts the session, and leaving it uncommitted aborts it too.
     """
@@ -435,7 +435,10 @@ class LoadSession:
             raise EngineStateError(f"{self!r}: it takes no more writes or commits; begin_load() a new one")
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Check and write one bucket of (name, tensor) pairs; a failure aborts the session and raises."""
+        """Check and write one bucket of (name, tensor) pairs; a failure aborts the session and raises.
+
+        The session's one check of each tensor (a weight transport's receiver has no other): the bucket is
+        pulled whole, then checked, then written, with no caller code in between to free a tensor."""
         self._check_open()
         try:
             check_named_tensors(named_tensors)
@@ -450,7 +453,8 @@ class LoadSession:
         self._write_checked(bucket)
 
     def _write_checked(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """Write a bucket ``validator`` already checked (``load_weights`` checks as it buckets)."""
+        """Write a bucket ``validator`` already checked (``write``; ``load_weights`` checks as it buckets): no
+        check here, only the DTensor gathers and contiguous copies of ``WeightValidator.prepare``."""
         if not bucket:
             return
         try:

@@ -13,22 +13,20 @@ fall in, the checksum covering the copied bytes alone.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from genengine.weights import WeightInfo, WeightValidator, iter_buckets, tensor_nbytes
+from genengine.transport.faults import FAULTS
+from genengine.weights import check_stream, group_buckets, materialize, tensor_nbytes
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ALIGN", "CORRUPT_ENV", "TRAILER", "Bucket", "Entry", "Plan"]
+__all__ = ["ALIGN", "TRAILER", "Bucket", "Entry", "Plan"]
 
 ALIGN = 64
 TRAILER = 16
-CORRUPT_ENV = "GENENGINE_TRANSPORT_CORRUPT_BUCKET"
-"""Fault injection for tests: the sender flips a byte of bucket N (an int) after computing its checksum."""
 
 FLAG_OK, FLAG_ABORT = 0, 1
 
@@ -87,7 +85,9 @@ class Plan:
     checksum: bool
     buckets: list[Bucket]
     tensors: list[list[tuple[str, torch.Tensor]]]
-    validator: WeightValidator | None = None
+    corrupt_bucket: int | None = None
+    """Fault injection for tests (``genengine.transport.faults``, read when the sync is planned): ``pack``
+    flips a byte of this bucket after its checksum."""
 
     @property
     def buffer_bytes(self) -> int:
@@ -145,32 +145,17 @@ def plan(
     entries, with no bytes in the buffer and no cost towards ``bucket_bytes``.
 
     The stream's pairs are pulled first (references only; DTensors are gathered later, one bucket at a time),
-    because the receivers get the whole layout before the first bucket. The checks are ``load_weights``'
-    own (``genengine.weights``: kinds with data, floating dtypes, no name twice) against the stream itself,
-    so a bad tensor is refused before anything is sent.
+    because the receivers get the whole layout before the first bucket. Then the sender's one check of each
+    tensor (``genengine.weights.check_stream``: ``load_weights``' checks that need no engine: kinds with data,
+    floating dtypes, no name twice), so a bad tensor is refused before anything is sent; ``pack`` checks
+    nothing again (no trainer code runs in between), and each receiver's load session checks the names and
+    shapes against its engine.
     """
-    import torch
-
     if isinstance(named_tensors, dict):
         named_tensors = named_tensors.items()
-    pulled = list(named_tensors)
-    spec: dict[str, WeightInfo] = {}
-    for item in pulled:
-        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-            tensor = item[1]
-            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else ()
-            spec.setdefault(item[0], WeightInfo(shape, str(getattr(tensor, "dtype", ""))))
-    validator = WeightValidator(spec)
+    checked = check_stream(list(named_tensors))
     shared = share or (lambda _: False)
-    groups = list(
-        iter_buckets(
-            pulled,
-            validator,
-            bucket_bytes,
-            validate_all_first=True,
-            cost=lambda t: 0 if shared(t) else _aligned(tensor_nbytes(t)),
-        )
-    )
+    groups = list(group_buckets(checked, bucket_bytes, cost=lambda t: 0 if shared(t) else _aligned(tensor_nbytes(t))))
     buckets = []
     for group in groups:
         entries, offset = [], 0
@@ -183,22 +168,18 @@ def plan(
             entries.append(Entry(name, dtype, tuple(tensor.shape), offset, nbytes))
             offset += _aligned(nbytes)
         buckets.append(Bucket(tuple(entries), offset))
-    return Plan(version, checksum, buckets, groups, validator)
-
-
-def corrupt_bucket() -> int | None:
-    raw = os.environ.get(CORRUPT_ENV, "").strip()
-    return int(raw) if raw.lstrip("-").isdigit() else None
+    return Plan(version, checksum, buckets, groups, FAULTS.corrupt_bucket)
 
 
 def pack(plan_: Plan, index: int, buf: torch.Tensor) -> None:
-    """Bucket ``index``'s tensors into ``buf`` (on ``buf``'s device, the current stream), then its trailer."""
+    """Bucket ``index``'s tensors into ``buf`` (on ``buf``'s device, the current stream), then its trailer.
+
+    The tensors were checked by ``plan``; here they are only gathered (DTensors) and made contiguous."""
     import torch
 
     bucket = plan_.buckets[index]
-    assert plan_.validator is not None  # internal invariant
     with torch.no_grad():
-        ready = plan_.validator.prepare(plan_.tensors[index])  # DTensors gathered, views made contiguous
+        ready = materialize(plan_.tensors[index])
         for (_, tensor), entry in zip(ready, bucket.entries, strict=True):
             if entry.nbytes and not entry.shared:
                 src = tensor.reshape(-1).view(torch.uint8)
@@ -209,7 +190,7 @@ def pack(plan_: Plan, index: int, buf: torch.Tensor) -> None:
         else:
             trailer[0] = 0
         trailer[1] = FLAG_OK
-        if corrupt_bucket() == index and bucket.nbytes:
+        if plan_.corrupt_bucket == index and bucket.nbytes:
             buf[0:1].bitwise_xor_(0x5A)
 
 

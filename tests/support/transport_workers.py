@@ -20,14 +20,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from genengine.transport._layout import CORRUPT_ENV
-
 from .outcomes import Result
 from .ports import free_port
 from .start import worker_context
 
 __all__ = [
-    "CORRUPT_ENV",
     "PackFault",
     "Pool",
     "Result",
@@ -278,15 +275,14 @@ def send_one(sender: Any, sync: dict[str, Any]) -> dict[str, Any]:
         index = torch.unravel_index(torch.tensor(poisoned.numel() // 2), poisoned.shape)
         poisoned[tuple(int(i) for i in index)] = float("nan")
         stream[at] = (name, poisoned)
-    if sync.get("corrupt") is not None:
-        os.environ[CORRUPT_ENV] = str(sync["corrupt"])
+    from genengine.transport import faults
+
     try:
-        r = sender.send(stream, version=sync["version"])
+        with faults.injected(corrupt_bucket=sync.get("corrupt")):
+            r = sender.send(stream, version=sync["version"])
         return {"report": [r.version, r.num_tensors, r.num_bytes, r.num_buckets]}
     except Exception as exc:
         return _error_row(exc)
-    finally:
-        os.environ.pop(CORRUPT_ENV, None)
 
 
 def scenario_send(spec: dict[str, Any], syncs: list[dict[str, Any]]) -> list[dict[str, Any]]:
