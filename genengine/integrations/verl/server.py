@@ -129,7 +129,9 @@ class GenEngineServer(EngineReplica):
             raise InvalidArgumentError(f"max_tokens={wanted!r} must be an integer")
         return max(1, wanted if room is None else min(wanted, room))
 
-    async def generate(
+    # verl's server names (generate, sleep, resume_generation) win on this actor: verl calls them with its own
+    # arguments, and nothing calls them as EngineReplica's; the replica's own are reached as EngineReplica.x(self).
+    async def generate(  # type: ignore[override]
         self,
         prompt_ids: list[int],
         sampling_params: dict[str, Any],
@@ -190,29 +192,29 @@ class GenEngineServer(EngineReplica):
             wanted = []
             for tag in tags:
                 wanted += self._kv_tags() if tag == "kv_cache" else [tag]
-        await self.call(self.incarnation, "wake", wanted)
+        await EngineReplica.wake(self, self.incarnation, wanted)
 
-    async def sleep(self) -> None:
+    async def sleep(self) -> None:  # type: ignore[override]
         if self.node_rank != 0 or self.mode == "standalone" or not self.settings.free_cache_engine:
             return
         level = 1 if self.mode == "colocated" else self.settings.sleep_level
-        await self.call(self.incarnation, "sleep", level)
+        await EngineReplica.sleep(self, self.incarnation, level)
 
     async def clear_kv_cache(self) -> None:
         if not self._engine().state.released_tags:
-            await self.call(self.incarnation, "flush_cache")
+            await self.flush_cache(self.incarnation)
 
     async def release_kv_cache(self) -> None:
         """Free the KV cache for a weight sync, weights in place (verl's vLLM: sleep, then wake the weights)."""
         if self.node_rank != 0 or self.mode == "colocated" or not self.settings.free_cache_engine:
             return
-        await self.call(self.incarnation, "sleep", 1)
-        await self.call(self.incarnation, "wake", ["weights"])
+        await EngineReplica.sleep(self, self.incarnation, 1)
+        await EngineReplica.wake(self, self.incarnation, ["weights"])
 
     async def resume_kv_cache(self) -> None:
         if self.node_rank != 0 or self.mode == "colocated" or not self.settings.free_cache_engine:
             return
-        await self.call(self.incarnation, "wake", self._kv_tags())
+        await EngineReplica.wake(self, self.incarnation, self._kv_tags())
 
     # ---- abort / resume -----------------------------------------------------------------------------------
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
@@ -227,7 +229,7 @@ class GenEngineServer(EngineReplica):
         await engine.pause_generation("abort", clear_cache=reset_prefix_cache)  # what arrived meanwhile ends too
         return {"aborted_count": len(ids), "request_ids": ids}
 
-    async def resume_generation(self, expect: str | None = None) -> None:
+    async def resume_generation(self, expect: str | None = None) -> None:  # type: ignore[override]
         """Go on after ``abort_all_requests`` (verl calls it without arguments; ``expect`` keeps
         ``EngineReplica``'s signature)."""
         self._rejecting = False
@@ -265,12 +267,12 @@ class GenEngineServer(EngineReplica):
         if held:
             await engine.pause_generation("keep", clear_cache=True)
         try:
-            report, _, version = await self.transport_receive(self.incarnation, check_finite)
+            reply = await self.transport_receive(self.incarnation, check_finite)
         finally:
             if held:
                 await engine.resume_generation()
         self._synced = True
-        return report, version
+        return reply.value, reply.version
 
 
 def _max_positions(model_config: Any) -> int | None:
