@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from genengine.backend import EngineStateError, InvalidArgumentError
+from genengine.errors import EngineStateError, InvalidArgumentError
 from genengine_sglang._loop import LoopThread
 from genengine_sglang.compat import request_prompt_ids
 from genengine_sglang.errors import SGLangEngineError

@@ -10,7 +10,6 @@ import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from genengine.backend import DistributedSetupError, GenEngineError
 from genengine.distributed import (
     EngineGroup,
     compute_topology,
@@ -18,6 +17,7 @@ from genengine.distributed import (
     engine_group,
     parse_cuda_visible_devices,
 )
+from genengine.errors import DistributedSetupError, GenEngineError
 from genengine_sglang._process import current_gpu
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.settings import SGLangSettings

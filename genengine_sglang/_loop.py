@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from genengine.backend import EngineClosedError
+from genengine.errors import EngineClosedError
 from genengine_sglang.errors import SGLangEngineError
 
 __all__ = ["PICKUP_TIMEOUT_S", "THREAD_STOP_TIMEOUT_S", "LoopThread"]

@@ -19,12 +19,13 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from genengine.backend import BackendImportError, ConfigError, closest, scoped_environ, strip_expandable_segments
+from genengine.engine.environ import scoped_environ, strip_expandable_segments
+from genengine.errors import BackendImportError, ConfigError, closest
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.settings import check_graph_memory_saver
 
 if TYPE_CHECKING:
-    from genengine.backend import ExitHandle
+    from genengine.engine.lifecycle import ExitHandle
 
 __all__ = [
     "current_gpu",
@@ -77,7 +78,7 @@ def launch(kwargs: Mapping[str, Any], *, enable_sleep: bool) -> tuple[Any, ExitH
     Every key is checked against ``ServerArgs`` first, so a typo is a ``ConfigError`` naming the closest
     argument rather than SGLang's ``TypeError`` after the import.
     """
-    from genengine.backend import at_exit
+    from genengine.engine.lifecycle import at_exit
 
     try:
         from sglang.srt.entrypoints.engine import Engine

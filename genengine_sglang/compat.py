@@ -21,7 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from importlib import resources
 from typing import Any
 
-from genengine.backend import VerifiedRange, VersionStatus, check_engine_version
+from genengine.backend import VerifiedRange
+from genengine.plugins.versions import VersionStatus, check_engine_version
 
 __all__ = [
     "BRANCHES",

@@ -21,24 +21,23 @@ from genengine.backend import (
     TAG_KV_CACHE,
     TAG_WEIGHTS,
     AsyncEngineBase,
-    CollectiveTimeoutError,
     EngineConfig,
-    EngineStateError,
-    GenEngineError,
     GenerationResult,
-    InconsistentInputsError,
-    InvalidArgumentError,
     LoadReport,
     Request,
-    read_model_config,
-    track_engine,
-    untrack_engine,
-    vocab_size,
-    weight_spec,
 )
 from genengine.distributed import (
     EngineGroup,
     check_port_free,
+)
+from genengine.engine.checkpoint import read_model_config, vocab_size, weight_spec
+from genengine.engine.lifecycle import track_engine, untrack_engine
+from genengine.errors import (
+    CollectiveTimeoutError,
+    EngineStateError,
+    GenEngineError,
+    InconsistentInputsError,
+    InvalidArgumentError,
 )
 from genengine_sglang import _process, _weightsync
 from genengine_sglang._group import collective_timeout, make_group, on_leader
@@ -57,7 +56,8 @@ from genengine_sglang.settings import (
 if TYPE_CHECKING:
     import torch
 
-    from genengine.backend import AsyncRequest, ExitHandle, LoadSession, WeightInfo
+    from genengine.backend import AsyncRequest, LoadSession, WeightInfo
+    from genengine.engine.lifecycle import ExitHandle
     from genengine_sglang._async import AsyncDriver
     from genengine_sglang._loop import LoopThread
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from genengine.backend import GenEngineError
+from genengine.errors import GenEngineError
 
 __all__ = ["SGLangEngineError"]
 

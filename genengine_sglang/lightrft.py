@@ -13,15 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
-from genengine.backend import (
-    ConfigError,
-    DistributedSetupError,
-    EngineConfig,
-    InconsistentInputsError,
-    InvalidArgumentError,
-    check_reference_args,
-)
+from genengine.backend import EngineConfig
 from genengine.distributed import EngineGroup, check_tp_group_ranks, topology_from_env
+from genengine.errors import ConfigError, DistributedSetupError, InconsistentInputsError, InvalidArgumentError
+from genengine.integrations.lightrft import check_reference_args
 from genengine_sglang._group import collective_timeout, torch_dist
 from genengine_sglang._weightsync import LoadCall
 from genengine_sglang.engine import SGLangEngine

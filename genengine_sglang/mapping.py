@@ -11,14 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from genengine.backend import (
-    FinishReason,
-    GenerationOutput,
-    GenerationResult,
-    InvalidArgumentError,
-    Request,
-    SamplingParams,
-)
+from genengine.backend import FinishReason, GenerationOutput, GenerationResult, Request, SamplingParams
+from genengine.errors import InvalidArgumentError
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.settings import LOGIT_PROCESSOR_PARAM
 

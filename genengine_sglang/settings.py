@@ -14,16 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from genengine.backend import (
-    ConfigError,
-    EngineConfig,
-    InvalidArgumentError,
-    check_options,
-    option_bool,
-    option_int,
-    option_number,
-    resolve_model_dir,
-)
+from genengine.backend import EngineConfig, check_options, option_bool, option_int, option_number
+from genengine.engine.checkpoint import resolve_model_dir
+from genengine.errors import ConfigError, InvalidArgumentError
 from genengine_sglang.compat import check_installed, recorded_server_args, split_graph_options
 
 __all__ = [

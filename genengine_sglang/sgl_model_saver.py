@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from genengine.backend import InvalidArgumentError, live_engines
+from genengine.engine.lifecycle import live_engines
+from genengine.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from genengine_sglang.engine import SGLangEngine

@@ -23,7 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from genengine.backend import DriverLock, EngineClosedError, EngineStateError, InvalidArgumentError
+from genengine.backend import DriverLock
+from genengine.errors import EngineClosedError, EngineStateError, InvalidArgumentError
 from genengine_vllm.mapping import completion_delta
 
 _log = logging.getLogger(__name__)

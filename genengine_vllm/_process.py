@@ -12,14 +12,8 @@ import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from genengine.backend import (
-    ALLOC_CONF,
-    BackendImportError,
-    DistributedSetupError,
-    EngineStateError,
-    scoped_environ,
-    strip_expandable_segments,
-)
+from genengine.engine.environ import ALLOC_CONF, scoped_environ, strip_expandable_segments
+from genengine.errors import BackendImportError, DistributedSetupError, EngineStateError
 
 if TYPE_CHECKING:
     from genengine.distributed import Topology

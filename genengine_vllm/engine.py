@@ -24,16 +24,13 @@ from genengine.backend import (
     DriverLock,
     EngineConfig,
     EngineState,
-    EngineStateError,
     GenerationResult,
-    InvalidArgumentError,
     LoadReport,
-    scoped_environ,
-    track_engine,
-    untrack_engine,
-    vocab_size,
-    weight_spec,
 )
+from genengine.engine.checkpoint import vocab_size, weight_spec
+from genengine.engine.environ import scoped_environ
+from genengine.engine.lifecycle import track_engine, untrack_engine
+from genengine.errors import EngineStateError, InvalidArgumentError
 from genengine_vllm._async import AsyncDriver, engine_stream
 from genengine_vllm._process import (
     PROCESS_STATE,

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from genengine.backend import EngineConfig, InvalidArgumentError, check_reference_args, resolve_model_dir
+from genengine.backend import EngineConfig
+from genengine.engine.checkpoint import resolve_model_dir
+from genengine.errors import InvalidArgumentError
+from genengine.integrations.lightrft import check_reference_args
 from genengine_vllm.engine import VLLMEngine
 
 __all__ = ["get_vllm_engine"]

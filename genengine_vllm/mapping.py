@@ -12,14 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-from genengine.backend import (
-    EngineStateError,
-    FinishReason,
-    GenerationOutput,
-    GenerationResult,
-    InvalidArgumentError,
-    SamplingParams,
-)
+from genengine.backend import FinishReason, GenerationOutput, GenerationResult, SamplingParams
+from genengine.errors import EngineStateError, InvalidArgumentError
 
 __all__ = [
     "MIN_TEMPERATURE",

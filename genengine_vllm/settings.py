@@ -13,16 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from genengine.backend import (
-    DEFAULT_BUCKET_BYTES,
-    REFERENCE_DTYPES,
-    ConfigError,
-    EngineConfig,
-    check_options,
-    option_bool,
-    read_model_config,
-    resolve_model_dir,
-)
+from genengine.backend import DEFAULT_BUCKET_BYTES, EngineConfig, check_options, option_bool
+from genengine.engine.checkpoint import read_model_config, resolve_model_dir
+from genengine.errors import ConfigError
 from genengine_vllm.compat import check_installed, recorded_engine_args
 
 __all__ = [
@@ -36,7 +29,7 @@ __all__ = [
     "resolve_settings",
 ]
 
-DTYPES = REFERENCE_DTYPES
+DTYPES = ("bfloat16", "float16")
 """What the RL engines run in (as SGLang's reference accepts): bf16 or fp16, never fp32."""
 
 LOGPROBS_MODE = "processed_logprobs"

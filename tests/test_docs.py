@@ -125,6 +125,30 @@ def test_nav_lists_every_page_and_only_pages_that_exist() -> None:
         assert required in nav
 
 
+def _first_table_names(text: str, column: int) -> list[str]:
+    """The code-marked names in one column of the first markdown table of ``text`` (header row left out; in a
+    cell, what comes before a colon)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        table.append(line)
+    cells = [row.split(" | ")[column] for row in table]
+    return [name for cell in cells for name in re.findall(r"`(\w+)`", cell.split(":")[0])]
+
+
+def test_the_facade_is_listed_as_it_is() -> None:
+    """docs/plugins.md's table of ``genengine.backend`` and its API page list exactly what it exports."""
+    import genengine.backend
+
+    exported = sorted(genengine.backend.__all__)
+    one_import = _text("plugins.md").split("## The one import", 1)[1]
+    assert sorted(_first_table_names(one_import, 1)) == exported
+    assert sorted(_first_table_names(_text("reference/backend.md"), 0)) == exported
+
+
 def test_every_error_class_is_in_the_troubleshooting_table() -> None:
     table = _text("troubleshooting.md").split("## Errors at a glance", 1)[1]
     for name in errors.__all__:

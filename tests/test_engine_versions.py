@@ -20,14 +20,10 @@ import pytest
 
 import genengine_sglang.compat as sglang_compat
 import genengine_vllm.compat as vllm_compat
-from genengine.backend import (
-    ALLOW_UNVERIFIED_ENV,
-    ConfigError,
-    DistributedSetupError,
-    EngineConfig,
-    VerifiedRange,
-)
+from genengine.backend import EngineConfig, VerifiedRange
+from genengine.errors import ConfigError, DistributedSetupError
 from genengine.models.tiny_model import tiny_model_dir
+from genengine.plugins.versions import ALLOW_UNVERIFIED_ENV
 from genengine_sglang.engine import SGLangEngine
 from genengine_vllm.engine import VLLMEngine
 

@@ -46,8 +46,22 @@ def test_every_subcommand_help_is_light() -> None:
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("genengine", "genengine_sglang", "genengine_vllm")
 PLUGINS = ("genengine_sglang", "genengine_vllm")
-PLUGIN_CORE = {"genengine.backend", "genengine.distributed"}
-"""What a backend plugin may import from the core: the one import for backend authors, and TP groups."""
+PLUGIN_CORE = {
+    "genengine.backend",  # the plugin authors' face: re-exports only (test_the_facade_only_re_exports)
+    "genengine.distributed",  # TP groups and topology
+    "genengine.errors",  # the contract's errors
+    "genengine.engine.checkpoint",  # an engine that reads a model directory
+    "genengine.engine.environ",  # ... or runs processes: scoped environment, the CUDA allocator setting
+    "genengine.engine.lifecycle",  # ... whose processes die with the trainer, and live-engine tracking
+    "genengine.plugins.versions",  # the engine releases a plugin was verified with
+}
+"""What a backend (a plugin, or the built-in one) may import from the core: the facade, and the layer modules that
+own what only some backends need."""
+LIGHTRFT_CORE = "genengine.integrations.lightrft"
+"""The argument checks both plugins' LightRFT faces share: imported by those faces (``<backend>.lightrft``) only."""
+BACKEND_PACKAGES = ("genengine_sglang", "genengine_vllm", "genengine.backends.transformers")
+FACADE = "genengine/backend.py"
+FACADE_MAX_NAMES = 35
 MAX_LINES = 600
 LONG_ALLOWED: set[str] = set()  # and the conformance suite (genengine/testing/conformance/), which the issue exempts
 CONFORMANCE = "genengine/testing/conformance/"
@@ -128,29 +142,101 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_plugins_import_the_core_only_through_genengine_backend() -> None:
-    """A plugin's every import from ``genengine`` (type hints included) is ``genengine.backend`` or
-    ``genengine.distributed``, and no plugin module imports another module's private (``_``-prefixed) name."""
+def _package_of(module: str) -> str | None:
+    return next((p for p in BACKEND_PACKAGES if module == p or module.startswith(p + ".")), None)
+
+
+def _backend_core_imports(modules: dict[str, Path]) -> list[str]:
+    """A backend's imports of ``genengine`` (type hints included) outside its own package that are neither
+    ``PLUGIN_CORE`` nor, from its LightRFT face, ``LIGHTRFT_CORE``; and private names imported from a module."""
     bad: list[str] = []
-    modules = _modules()
     for name, path in modules.items():
-        if name.split(".")[0] not in PLUGINS:
+        package = _package_of(name)
+        if package is None:
             continue
+        allowed = PLUGIN_CORE | ({LIGHTRFT_CORE} if name == f"{package}.lightrft" else set())
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 bad += [f"{name}: import {a.name}" for a in node.names if a.name.split(".")[0] == "genengine"]
             elif isinstance(node, ast.ImportFrom) and node.module:
                 top = node.module.split(".")[0]
-                if top == "genengine" and node.module not in PLUGIN_CORE:
+                own = node.module == package or node.module.startswith(package + ".")
+                if top == "genengine" and not own and node.module not in allowed:
                     bad.append(f"{name}: from {node.module} import ...")
                 if top in PACKAGES:  # a private module (``_process``) is fine, a private name in one is not
                     private = [a.name for a in node.names if a.name.startswith("_")]
                     bad += [
                         f"{name}: from {node.module} import {n}" for n in private if f"{node.module}.{n}" not in modules
                     ]
-    assert not bad, "plugins must import the core only from genengine.backend / genengine.distributed:\n" + "\n".join(
-        bad
+    return bad
+
+
+def test_plugins_import_the_core_only_through_genengine_backend() -> None:
+    """A backend (the plugins and the built-in one) imports the core only from the facade and ``PLUGIN_CORE``'s
+    layer modules, the LightRFT checks only from its LightRFT face, and no other module's private name."""
+    bad = _backend_core_imports(_modules())
+    assert not bad, "backends import the core only from PLUGIN_CORE (see docs/plugins.md):\n" + "\n".join(bad)
+
+
+def test_a_backend_reaching_past_the_facade_is_found(tmp_path: Path) -> None:
+    """The check above can fail: a plugin module importing the engine's base directly, or the LightRFT checks
+    from outside its LightRFT face."""
+    (tmp_path / "probe.py").write_text(
+        "from genengine.engine.base import EngineBase\nfrom genengine.integrations.lightrft import REFERENCE_DTYPES\n"
     )
+    (tmp_path / "lightrft.py").write_text("from genengine.integrations.lightrft import check_reference_args\n")
+    modules = _modules() | {
+        "genengine_vllm.probe": tmp_path / "probe.py",
+        "genengine.backends.transformers.lightrft": tmp_path / "lightrft.py",
+    }
+    assert sorted(
+        line for line in _backend_core_imports(modules) if "probe" in line or "transformers.lightrft" in line
+    ) == [
+        "genengine_vllm.probe: from genengine.engine.base import ...",
+        "genengine_vllm.probe: from genengine.integrations.lightrft import ...",
+    ]
+
+
+def _facade_logic(path: Path) -> list[str]:
+    """What ``genengine/backend.py`` holds besides its docstring, imports from the core and ``__all__``; and the
+    names it lists but does not import, or imports but does not list."""
+    tree = ast.parse(path.read_text(), str(path))
+    found: list[str] = []
+    imported: set[str] = set()
+    listed: list[str] = []
+    for i, node in enumerate(tree.body):
+        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(node, ast.ImportFrom) and node.module == "__future__":
+            continue
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("genengine."):
+            imported |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]:
+            listed = list(ast.literal_eval(node.value))
+        else:
+            found.append(f"line {node.lineno}: {type(node).__name__}")
+    found += [f"{n} is listed but not imported" for n in listed if n not in imported]
+    found += [f"{n} is imported but not listed" for n in sorted(imported - set(listed))]
+    if len(listed) > FACADE_MAX_NAMES:
+        found.append(f"{len(listed)} names (at most {FACADE_MAX_NAMES})")
+    return found
+
+
+def test_the_facade_only_re_exports() -> None:
+    """``genengine.backend`` holds no logic, only re-exports, at most 35 names: each fact lives in its layer."""
+    assert _facade_logic(ROOT / FACADE) == []
+
+
+def test_logic_in_the_facade_is_found(tmp_path: Path) -> None:
+    """The check above can fail: a helper defined in the facade, a name it lists but does not import, too many."""
+    source = (ROOT / FACADE).read_text()
+    probe = tmp_path / "backend.py"
+    probe.write_text(source + "\n\ndef helper() -> None:\n    pass\n")
+    assert [line.split(": ")[1] for line in _facade_logic(probe)] == ["FunctionDef"]
+    names = "".join(f'    "N{i}",\n' for i in range(FACADE_MAX_NAMES))
+    probe.write_text(source.replace("__all__ = [\n", "__all__ = [\n" + names, 1))
+    found = _facade_logic(probe)
+    assert "N0 is listed but not imported" in found and found[-1].endswith(f"(at most {FACADE_MAX_NAMES})")
 
 
 def test_no_module_over_600_lines() -> None:

@@ -309,7 +309,7 @@ def test_all_errors_share_one_base() -> None:
 def test_live_engine_tracking_is_per_class_and_drops_closed_engines() -> None:
     """The one tracker both plugins use: ``live_engines(kind)`` lists the tracked, unclosed engines of that
     class; ``untrack_engine(e, kind)`` forgets ``e`` and returns the others of ``kind`` in the same step."""
-    from genengine.backend import live_engines, track_engine, untrack_engine
+    from genengine.engine.lifecycle import live_engines, track_engine, untrack_engine
 
     class A:
         closed = False

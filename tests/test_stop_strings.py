@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from genengine import SamplingParams
-from genengine.backend import StopStrings as _StopStrings
 from genengine.backends.transformers.engine import TransformersEngine
+from genengine.engine.completion import StopStrings as _StopStrings
 from genengine.models.tiny_model import tiny_model_dir
 from genengine.testing.conformance import PROMPTS
 

@@ -14,6 +14,7 @@ import sys
 import time
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -272,6 +273,20 @@ def test_a_sender_killed_mid_broadcast_makes_receivers_raise_within_the_timeout(
 def test_bad_specs_are_refused_when_built(fields: dict[str, Any], match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match.replace("(", r"\(").replace(")", r"\)")):
         TransportSpec(**{**_spec(checksum=False), **fields})
+
+
+def test_the_receiver_is_the_transports_and_no_engine_hook_is_left() -> None:
+    """The optional engine method ``weight_transport_receiver`` was declared but no backend implemented it
+    (issue 42): it is gone, from the code and the docs, not half there."""
+    import inspect
+
+    import genengine.transport as transport
+
+    assert list(inspect.signature(open_receiver).parameters) == ["spec", "rank"]
+    assert not hasattr(transport, "NATIVE_RECEIVER_METHOD")
+    root = Path(__file__).resolve().parent.parent
+    texts = [*root.glob("genengine/**/*.py"), *root.glob("genengine_*/**/*.py"), *root.glob("docs/**/*.md")]
+    assert [str(p.relative_to(root)) for p in texts if "weight_transport_receiver" in p.read_text()] == []
 
 
 def test_unknown_transport_and_wrong_rank_or_device_take_no_port() -> None:

@@ -1,5 +1,6 @@
 """The facts every backend reads from a Hugging Face model directory, once: its path, ``config.json``, the
-language model's part of the config, the vocabulary size, the dtype the engine keeps, and the weight spec.
+language model's part of the config, the vocabulary size, the dtype the engine keeps (``torch_dtype`` as a torch
+dtype), and the weight spec: of the checkpoint, or of a model already loaded (``module_weight_spec``).
 
 The weight spec (HF name → shape, dtype, required) is what ``load_weights`` checks every tensor against
 before an engine sees a byte: engines' own loaders silently skip names they do not know (LightRFT PR #55).
@@ -15,10 +16,13 @@ import re
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from genengine.errors import CheckpointError, ConfigError
 from genengine.weights import WeightInfo
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -26,11 +30,13 @@ __all__ = [
     "checkpoint_dtype",
     "checkpoint_files",
     "engine_dtype",
+    "module_weight_spec",
     "read_model_config",
     "read_safetensors_header",
     "resolve_model_dir",
     "text_config",
     "tied_embeddings",
+    "torch_dtype",
     "vocab_size",
     "weight_spec",
 ]
@@ -149,6 +155,16 @@ def engine_dtype(dtype: str, config: Mapping[str, Any]) -> str:
     return checkpoint_dtype(config) or "bfloat16"
 
 
+def torch_dtype(dtype: str, model_dir: str) -> torch.dtype:
+    """``EngineConfig.dtype`` as a torch dtype; "auto" is what ``config.json`` names (float32 if nothing)."""
+    import torch
+
+    if dtype == "auto":
+        dtype = checkpoint_dtype(read_model_config(model_dir)) or "float32"
+    found: torch.dtype = getattr(torch, dtype)
+    return found
+
+
 # ---- the weights ------------------------------------------------------------------------------------------
 def read_safetensors_header(path: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """name → (shape, dtype) of one .safetensors file, from its JSON header only (8-byte length, then JSON)."""
@@ -253,4 +269,24 @@ def weight_spec(model_dir: str | Path, config: Mapping[str, Any], dtype: str) ->
         for name, info in list(spec.items()):
             if name.endswith("embed_tokens.weight"):
                 spec.setdefault(_head_name(name), WeightInfo(shape=info.shape, dtype=info.dtype, required=False))
+    return spec
+
+
+def module_weight_spec(module: torch.nn.Module, *, buffers: bool = True) -> dict[str, WeightInfo]:
+    """``_weight_spec`` of a loaded torch model: every HF name of its state dict (only its parameters without
+    ``buffers``), with the shape and dtype it has now.
+
+    A name that is a second alias of a parameter already listed (a tied ``lm_head.weight``) is optional, as
+    in :func:`weight_spec`: trainers' ``state_dict()`` carries it, but need not send it.
+    """
+    params = dict(module.named_parameters(remove_duplicate=False))
+    source = module.state_dict() if buffers else params
+    seen: set[int] = set()
+    spec: dict[str, WeightInfo] = {}
+    for name, tensor in source.items():
+        param = params.get(name)
+        required = param is None or id(param) not in seen
+        spec[name] = WeightInfo(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), required=required)
+        if param is not None:
+            seen.add(id(param))
     return spec

@@ -8,9 +8,10 @@ import ctypes
 import os
 from collections.abc import Iterator, Mapping
 
-__all__ = ["malloc_trim", "scoped_environ", "strip_expandable_segments"]
+__all__ = ["ALLOC_CONF", "malloc_trim", "scoped_environ", "strip_expandable_segments"]
 
 ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+"""The environment variable of the CUDA allocator's settings (see :func:`strip_expandable_segments`)."""
 
 
 def strip_expandable_segments(conf: str | None) -> str | None:

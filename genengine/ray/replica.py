@@ -217,13 +217,13 @@ class EngineReplica:
 
     # ---- weight transports (genengine.transport) ------------------------------------------------------------
     async def transport_join(self, expect: str | None, spec: Any, rank: int) -> None:
-        """Join a weight-sync group as ``rank`` (the engine's native endpoint where it offers one, else the
-        transport's generic receiver); blocks (in a thread) until every rank joined or the group's timeout."""
+        """Join a weight-sync group as ``rank`` (the transport's receiver, into the engine's load sessions); blocks
+        (in a thread) until every rank joined or the group's timeout."""
         from genengine.transport import open_receiver
 
         self._check(expect)
         await self.transport_close()
-        self._receiver = await asyncio.to_thread(open_receiver, spec, rank, self.engine)
+        self._receiver = await asyncio.to_thread(open_receiver, spec, rank)
 
     async def transport_receive(self, expect: str | None, check_finite: bool = False) -> Reply:
         """Receive one sync from the group's sender into the engine (one load session: a write per bucket,

@@ -11,7 +11,7 @@ Importing this package imports no torch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from genengine.transport._trace import ENV as TRACE_ENV
 from genengine.transport.errors import (
@@ -22,7 +22,6 @@ from genengine.transport.errors import (
     TransportTimeoutError,
 )
 from genengine.transport.spec import (
-    NATIVE_RECEIVER_METHOD,
     SyncReport,
     TransportSpec,
     WeightReceiver,
@@ -30,11 +29,7 @@ from genengine.transport.spec import (
     WeightTransport,
 )
 
-if TYPE_CHECKING:
-    from genengine.protocol import GenerationEngine
-
 __all__ = [
-    "NATIVE_RECEIVER_METHOD",
     "TRACE_ENV",
     "ChecksumError",
     "DuplicateTransportError",
@@ -69,17 +64,7 @@ def get_transport(name: str) -> WeightTransport:
     return transport
 
 
-def open_receiver(spec: TransportSpec, rank: int, engine: GenerationEngine | None = None) -> WeightReceiver:
-    """Rank ``rank``'s receiver: the engine's own (native endpoint) when it offers one for ``spec``, else the
-    transport's generic one (receive into one load session of the engine: a write per bucket, one commit).
-
-    An engine offers a native endpoint by defining ``weight_transport_receiver(spec, rank)`` returning a
-    :class:`WeightReceiver`, or None to decline (e.g. for a transport it does not speak).
-    """
-    transport = get_transport(spec.transport)  # an unknown transport is refused first, by name
-    native = getattr(engine, NATIVE_RECEIVER_METHOD, None) if engine is not None else None
-    if callable(native):
-        receiver = native(spec, rank)
-        if receiver is not None:
-            return receiver  # type: ignore[no-any-return]
-    return transport.receiver(spec, rank)
+def open_receiver(spec: TransportSpec, rank: int) -> WeightReceiver:
+    """Rank ``rank``'s receiver of the transport ``spec`` names: it receives each sync into one load session of
+    the engine handed to ``receive`` (a write per bucket, one commit)."""
+    return get_transport(spec.transport).receiver(spec, rank)  # an unknown transport is refused first, by name

@@ -19,17 +19,12 @@ if TYPE_CHECKING:
     from genengine.protocol import GenerationEngine
 
 __all__ = [
-    "NATIVE_RECEIVER_METHOD",
     "SyncReport",
     "TransportSpec",
     "WeightReceiver",
     "WeightSender",
     "WeightTransport",
 ]
-
-NATIVE_RECEIVER_METHOD = "weight_transport_receiver"
-"""The optional engine method a backend defines to receive a sync with its own machinery (see
-:func:`genengine.transport.open_receiver`): ``(spec, rank) -> WeightReceiver | None``."""
 
 _DEVICES = ("cpu", "cuda")
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+)$")

@@ -355,7 +355,7 @@ def test_shutdown_with_streams_open_ends_them_with_abort(trainer_world: Any) -> 
     and (kept by the caller, with its streams) holds no GPU memory any more."""
     import weakref
 
-    from genengine.backend import live_engines
+    from genengine.engine.lifecycle import live_engines
     from genengine_vllm.engine import VLLMEngine
 
     free_before = _free_device_wide()

@@ -24,13 +24,10 @@ from genengine.backend import (
     AsyncEngineBase,
     AsyncRequest,
     Completion,
-    ConfigError,
     DriverLock,
-    EngineClosedError,
     EngineConfig,
     FromConfig,
     GenerationResult,
-    InvalidArgumentError,
     Request,
     SamplingParams,
     Seeds,
@@ -44,6 +41,7 @@ from genengine.backend import (
 from genengine.backends.transformers._sampling import Row, greedy, processed_sample
 from genengine.backends.transformers._scheduler import DecodeBatch, Decoder, Prefix, Scheduler
 from genengine.engine.environ import malloc_trim
+from genengine.errors import ConfigError, EngineClosedError, InvalidArgumentError
 
 if TYPE_CHECKING:
     import torch

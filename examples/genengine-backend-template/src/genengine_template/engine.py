@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from genengine import backend
+from genengine.errors import ConfigError, InvalidArgumentError
 from genengine_template.loop import TinyLoop
 
 __all__ = ["OPTIONS", "TemplateEngine"]
@@ -42,7 +43,7 @@ class TemplateEngine(backend.FromConfig, backend.EngineBase):
         # Every check happens before the model is loaded: bad input costs no memory.
         super().__init__(sleep_enabled=enable_sleep, bucket_bytes=bucket_bytes)
         if not os.path.isdir(model):
-            raise backend.ConfigError(f"model={model!r} is not a local model folder (this backend reads no hub names)")
+            raise ConfigError(f"model={model!r} is not a local model folder (this backend reads no hub names)")
         device = backend.check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._loop = TinyLoop(model, dtype=backend.torch_dtype(dtype, model), device=device)
         self._seeds = backend.Seeds(seed)
@@ -63,9 +64,7 @@ class TemplateEngine(backend.FromConfig, backend.EngineBase):
     def _one(self, request: backend.Request) -> backend.GenerationResult:
         tokenizer = self._loop.tokenizer
         if request.prompt_token_ids is None and tokenizer is None:
-            raise backend.InvalidArgumentError(
-                "this model folder has no tokenizer: pass prompt_token_ids instead of text"
-            )
+            raise InvalidArgumentError("this model folder has no tokenizer: pass prompt_token_ids instead of text")
         prompt = list(request.prompt_token_ids or tokenizer.encode(request.prompt))
         generator = torch.Generator().manual_seed(self._seeds.request(request.params))  # batch-independent
         outputs = [self._sample(prompt, request.params, generator) for _ in range(request.params.n)]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from genengine.backend import ConfigError, EngineConfig, torch_dtype
+from genengine.backend import EngineConfig, torch_dtype
+from genengine.errors import ConfigError
 
 
 def raw_tokens_per_second(
