@@ -33,6 +33,7 @@ from genengine.engine.aio import (
 from genengine.engine.base import EngineBase, LoadSession
 from genengine.engine.checkpoint import checkpoint_dtype, read_model_config, resolve_model_dir, vocab_size, weight_spec
 from genengine.engine.environ import ALLOC_CONF, scoped_environ, strip_expandable_segments
+from genengine.engine.ipc import PassOn
 from genengine.engine.ipc import dumps as ipc_dumps
 from genengine.engine.lifecycle import ExitHandle, at_exit, live_engines, track_engine, untrack_engine
 from genengine.errors import (
@@ -119,6 +120,7 @@ __all__ = [
     "InvalidArgumentError",
     "LoadReport",
     "LoadSession",
+    "PassOn",
     "PauseMode",
     "RegisterBackend",
     "Request",

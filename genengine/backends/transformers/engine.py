@@ -48,6 +48,8 @@ from genengine.engine.environ import malloc_trim
 if TYPE_CHECKING:
     import torch
 
+    from genengine.backend import LoadSession
+
 __all__ = ["OPTIONS", "HFRawEngine", "TransformersEngine", "hf_generate_tokens_per_second"]
 
 OPTIONS = (
@@ -452,7 +454,7 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
                     p.data = torch.empty(shape, dtype=p.dtype, device=self.device)
 
     # ---- weights -------------------------------------------------------------------------------------------
-    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]], session: LoadSession) -> None:
         import torch
 
         with self._locked():
