@@ -188,3 +188,94 @@ def test_one_consistency_hook_guards_generate_and_every_load_before_anything_run
     with pytest.raises(InvalidArgumentError, match="bucket_bytes=0"):
         engine.load_weights(_pairs(), bucket_bytes=0, version=1)
     assert engine.weight_version == 0
+
+
+# ---- SGLang: the load's mode is an argument, the pass-on comes with the session ---------------------------
+@pytest.fixture
+def sglang(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """An ``SGLangEngine`` whose SGLang calls are recorded instead of made (no SGLang, no process)."""
+    from genengine.config import EngineConfig
+    from genengine.models.tiny_model import tiny_model_dir
+    from genengine_sglang import _process, _weightsync
+    from genengine_sglang.engine import SGLangEngine
+    from genengine_sglang.settings import resolve_settings
+
+    calls: list[tuple[Any, ...]] = []
+
+    def payload(mode: str, bucket: Any, device: Any, pass_on: Any = None) -> tuple[Any, list[Any]]:
+        calls.append(("payload", mode, pass_on))
+        return b"", []
+
+    def apply(engine: Any, mode: str, payloads: Any, *, synced: bool, load_format: str | None = None) -> None:
+        calls.append(("apply", mode, load_format))
+
+    monkeypatch.setattr(SGLangEngine, "_start", lambda self, port: None)
+    monkeypatch.setattr(_weightsync, "producer_payload", payload)
+    monkeypatch.setattr(_weightsync, "apply_payloads", apply)
+    monkeypatch.setattr(_weightsync, "barrier", lambda engine, tp, *, flush: calls.append(("barrier", flush)))
+    for name in ("stop_sglang", "wait_processes_off_gpu", "settle_memory"):
+        monkeypatch.setattr(_process, name, lambda *a, **k: None)
+
+    class _Sgl:
+        def get_all_child_pids(self) -> list[int]:
+            return []
+
+        def release_memory_occupation(self, tags: list[str]) -> None:
+            calls.append(("release", tuple(tags)))
+
+        def resume_memory_occupation(self, tags: list[str]) -> None:
+            calls.append(("resume", tuple(tags)))
+
+    def make(**options: Any) -> Any:
+        config = EngineConfig(backend="sglang", model=str(tiny_model_dir()), options=options)
+        engine = SGLangEngine(resolve_settings(config, environ={}))
+        engine._engine = _Sgl()
+        engine.calls = calls
+        return engine
+
+    made: list[Any] = []
+    yield lambda **options: made.append(make(**options)) or made[-1]
+    for engine in made:
+        engine.shutdown()
+
+
+def _all_weights(engine: Any) -> list[tuple[str, torch.Tensor]]:
+    return [(n, torch.zeros(info.shape)) for n, info in engine._weight_spec().items()]
+
+
+def test_sglang_declares_its_pass_on_by_mode(sglang: Any) -> None:
+    assert sglang(weight_sync_mode="handles").passes_tensors_on is True
+    assert sglang(weight_sync_mode="per_param").passes_tensors_on is True
+    assert sglang(weight_sync_mode="flattened").passes_tensors_on is False  # packed into a buffer of its own
+
+
+def test_sglang_load_calls_pass_their_mode_on_the_session(sglang: Any) -> None:
+    """LightRFT's per-tensor call hands its mode, format and flush to the hooks as the session's ``mode``; the
+    protocol's calls use the engine's default; nothing is kept on the engine between calls."""
+    from genengine_sglang.lightrft import RLGenerationEngine
+
+    engine = sglang(weight_sync_mode="handles")
+    name, shape = next((n, i.shape) for n, i in engine._weight_spec().items())
+    engine.calls.clear()
+    RLGenerationEngine.update_weights_from_tensor(engine, name, torch.zeros(shape), False, "custom")
+    assert [c for c in engine.calls if c[0] == "apply"] == [("apply", "per_param", "custom")]
+    assert ("barrier", True) not in engine.calls  # flush_cache=False: no flush
+    assert not hasattr(engine, "_load_call")
+    engine.calls.clear()
+    engine.load_weights(_all_weights(engine))
+    assert {c[1] for c in engine.calls if c[0] == "apply"} == {"handles"} and ("barrier", True) in engine.calls
+
+
+def test_sglang_hands_the_sessions_pass_on_to_its_payloads_and_waits_at_the_end(sglang: Any) -> None:
+    engine = sglang(weight_sync_mode="per_param", weight_sync_barrier="loader")  # handed over unsynced
+    engine.sleep(1)
+    engine.wake(["weights"])  # the KV cache asleep: the commit flushes nothing, the loader barrier still runs
+    engine.calls.clear()
+    pass_on = object()
+    session = engine.begin_load(version=4)
+    session.pass_on = pass_on  # what a cuda_ipc receiver does
+    session.write(_all_weights(engine))
+    session.commit()
+    assert [c for c in engine.calls if c[0] == "payload"] == [("payload", "per_param", pass_on)]
+    assert engine.calls[-1] == ("barrier", False)  # _load_ended: the scheduler's last copies landed
+    assert engine.weight_version == 4
