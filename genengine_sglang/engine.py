@@ -421,11 +421,11 @@ class SGLangEngine(AsyncEngineBase):
     def _settle_memory(self) -> None:
         _process.settle_memory(self._group.topology.gpu_id, self._settings.release_timeout_s)
 
-    def _check_consistent(self, what: str, value: object) -> None:
+    def _check_consistent(self, what: str, value: Callable[[], object]) -> None:
         """With ``check_inputs`` (the default) every rank's call is compared first (``EngineBase`` calls this at
         each generate and load), so a TP group never runs one rank's prompts for another."""
         if self._group.topology.tp_size > 1 and self._settings.check_inputs:
-            self._group.check_consistent(value, what=what)
+            self._group.check_consistent(value(), what=what)
 
     # ---- the protocol ----------------------------------------------------------------------------------------
     def wake(self, tags: str | Sequence[str] | None = None) -> None:

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import gc
 import random
-from collections.abc import ItemsView, Iterable, Mapping
+from collections.abc import Callable, ItemsView, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from genengine.backend import (
@@ -216,12 +216,12 @@ class VLLMEngine(AsyncEngineBase):
     def _tp_checked(self) -> bool:
         return self._group is not None and self.settings.tp_size > 1
 
-    def _check_consistent(self, what: str, value: object) -> None:
+    def _check_consistent(self, what: str, value: Callable[[], object]) -> None:
         """Every rank of a TP group makes the same call (generate, load) in the same state, or each rank says
         which differs: vLLM's external_launcher would otherwise wait in a collective the others never join."""
         if self._tp_checked:
             assert self._group is not None
-            self._group.check_consistent(value, what=what)
+            self._group.check_consistent(value(), what=what)
 
     def load_weights(
         self,
@@ -457,7 +457,9 @@ class VLLMEngine(AsyncEngineBase):
         torch.cuda.synchronize()
 
     def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]], session: LoadSession) -> None:
-        self._check_consistent("weight names and shapes", [(name, tuple(t.shape), str(t.dtype)) for name, t in bucket])
+        self._check_consistent(
+            "weight names and shapes", lambda: [(n, tuple(t.shape), str(t.dtype)) for n, t in bucket]
+        )
         with self._lock(), engine_stream(self._cuda):  # the driver never steps while the weights change
             if self._driver is not None:
                 self._driver.settle()

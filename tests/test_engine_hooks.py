@@ -12,7 +12,7 @@ import importlib
 import inspect
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -135,10 +135,10 @@ class _Tiny(EngineBase):
     def _load_ended(self, session: LoadSession, exc: BaseException | None) -> None:
         self.seen.append(("ended", (session.mode, None if exc is None else str(exc))))
 
-    def _check_consistent(self, what: str, value: object) -> None:
+    def _check_consistent(self, what: str, value: Callable[[], object]) -> None:
         self.seen.append(("consistent", what))
         peer = self.peers.get(what.split()[0])
-        if peer is not None and peer != value:
+        if peer is not None and peer != value():
             raise InconsistentInputsError(f"{what} differ across the TP group")
 
 

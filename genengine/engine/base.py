@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from genengine.engine.hooks import generate_check_value
@@ -126,12 +126,12 @@ class EngineBase(abc.ABC):
         fails the commit."""
         return
 
-    def _check_consistent(self, what: str, value: object) -> None:
-        """Raise ``InconsistentInputsError`` unless ``value`` is equal on every rank of this engine's TP group;
+    def _check_consistent(self, what: str, value: Callable[[], object]) -> None:
+        """Raise ``InconsistentInputsError`` unless ``value()`` is equal on every rank of this engine's TP group;
         ``what`` names it in the error. Called at each ``generate`` (``generate_check_value``) and at each load's
         start, before anything else runs, so that a rank called differently never waits in a collective the
-        others do not join. Nothing to compare here (one process); a TP backend compares it over its group
-        (``EngineGroup.check_consistent``)."""
+        others do not join. Nothing to compare here (one process: ``value`` is never built); a TP backend
+        compares it over its group (``EngineGroup.check_consistent``)."""
         return
 
     @property
@@ -203,7 +203,7 @@ class EngineBase(abc.ABC):
         self._check_open()
         self._check_consistent(
             "generate inputs (prompts, sampling parameters, images) or engine state (asleep/awake)",
-            generate_check_value(prompts, sampling_params, prompt_token_ids, image_data, self.state),
+            lambda: generate_check_value(prompts, sampling_params, prompt_token_ids, image_data, self.state),
         )
         self._check_no_open_load("generate")
         requests = normalize_requests(
@@ -325,7 +325,7 @@ class EngineBase(abc.ABC):
         self._check_open()
         self._check_consistent(
             f"{what}'s arguments or engine state",
-            (what, bucket_bytes, check_finite, version, self.state),
+            lambda: (what, bucket_bytes, check_finite, version, self.state),
         )
         self._check_load(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
         self._check_weights_may_change()
