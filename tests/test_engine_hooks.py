@@ -142,6 +142,30 @@ class _Tiny(EngineBase):
             raise InconsistentInputsError(f"{what} differ across the TP group")
 
 
+def test_a_hook_written_without_the_session_is_refused_when_its_class_is_defined() -> None:
+    """A plugin written before the hooks took the load's session fails at import with what to change, not with a
+    bare TypeError inside its first load."""
+    with pytest.raises(
+        TypeError, match=r"Old._apply_weights takes \(self, bucket\); .*_apply_weights\(self, bucket, session\)"
+    ):
+
+        class Old(_Tiny):
+            def _apply_weights(self, bucket: Any) -> None:  # type: ignore[override]
+                return
+
+    with pytest.raises(TypeError, match=r"_finish_weights\(self, session\)"):
+
+        class OldFinish(_Tiny):
+            def _finish_weights(self) -> None:  # type: ignore[override]
+                return
+
+    class Flexible(_Tiny):
+        def _apply_weights(self, *args: Any) -> None:  # type: ignore[override]
+            return
+
+    assert Flexible.__name__ == "Flexible"
+
+
 def _pairs() -> list[tuple[str, torch.Tensor]]:
     return [("a", torch.ones(2)), ("b", torch.ones(3))]
 

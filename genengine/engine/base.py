@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from genengine.engine.hooks import generate_check_value
+from genengine.engine.hooks import check_hook_signatures, generate_check_value
 from genengine.errors import (
     EngineClosedError,
     EngineSleepingError,
@@ -61,6 +61,10 @@ class EngineBase(abc.ABC):
     """True wakes every released tag before ``_shutdown``: for engines that cannot free memory they unmapped
     for sleep (vLLM's allocator would hit a CUDA error that poisons later allocations). ``_shutdown`` runs
     even when that wake fails, with ``released_tags`` still set, so that it can skip freeing what is unmapped."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_hook_signatures(cls)
 
     def __init__(self, *, sleep_enabled: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:

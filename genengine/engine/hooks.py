@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from genengine.protocol import EngineState
 
-__all__ = ["HOOKS", "generate_check_value"]
+__all__ = ["HOOKS", "check_hook_signatures", "generate_check_value"]
 
 HOOKS = (
     "_generate",
@@ -64,3 +64,32 @@ def generate_check_value(
     (``EngineBase._check_consistent``). The engine state is part of it: a rank that is asleep while the others
     generate would leave them waiting in the engine's collectives forever."""
     return ("generate", prompts, sampling_params, prompt_token_ids, _by_content(image_data), state)
+
+
+_ARGUMENTS = {
+    "_apply_weights": ("bucket", "session"),
+    "_bucket_cost": ("tensor", "session"),
+    "_finish_weights": ("session",),
+}
+"""The hooks that take the load's session, and their arguments after ``self``."""
+
+
+def check_hook_signatures(cls: type) -> None:
+    """Refuse, when ``cls`` is defined, a hook of ``_ARGUMENTS`` it defines with too few arguments (written before
+    the hooks took the load's session): a clear error at import instead of a TypeError inside the first load."""
+    import inspect
+
+    for name, wanted in _ARGUMENTS.items():
+        hook = vars(cls).get(name)
+        if hook is None or not callable(hook):
+            continue
+        params = list(inspect.signature(hook).parameters.values())[1:]
+        if any(p.kind is p.VAR_POSITIONAL for p in params):
+            continue
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if len(positional) < len(wanted):
+            raise TypeError(
+                f"{cls.__qualname__}.{name} takes ({', '.join(['self', *(p.name for p in positional)])}); "
+                f"EngineBase calls it as {name}(self, {', '.join(wanted)}): the load's LoadSession comes last "
+                "(its mode and pass_on; docs/plugins.md, 'The hooks a backend may override')"
+            )
