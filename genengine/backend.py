@@ -21,6 +21,7 @@ from genengine.engine.base import EngineBase, LoadSession
 from genengine.engine.checkpoint import module_weight_spec, torch_dtype
 from genengine.engine.completion import Completion, Seeds, complete, text_decoder
 from genengine.engine.factory import FromConfig, check_device
+from genengine.engine.ipc import PassOn
 from genengine.engine.ipc import dumps as ipc_dumps
 from genengine.hookspecs import RegisterBackend, hookimpl
 from genengine.plugins.versions import VerifiedRange
@@ -54,6 +55,7 @@ __all__ = [
     "GenerationResult",
     "LoadReport",
     "LoadSession",
+    "PassOn",
     "RegisterBackend",
     "Request",
     "SamplingParams",

@@ -23,6 +23,8 @@ from genengine_sglang.settings import SYNC_LOADER
 if TYPE_CHECKING:
     import torch
 
+    from genengine.backend import PassOn
+
 __all__ = ["LoadCall", "apply_payloads", "barrier", "producer_payload", "serialize"]
 
 
@@ -36,11 +38,12 @@ class LoadCall:
     flush: bool
 
 
-def serialize(obj: Any) -> bytes:
+def serialize(obj: Any, pass_on: PassOn | None = None) -> bytes:
     """What ``sglang.srt.utils.MultiprocessingSerializer.serialize`` does (ForkingPickler: CUDA tensors travel
-    as IPC handles), without importing SGLang on every trainer rank; a tensor this process opened from the
-    trainer's memory (a colocated replica's ``cuda_ipc`` sync) travels under the trainer's own handle."""
-    return ipc_dumps(obj)
+    as IPC handles), without importing SGLang on every trainer rank; with ``pass_on`` (the load session's: a
+    colocated replica's ``cuda_ipc`` sync) a tensor this process opened from the trainer's memory travels under
+    the trainer's own handle."""
+    return ipc_dumps(obj, pass_on)
 
 
 def _materialize(tensor: torch.Tensor, device: torch.device | None) -> torch.Tensor:
@@ -53,9 +56,10 @@ def _materialize(tensor: torch.Tensor, device: torch.device | None) -> torch.Ten
 
 
 def producer_payload(
-    mode: str, bucket: Sequence[tuple[str, torch.Tensor]], device: torch.device | None
+    mode: str, bucket: Sequence[tuple[str, torch.Tensor]], device: torch.device | None, pass_on: PassOn | None = None
 ) -> tuple[Any, list[Any]]:
-    """This rank's payload for one bucket, and the objects to keep alive until the leader's call returns.
+    """This rank's payload for one bucket, and the objects to keep alive until the leader's call returns;
+    ``pass_on`` is the load session's (tensors opened from another process's memory pass on under it).
 
     handles → bytes of ``[(name, tensor), ...]``; flattened → bytes of SGLang's flattened-bucket dict;
     per_param → ``[(name, bytes), ...]``.
@@ -81,8 +85,8 @@ def producer_payload(
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize(device)
     if mode == "per_param":
-        return [(name, serialize(t)) for name, t in tensors], keep
-    return serialize(payload), keep
+        return [(name, serialize(t, pass_on)) for name, t in tensors], keep
+    return serialize(payload, pass_on), keep
 
 
 def _check(ret: Any, what: str) -> None:

@@ -103,7 +103,6 @@ class SGLangEngine(AsyncEngineBase):
         self._processor: str | None = None
         self._sgl_released: set[str] = set()
         self._unsynced = False
-        self._load_call: LoadCall | None = None
         self._gpu: torch.device | None = None
         config = read_model_config(settings.model_path)
         self._vocab = vocab_size(config)
@@ -291,12 +290,26 @@ class SGLangEngine(AsyncEngineBase):
             )
             self._sgl_released.difference_update(todo)
 
-    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def _call(self, session: LoadSession) -> LoadCall:
+        """How ``session`` hands its tensors over: its own mode (``_load``'s), or the protocol's default."""
+        mode = session.mode
+        if isinstance(mode, LoadCall):
+            return mode
+        return LoadCall(self._settings.weight_sync_mode, None, True)
+
+    @property
+    def passes_tensors_on(self) -> bool:
+        """A load session's tensors (the default ``weight_sync_mode``) go to SGLang's scheduler processes by CUDA
+        IPC, where the handles and per-parameter modes pass on the very tensors written (the flattened mode
+        packs them into a buffer of its own first): a ``cuda_ipc`` sender shares them twice for this."""
+        return self._settings.weight_sync_mode in ("handles", "per_param")
+
+    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]], session: LoadSession) -> None:
         import torch
 
-        call = self._load_call or LoadCall(self._settings.weight_sync_mode, None, True)
+        call = self._call(session)
         names = [name for name, _ in bucket]
-        payload, keep = _weightsync.producer_payload(call.mode, bucket, self._device())
+        payload, keep = _weightsync.producer_payload(call.mode, bucket, self._device(), session.pass_on)
         gathered = self._group.gather_object((names, payload))
         synced = self._settings.weight_sync_barrier == "loader"
         ranks = self._group.topology.tp_group_ranks
@@ -328,22 +341,21 @@ class SGLangEngine(AsyncEngineBase):
         if call.mode != "handles" or not synced:
             self._unsynced = True
 
-    def _bucket_cost(self, tensor: torch.Tensor) -> int:
+    def _bucket_cost(self, tensor: torch.Tensor, session: LoadSession) -> int:
         """A handle to a dense tensor already on this rank's GPU is read in place by the scheduler: no copy,
         so all such tensors go in one SGLang call (a 7B load in one call took half the time of 15 on the
         H200). Anything copied first (a host tensor, a gathered DTensor, a view made contiguous, every
         tensor of the flattened mode) counts in full, so ``bucket_bytes`` still bounds the extra memory."""
         import torch
 
-        mode = (self._load_call or LoadCall(self._settings.weight_sync_mode, None, True)).mode
+        mode = self._call(session).mode
         in_place = type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.is_contiguous()
         if mode == "handles" and in_place and tensor.device == self._device():
             return 0
-        return super()._bucket_cost(tensor)
+        return super()._bucket_cost(tensor, session)
 
-    def _finish_weights(self) -> None:
-        call = self._load_call
-        flush = True if call is None else call.flush
+    def _finish_weights(self, session: LoadSession) -> None:
+        flush = self._call(session).flush
         barrier = self._unsynced and self._settings.weight_sync_barrier == "loader"
         if flush or barrier:
             tp = self._group.topology.tp_size
@@ -409,24 +421,13 @@ class SGLangEngine(AsyncEngineBase):
     def _settle_memory(self) -> None:
         _process.settle_memory(self._group.topology.gpu_id, self._settings.release_timeout_s)
 
-    # ---- the protocol ----------------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompts: str | Sequence[str] | None = None,
-        sampling_params: Any = None,
-        *,
-        prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        image_data: Sequence[Any] | None = None,
-    ) -> list[GenerationResult]:
-        """The protocol's generate; with ``check_inputs`` (the default) every rank's inputs are compared first,
-        so a TP group never runs one rank's prompts for another."""
-        self._check_open()
+    def _check_consistent(self, what: str, value: Callable[[], object]) -> None:
+        """With ``check_inputs`` (the default) every rank's call is compared first (``EngineBase`` calls this at
+        each generate and load), so a TP group never runs one rank's prompts for another."""
         if self._group.topology.tp_size > 1 and self._settings.check_inputs:
-            self._group.check_consistent(
-                (prompts, sampling_params, prompt_token_ids, image_data), what="generate inputs"
-            )
-        return super().generate(prompts, sampling_params, prompt_token_ids=prompt_token_ids, image_data=image_data)
+            self._group.check_consistent(value(), what=what)
 
+    # ---- the protocol ----------------------------------------------------------------------------------------
     def wake(self, tags: str | Sequence[str] | None = None) -> None:
         """The protocol's wake; ``cuda_graph`` comes back with the first of ``weights``/``kv_cache``."""
         if tags is not None:
@@ -460,26 +461,17 @@ class SGLangEngine(AsyncEngineBase):
         check_finite: bool = False,
         version: int | None = None,
     ) -> LoadReport:
-        """``EngineBase.load_weights`` with ``call``'s way of handing tensors over; its session's end
-        (``_end_load``) runs the loader barrier, so the trainer may change its tensors once this returns."""
-        self._load_call = call
+        """``EngineBase.load_weights`` with ``call``'s way of handing tensors over (the session's ``mode``); its
+        end (``_load_ended``) runs the loader barrier, so the trainer may change its tensors once this returns."""
         self._unsynced = False
-        try:
-            return super().load_weights(
-                named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
-            )
-        finally:
-            self._load_call = None
+        return self._load_weights(
+            named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version, mode=call
+        )
 
-    def _end_load(self, session: LoadSession, exc: BaseException | None) -> None:
+    def _load_ended(self, session: LoadSession, exc: BaseException | None) -> None:
         """Every load's end (``load_weights``' and a transport receiver's session) waits for the scheduler's last
         copies, so the trainer may change its tensors once it returns: also when the KV cache is asleep and no
         flush runs."""
-        try:
-            super()._end_load(session, exc)
-        except BaseException as failed:
-            self._loader_barrier(failed)
-            raise
         self._loader_barrier(exc)
 
     def _loader_barrier(self, exc: BaseException | None) -> None:

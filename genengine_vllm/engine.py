@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import gc
 import random
-from collections.abc import ItemsView, Iterable, Mapping, Sequence
+from collections.abc import Callable, ItemsView, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from genengine.backend import (
@@ -23,7 +23,6 @@ from genengine.backend import (
     AsyncEngineBase,
     DriverLock,
     EngineConfig,
-    EngineState,
     GenerationResult,
     LoadReport,
 )
@@ -58,26 +57,8 @@ __all__ = ["VLLMEngine"]
 _SEED_SPACE = 1 << 62  # vLLM treats seed -1 as "none" and adds the sample index to a seed: stay well inside int64
 
 
-def _image_fingerprint(image_data: Any) -> Any:
-    """Images by content for the TP consistency check, without pickling whole PIL objects."""
-    if image_data is None:
-        return None
-    if isinstance(image_data, (list, tuple)):
-        return [_image_fingerprint(x) for x in image_data]
-    if hasattr(image_data, "tobytes") and hasattr(image_data, "mode") and hasattr(image_data, "size"):
-        return ("image", image_data.mode, tuple(image_data.size), image_data.tobytes())
-    return image_data
-
-
-def generate_check_value(
-    prompts: Any, sampling_params: Any, prompt_token_ids: Any, image_data: Any, state: EngineState
-) -> tuple[Any, ...]:
-    """What must be equal on every rank of a TP group before a ``generate`` reaches vLLM.
-
-    The engine state is part of it: a rank that is asleep while the others generate would leave them
-    waiting in vLLM's collectives forever.
-    """
-    return ("generate", prompts, sampling_params, prompt_token_ids, _image_fingerprint(image_data), state)
+IN_PLACE = "in_place"
+"""The load mode (``LoadSession.mode``) of a ``load_weights`` whose source holds its tensors (see ``_bucket_cost``)."""
 
 
 # ---- worker-side helpers (run by collective_rpc on this process's worker) ----------------------------------
@@ -115,7 +96,6 @@ class VLLMEngine(AsyncEngineBase):
     (``EngineCore.sleep`` → ``pause_scheduler(clear_cache=True)`` → ``_reset_caches``, v1/engine/core.py) and
     nothing has been scheduled since, so a flush now would drop nothing (it is the one ``wake(["kv_cache"])``
     owes after a load while the KV cache slept: a loop over every KV block, ~76k at 7B)."""
-    _in_place_source = False  # the running load_weights' source holds its tensors (see _bucket_cost)
     _load_device: Any = None  # this rank's GPU (a torch.device), where vLLM's parameters are
 
     def __init__(self, settings: VLLMSettings, topology: Topology | None) -> None:
@@ -233,22 +213,12 @@ class VLLMEngine(AsyncEngineBase):
     def _tp_checked(self) -> bool:
         return self._group is not None and self.settings.tp_size > 1
 
-    def generate(
-        self,
-        prompts: str | Sequence[str] | None = None,
-        sampling_params: Any = None,
-        *,
-        prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        image_data: Sequence[Any] | None = None,
-    ) -> list[GenerationResult]:
-        self._check_open()
+    def _check_consistent(self, what: str, value: Callable[[], object]) -> None:
+        """Every rank of a TP group makes the same call (generate, load) in the same state, or each rank says
+        which differs: vLLM's external_launcher would otherwise wait in a collective the others never join."""
         if self._tp_checked:
             assert self._group is not None
-            self._group.check_consistent(
-                generate_check_value(prompts, sampling_params, prompt_token_ids, image_data, self.state),
-                what="generate inputs (prompts, sampling parameters, images) or engine state (asleep/awake)",
-            )
-        return super().generate(prompts, sampling_params, prompt_token_ids=prompt_token_ids, image_data=image_data)
+            self._group.check_consistent(value(), what=what)
 
     def load_weights(
         self,
@@ -258,44 +228,34 @@ class VLLMEngine(AsyncEngineBase):
         check_finite: bool = False,
         version: int | None = None,
     ) -> LoadReport:
-        self._check_open()
-        self._check_tp_consistent(("load_weights", bucket_bytes, check_finite, version, self.state))
-        self._in_place_source = isinstance(named_tensors, (list, tuple, Mapping, ItemsView))
-        try:
-            return super().load_weights(
-                named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version
-            )
-        finally:
-            self._in_place_source = False
+        """The protocol's load; a source that holds its tensors anyway loads in the ``IN_PLACE`` mode."""
+        held = isinstance(named_tensors, (list, tuple, Mapping, ItemsView))
+        return self._load_weights(
+            named_tensors,
+            bucket_bytes=bucket_bytes,
+            check_finite=check_finite,
+            version=version,
+            mode=IN_PLACE if held else None,
+        )
 
-    def _bucket_cost(self, tensor: torch.Tensor) -> int:
+    def _bucket_cost(self, tensor: torch.Tensor, session: LoadSession) -> int:
         """vLLM's loader copies each tensor straight into its parameter (``param.data.copy_``): nothing is
         staged. A dense tensor on this rank's GPU from a source that holds its tensors anyway (a list, tuple or
-        dict: no reference is kept that the caller does not keep) costs no memory, so all such tensors go in
-        one ``apply_model`` call (the per-call loader setup was ~80 us x 30 buckets at 7B). A generator's
-        tensors may be fresh copies, and gathered DTensors and views made contiguous are copies: those count
-        in full, so ``bucket_bytes`` still bounds what a load holds. Every TP rank counts alike (its own GPU)."""
+        dict: no reference is kept that the caller does not keep; the session's mode is ``IN_PLACE``) costs no
+        memory, so all such tensors go in one ``apply_model`` call (the per-call loader setup was ~80 us x 30
+        buckets at 7B). A generator's tensors may be fresh copies, and gathered DTensors and views made
+        contiguous are copies: those count in full, so ``bucket_bytes`` still bounds what a load holds. Every
+        TP rank counts alike (its own GPU)."""
         import torch
 
         if (
-            self._in_place_source
+            session.mode == IN_PLACE
             and type(tensor) in (torch.Tensor, torch.nn.Parameter)
             and tensor.device == self._load_device
             and tensor.is_contiguous()
         ):
             return 0
-        return super()._bucket_cost(tensor)
-
-    def begin_load(self, *, check_finite: bool = False, version: int | None = None) -> LoadSession:
-        self._check_open()
-        self._check_tp_consistent(("begin_load", check_finite, version, self.state))
-        return super().begin_load(check_finite=check_finite, version=version)
-
-    def _check_tp_consistent(self, call: tuple[Any, ...]) -> None:
-        """Every rank of a TP group makes the same load call in the same state (or each rank says which differs)."""
-        if self._tp_checked:
-            assert self._group is not None
-            self._group.check_consistent(call, what=f"{call[0]} arguments or engine state")
+        return super()._bucket_cost(tensor, session)
 
     def _drop_orphans(self) -> None:
         """Before ``LLM.generate``, with no request of ours in vLLM: forget requests its output processor still
@@ -493,12 +453,10 @@ class VLLMEngine(AsyncEngineBase):
             self._llm.wake_up(tags=list(tags))
         torch.cuda.synchronize()
 
-    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        if self._tp_checked:
-            assert self._group is not None
-            self._group.check_consistent(
-                [(name, tuple(t.shape), str(t.dtype)) for name, t in bucket], what="weight names and shapes"
-            )
+    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]], session: LoadSession) -> None:
+        self._check_consistent(
+            "weight names and shapes", lambda: [(n, tuple(t.shape), str(t.dtype)) for n, t in bucket]
+        )
         with self._lock(), engine_stream(self._cuda):  # the driver never steps while the weights change
             if self._driver is not None:
                 self._driver.settle()

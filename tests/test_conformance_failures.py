@@ -27,8 +27,8 @@ from genengine.testing.conformance import EngineConformance
 
 
 class MisnamesLayer1(TransformersEngine):
-    def _apply_weights(self, bucket: Any) -> None:
-        super()._apply_weights([(name.replace(".layers.1.", ".layers.0."), t) for name, t in bucket])
+    def _apply_weights(self, bucket: Any, session: Any) -> None:
+        super()._apply_weights([(name.replace(".layers.1.", ".layers.0."), t) for name, t in bucket], session)
 
 
 class TestMisnamesLayer1(EngineConformance):

@@ -25,6 +25,7 @@ from support.ports import free_port
 from support.start import worker_context
 
 from genengine.config import EngineConfig
+from genengine.engine.hooks import generate_check_value
 from genengine.errors import (
     BackendImportError,
     ConfigError,
@@ -37,7 +38,7 @@ from genengine.models.tiny_model import tiny_model_dir
 from genengine.protocol import EngineState, SamplingParams
 from genengine_vllm import _process as vprocess
 from genengine_vllm import settings as vsettings
-from genengine_vllm.engine import VLLMEngine, generate_check_value
+from genengine_vllm.engine import VLLMEngine
 from genengine_vllm.lightrft import get_vllm_engine
 from genengine_vllm.mapping import (
     completion_delta,

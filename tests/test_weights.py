@@ -215,8 +215,8 @@ class _InPlaceEmbedded(TransformersEngine):
     """The real embedded engine, told that it reads 1-D tensors in place (as SGLang reads CUDA tensors
     through their IPC handles): those must cost nothing in a bucket."""
 
-    def _bucket_cost(self, tensor: Any) -> int:
-        return 0 if tensor.dim() == 1 else super()._bucket_cost(tensor)
+    def _bucket_cost(self, tensor: Any, session: Any) -> int:
+        return 0 if tensor.dim() == 1 else super()._bucket_cost(tensor, session)
 
 
 def test_tensors_read_in_place_do_not_count_towards_a_bucket(

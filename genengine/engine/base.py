@@ -11,9 +11,10 @@ from __future__ import annotations
 import abc
 import dataclasses
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from genengine.engine.hooks import check_hook_signatures, generate_check_value
 from genengine.errors import (
     EngineClosedError,
     EngineSleepingError,
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 
     import torch
 
+    from genengine.engine.ipc import PassOn
+
 __all__ = ["EngineBase", "LoadSession"]
 
 
@@ -58,6 +61,10 @@ class EngineBase(abc.ABC):
     """True wakes every released tag before ``_shutdown``: for engines that cannot free memory they unmapped
     for sleep (vLLM's allocator would hit a CUDA error that poisons later allocations). ``_shutdown`` runs
     even when that wake fails, with ``released_tags`` still set, so that it can skip freeing what is unmapped."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_hook_signatures(cls)
 
     def __init__(self, *, sleep_enabled: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
@@ -91,8 +98,11 @@ class EngineBase(abc.ABC):
         """Every HF weight name the engine takes, with shape and dtype."""
 
     @abc.abstractmethod
-    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """Write one validated bucket into the engine: plain contiguous tensors (DTensors already gathered)."""
+    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]], session: LoadSession) -> None:
+        """Write one validated bucket into the engine: plain contiguous tensors (DTensors already gathered).
+        ``session`` is the load it belongs to: its ``mode`` (the backend's own way of loading, given by the
+        backend's own load call; None: its default) and ``pass_on`` (set by a transport receiver whose tensors
+        lie in another process's memory)."""
 
     @abc.abstractmethod
     def _flush_cache(self) -> None: ...
@@ -103,15 +113,38 @@ class EngineBase(abc.ABC):
     def _vocab_size(self) -> int | None:
         return None
 
-    def _bucket_cost(self, tensor: torch.Tensor) -> int:
-        """Bytes ``_apply_weights`` must copy to write ``tensor``: what ``bucket_bytes`` bounds. All of them
-        here; a backend that reads some tensors in place counts those as 0, so they travel in one call. Every
-        rank of a TP group must count alike (it depends only on the tensor's kind and device)."""
+    def _bucket_cost(self, tensor: torch.Tensor, session: LoadSession) -> int:
+        """Bytes ``_apply_weights`` must copy to write ``tensor`` in ``session``: what ``bucket_bytes`` bounds.
+        All of them here; a backend that reads some tensors in place counts those as 0, so they travel in one
+        call. Every rank of a TP group must count alike (it depends only on the tensor's kind and device)."""
         return tensor_nbytes(tensor)
 
-    def _finish_weights(self) -> None:
-        """After a load: make sure no cache computed with the old weights survives."""
+    def _finish_weights(self, session: LoadSession) -> None:
+        """After ``session`` committed what it wrote: make sure no cache computed with the old weights survives."""
         self._flush_cache()
+
+    def _load_ended(self, session: LoadSession, exc: BaseException | None) -> None:
+        """Every load's very end, after the state machine settled it: its commit (``exc`` None) or its failure
+        or abort (``exc``, which is raised afterwards). What a backend must do once a load is over, whatever its
+        outcome (SGLang waits for its scheduler's last copies), goes here; an error raised with ``exc`` None
+        fails the commit."""
+        return
+
+    def _check_consistent(self, what: str, value: Callable[[], object]) -> None:
+        """Raise ``InconsistentInputsError`` unless ``value()`` is equal on every rank of this engine's TP group;
+        ``what`` names it in the error. Called at each ``generate`` (``generate_check_value``) and at each load's
+        start, before anything else runs, so that a rank called differently never waits in a collective the
+        others do not join. Nothing to compare here (one process: ``value`` is never built); a TP backend
+        compares it over its group (``EngineGroup.check_consistent``)."""
+        return
+
+    @property
+    def passes_tensors_on(self) -> bool:
+        """Whether this engine's load sessions (``begin_load``) hand the tensors written to them on to another
+        process, pickled with the session's ``pass_on`` (``genengine.engine.ipc.PassOn.dumps``). A ``cuda_ipc``
+        receiver announces it at each sync, and the sender then shares each tensor a second time for that
+        process. False here: ``_apply_weights`` reads the tensors in this process."""
+        return False
 
     # ---- state (read-only for subclasses: the transitions belong to this class) ------------------------------
     @property
@@ -172,6 +205,10 @@ class EngineBase(abc.ABC):
         image_data: Sequence[Any] | None = None,
     ) -> list[GenerationResult]:
         self._check_open()
+        self._check_consistent(
+            "generate inputs (prompts, sampling parameters, images) or engine state (asleep/awake)",
+            lambda: generate_check_value(prompts, sampling_params, prompt_token_ids, image_data, self.state),
+        )
         self._check_no_open_load("generate")
         requests = normalize_requests(
             prompts,
@@ -285,17 +322,33 @@ class EngineBase(abc.ABC):
         return self._begin_load(bucket_bytes=None, check_finite=check_finite, version=version, what="a load session")
 
     def _begin_load(
-        self, *, bucket_bytes: int | None, check_finite: bool, version: int | None, what: str
+        self, *, bucket_bytes: int | None, check_finite: bool, version: int | None, what: str, mode: object = None
     ) -> LoadSession:
+        """Open ``what``'s session; ``mode`` (the backend's own way of loading, None: its default) rides on it to
+        the hooks. Every rank of a TP group is checked to make the same call in the same state first."""
+        self._check_open()
+        self._check_consistent(
+            f"{what}'s arguments or engine state",
+            lambda: (what, bucket_bytes, check_finite, version, self.state),
+        )
         self._check_load(bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
         self._check_weights_may_change()
-        session = LoadSession(self, WeightValidator(self._weight_spec(), check_finite=check_finite), version, what)
+        validator = WeightValidator(self._weight_spec(), check_finite=check_finite)
+        session = LoadSession(self, validator, version, what, mode)
         self.__session = session
         return session
 
     def _end_load(self, session: LoadSession, exc: BaseException | None) -> None:
-        """A session's end: its commit (``exc`` None; raises what the flush raised), or its failure or abort.
-        Called by ``LoadSession`` only."""
+        """A session's end: its commit (``exc`` None; raises what the flush raised), or its failure or abort;
+        then ``_load_ended``. Called by ``LoadSession`` only: a backend implements ``_load_ended``."""
+        try:
+            self.__settle(session, exc)
+        except BaseException as failed:
+            self._load_ended(session, failed)
+            raise
+        self._load_ended(session, exc)
+
+    def __settle(self, session: LoadSession, exc: BaseException | None) -> None:
         if self.__session is not session:
             return  # the engine was shut down meanwhile
         try:
@@ -311,7 +364,7 @@ class EngineBase(abc.ABC):
                     if TAG_KV_CACHE in self.__released:
                         self.__flush_pending = True  # flushed as soon as the KV cache is back
                     else:
-                        self._finish_weights()
+                        self._finish_weights(session)
             except BaseException as failed:
                 self.__break(session, failed)
                 raise
@@ -344,8 +397,22 @@ class EngineBase(abc.ABC):
         (``weight_version`` and each later output's ``weight_versions``); None keeps the current label.
 
         One load session: a bucket written per bucket of ``named_tensors``, then one commit."""
+        return self._load_weights(named_tensors, bucket_bytes=bucket_bytes, check_finite=check_finite, version=version)
+
+    def _load_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int | None,
+        check_finite: bool,
+        version: int | None,
+        mode: object = None,
+        what: str = "a load_weights call",
+    ) -> LoadReport:
+        """``load_weights`` in the backend's own ``mode`` (its other load calls: the ``mode`` reaches the hooks
+        on the session, ``LoadSession.mode``)."""
         session = self._begin_load(
-            bucket_bytes=bucket_bytes, check_finite=check_finite, version=version, what="a load_weights call"
+            bucket_bytes=bucket_bytes, check_finite=check_finite, version=version, what=what, mode=mode
         )
         with session:
             check_named_tensors(named_tensors)
@@ -354,7 +421,7 @@ class EngineBase(abc.ABC):
                 session.validator,
                 self.__bucket_bytes if bucket_bytes is None else bucket_bytes,
                 validate_all_first=self.validate_all_weights_first,
-                cost=self._bucket_cost,
+                cost=lambda tensor: self._bucket_cost(tensor, session),
             )
             for bucket in buckets:
                 session._write_checked(bucket)
@@ -403,11 +470,18 @@ class LoadSession:
     a context manager, an error inside the block aborts the session, and leaving it uncommitted aborts it too.
     """
 
-    def __init__(self, engine: EngineBase, validator: WeightValidator, version: int | None, what: str) -> None:
+    def __init__(
+        self, engine: EngineBase, validator: WeightValidator, version: int | None, what: str, mode: object = None
+    ) -> None:
         self._engine = engine
         self.validator = validator
         self.version = version
         self.what = what
+        self.mode = mode
+        """The backend's own way of loading, as its own load call gave it (None: the backend's default)."""
+        self.pass_on: PassOn | None = None
+        """Set by a transport receiver whose tensors lie in another process's memory: an engine that passes them
+        on to a third process (``EngineBase.passes_tensors_on``) pickles them with ``pass_on.dumps``."""
         self.written: list[str] = []
         self.writing = 0  # tensors of the bucket in _apply_weights: how much of it landed is unknown
         self.touched = False  # _apply_weights was called: from here on the old weights may no longer be whole
@@ -461,7 +535,7 @@ class LoadSession:
             ready = self.validator.prepare(bucket)
             self.writing = len(ready)
             self.touched = True
-            self._engine._apply_weights(ready)
+            self._engine._apply_weights(ready, self)
         except BaseException as exc:
             self._fail(exc)
             raise

@@ -3,16 +3,17 @@
 torch shares a CUDA tensor by its allocation's IPC handle, but refuses to share memory that the process itself
 opened from a handle (its allocator does not own it). A colocated replica is such a middle process: the
 trainer shares its tensors with the replica, whose engine (SGLang) loads them in its own scheduler process.
-So the trainer shares each tensor twice: once for the replica to open (:func:`open_shared`), once to be
-passed on. :func:`dumps` pickles as torch's ``ForkingPickler`` does, except that a tensor on such memory
-travels under its spare share: the third process opens the trainer's memory itself, and nothing is copied.
+So the trainer shares each tensor twice when the replica's engine declares that it passes the tensors of a load
+on (``EngineBase.passes_tensors_on``, which the receiver announces to the sender at the start of each sync): once
+for the replica to open (:func:`open_shared`), once to be passed on. The receiver keeps the second share in a
+:class:`PassOn`, one per sync, and hands it to its engine's load session (``LoadSession.pass_on``), whose
+:meth:`PassOn.dumps` pickles as torch's ``ForkingPickler`` does, except that a tensor on such memory travels under
+its spare share: the third process opens the trainer's memory itself, and nothing is copied.
 
 torch counts every share until a consumer releases it (the producer keeps the memory until the count is
-back to zero), so each spare share is used once, and :func:`settle` releases the ones not used (an engine
-that loads in its own process, as vLLM here, never passes anything on). A tensor passed on with no spare
-share left (or none sent: the sender skips them for receivers that passed nothing on last time) travels as a
-copy in this process's memory, as any tensor of its own does. :func:`passes` counts the pass-ons, so that a
-receiver can tell its sender whether spares are worth sharing.
+back to zero), so each spare share is used once, and :meth:`PassOn.settle` releases the ones not used. A tensor
+passed on with no spare share left (or none sent) travels as a copy in this process's memory, as any tensor of
+its own does.
 
 Opened tensors wait on no CUDA event of the trainer's: a sender makes its writes finish before the receivers
 read (``cuda_ipc`` synchronises before it announces a bucket), and each event costs a handle to open.
@@ -46,12 +47,11 @@ __all__ = [
     "HANDLES",
     "HANDLES_ENV",
     "Opened",
+    "PassOn",
     "dumps",
     "handles",
     "open_shared",
-    "passes",
     "release",
-    "settle",
     "share",
     "share_allocations",
 ]
@@ -70,14 +70,6 @@ HANDLES = ("driver", "torch")
 # handle and offset, event handle, event sync).
 _DEVICE, _REF_COUNTER, _EVENT_SYNC = 6, 11, 14
 
-_SPARE: dict[int, tuple[Any, list[tuple[Any, ...]], int]] = {}
-"""StorageImpl address of an opened storage → (a weak reference, which keeps that address from reuse while
-it is here; the spare shares of that storage not passed on yet; the element offset of the opened storage's
-start in the spare's storage: 0 for torch's, the trainer tensor's own offset for a driver view)."""
-
-_PASSES = [0]
-"""Tensors on opened memory passed on by :func:`dumps` in this process (under a spare share or as a copy)."""
-
 
 def share(tensor: torch.Tensor) -> tuple[Any, ...]:
     """Arguments for :func:`open_shared` in another process: ``tensor`` (a CUDA tensor of this process) by its
@@ -88,26 +80,13 @@ def share(tensor: torch.Tensor) -> tuple[Any, ...]:
     return tuple(args)
 
 
-def open_shared(args: Sequence[Any], device_index: int, spare: Sequence[Any] | None = None) -> torch.Tensor:
+def open_shared(args: Sequence[Any], device_index: int) -> torch.Tensor:
     """The tensor that :func:`share` described, opened on this process's GPU ``device_index`` (the sender's GPU by
-    its local index here). ``spare``, a second share of the same tensor, lets :func:`dumps` pass it on once."""
+    its local index here). To pass it on, :meth:`PassOn.lend` it."""
     from torch.multiprocessing import reductions
 
     tensor: torch.Tensor = reductions.rebuild_cuda_tensor(*_here(args, device_index))
-    _lend(tensor, spare, device_index, 0)
     return tensor
-
-
-def _lend(tensor: torch.Tensor, spare: Sequence[Any] | None, device_index: int, shift: int) -> None:
-    """Remember ``tensor``'s storage as opened memory (with ``spare`` to pass it on once)."""
-    from torch.multiprocessing import reductions
-
-    storage = tensor.untyped_storage()
-    entry = _SPARE.get(storage._cdata)
-    if entry is None or entry[0].expired():
-        entry = _SPARE[storage._cdata] = (reductions.StorageWeakRef(storage), [], shift)
-    if spare is not None:
-        entry[1].append(_here(spare, device_index))
 
 
 def _here(args: Sequence[Any], device_index: int) -> tuple[Any, ...]:
@@ -117,16 +96,63 @@ def _here(args: Sequence[Any], device_index: int) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def passes() -> int:
-    """How many tensors on opened memory :func:`dumps` has passed on in this process so far."""
-    return _PASSES[0]
+class PassOn:
+    """How one sync's tensors that this process opened from another's memory pass on to a third process: the
+    receiver :meth:`lend` s each opened tensor (with its spare share, when the sender sent one), hands this
+    object to its engine's load session (``LoadSession.pass_on``), and the engine pickles its payloads with
+    :meth:`dumps`. :meth:`settle` releases the spares not used. One object per sync, owned by the receiver:
+    nothing is kept process-wide."""
 
+    def __init__(self) -> None:
+        self._spare: dict[int, tuple[Any, list[tuple[Any, ...]], int]] = {}
+        """StorageImpl address of an opened storage → (a weak reference, which keeps that address from reuse
+        while it is here; the spare shares of that storage not passed on yet; the element offset of the opened
+        storage's start in the spare's storage: 0 for torch's, the trainer tensor's own offset for a driver
+        view)."""
+        self.passed = 0
+        """Tensors on opened memory passed on by :meth:`dumps` (under a spare share or as a copy)."""
 
-def settle(tensors: Iterable[torch.Tensor]) -> None:
-    """Release the spare shares of ``tensors`` that were not passed on (the producer's count goes back down)."""
-    for tensor in tensors:
-        entry = _SPARE.pop(tensor.untyped_storage()._cdata, None)
-        release(entry[1] if entry is not None else ())
+    def __len__(self) -> int:
+        """How many opened storages are lent here (and not settled)."""
+        return len(self._spare)
+
+    def lend(self, tensor: torch.Tensor, spare: Sequence[Any] | None, device_index: int, shift: int = 0) -> None:
+        """Remember ``tensor``'s storage as opened memory, with ``spare`` (a second :func:`share` of the same
+        tensor, or None) to pass it on once; ``shift`` is the storage's start in the spare's storage (elements)."""
+        from torch.multiprocessing import reductions
+
+        storage = tensor.untyped_storage()
+        entry = self._spare.get(storage._cdata)
+        if entry is None or entry[0].expired():
+            entry = self._spare[storage._cdata] = (reductions.StorageWeakRef(storage), [], shift)
+        if spare is not None:
+            entry[1].append(_here(spare, device_index))
+
+    def settle(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Release the spare shares of ``tensors`` not passed on (the producer's count goes back down)."""
+        for tensor in tensors:
+            entry = self._spare.pop(tensor.untyped_storage()._cdata, None)
+            release(entry[1] if entry is not None else ())
+
+    def _passed_on(self, tensor: torch.Tensor) -> Any:
+        """How ``tensor`` travels if it lies on opened memory: torch's reduction of a spare share (the view's
+        geometry, the share's storage) or of a copy; None for memory of this process's own."""
+        from torch.multiprocessing import reductions
+
+        entry = self._spare.get(tensor.untyped_storage()._cdata)
+        if entry is None or entry[0].expired():
+            return None
+        self.passed += 1
+        if not entry[1]:
+            # torch keeps the copy's memory until the consumer releases it, though our reference ends here.
+            return reductions.reduce_tensor(tensor.detach().clone())
+        a = entry[1].pop()
+        geometry = (a[0], tensor.size(), tensor.stride(), entry[2] + tensor.storage_offset())
+        return reductions.rebuild_cuda_tensor, (*geometry, a[4], tensor.dtype, *a[6:10], False, *a[11:])
+
+    def dumps(self, obj: Any) -> bytes:
+        """:func:`dumps` of ``obj``, a tensor lent here travelling under its spare share (or as a copy)."""
+        return dumps(obj, self)
 
 
 def release(shares: Iterable[Sequence[Any] | None]) -> None:
@@ -139,34 +165,20 @@ def release(shares: Iterable[Sequence[Any] | None]) -> None:
             torch.UntypedStorage._release_ipc_counter_cuda(args[_REF_COUNTER], args[_REF_COUNTER + 1])
 
 
-def _passed_on(tensor: torch.Tensor) -> Any:
-    """How ``tensor`` travels if it lies on opened memory: torch's reduction of a spare share (the view's
-    geometry, the share's storage) or of a copy; None for memory of this process's own."""
-    from torch.multiprocessing import reductions
-
-    entry = _SPARE.get(tensor.untyped_storage()._cdata)
-    if entry is None or entry[0].expired():
-        return None
-    _PASSES[0] += 1
-    if not entry[1]:
-        # torch keeps the copy's memory until the consumer releases it, though our reference ends here.
-        return reductions.reduce_tensor(tensor.detach().clone())
-    a = entry[1].pop()
-    geometry = (a[0], tensor.size(), tensor.stride(), entry[2] + tensor.storage_offset())
-    return reductions.rebuild_cuda_tensor, (*geometry, a[4], tensor.dtype, *a[6:10], False, *a[11:])
-
-
-def dumps(obj: Any) -> bytes:
-    """``obj`` pickled for another process with torch's reductions (CUDA tensors travel as IPC handles); a tensor
-    opened by :func:`open_shared` travels under a spare share, or as a copy when none is left."""
+def dumps(obj: Any, pass_on: PassOn | None = None) -> bytes:
+    """``obj`` pickled for another process with torch's reductions (CUDA tensors travel as IPC handles); with
+    ``pass_on``, a tensor lent there (opened from another process's memory) travels under its spare share, or as
+    a copy when none is left."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # registers torch's tensor reductions with ForkingPickler
 
+    lent = pass_on if pass_on is not None and len(pass_on) else None
+
     class _Pickler(ForkingPickler):  # type: ignore[misc, valid-type]
         def reducer_override(self, o: Any) -> Any:
-            if _SPARE and isinstance(o, torch.Tensor) and o.is_cuda:
-                reduced = _passed_on(o)
+            if lent is not None and isinstance(o, torch.Tensor) and o.is_cuda:
+                reduced = lent._passed_on(o)
                 if reduced is not None:
                     return reduced
             return NotImplemented
@@ -336,24 +348,15 @@ class Opened:
         self._maps: list[_Mapping] | None = [_Mapping(driver, h, device_index) for h in handles]
         self._alive = [weakref.ref(m) for m in self._maps]
 
-    def view(
-        self,
-        place: Sequence[int],
-        dtype: str,
-        shape: Sequence[int],
-        nbytes: int,
-        spare: Sequence[Any] | None = None,
-    ) -> torch.Tensor:
-        """The tensor at ``place`` (``share_allocations``'); ``spare``, a torch share of the same tensor, lets
-        :func:`dumps` pass it on once."""
+    def view(self, place: Sequence[int], dtype: str, shape: Sequence[int], nbytes: int) -> torch.Tensor:
+        """The tensor at ``place`` (``share_allocations``'); to pass it on, :meth:`PassOn.lend` it with
+        ``shift=place[2]``."""
         import torch
 
         assert self._maps is not None, "views are made before release()"
-        index, offset, shift = place
+        index, offset, _ = place
         raw = torch.as_tensor(_Memory(self._maps[index], offset, nbytes))
-        tensor = raw.view(getattr(torch, dtype)).view(tuple(shape))
-        _lend(tensor, spare, self._device, shift)
-        return tensor
+        return raw.view(getattr(torch, dtype)).view(tuple(shape))
 
     def release(self) -> int:
         """Drop this object's hold on the allocations (each closes when its last view is gone); the number still

@@ -1,7 +1,9 @@
 """CUDA IPC: the trainer and its replicas on one GPU read the trainer's memory (no broadcast).
 
 A tensor already dense on the trainer's GPU is read where it is: the sender shares it by its IPC handle
-(with a spare share while a replica's engine passes tensors on to its own process, ``genengine.engine.ipc``) and it
+(with a spare share when a replica's engine passes the tensors of its loads on to another process: the engine
+declares it, ``EngineBase.passes_tensors_on``, and its receiver announces it at the start of each sync; see
+``genengine.engine.ipc``) and it
 takes no room in a bucket, so a trainer's whole model is one bucket and one engine load, as an in-process load of
 the same tensors is. The rest (host tensors, DTensors, views that are not dense) is packed into one of two
 CUDA buffers whose handles went out once with the sync's metadata (over the gloo control group, keyed by the
@@ -112,11 +114,12 @@ def _share(bufs: list[torch.Tensor], plan: layout.Plan, spares: bool, handles: s
 
 
 def _open(
-    shared: str, group: Group, buckets: list[layout.Bucket], buffer_bytes: int, version: int
+    shared: str, group: Group, buckets: list[layout.Bucket], buffer_bytes: int, version: int, pass_on: ipc.PassOn
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], ipc.Opened | None]:
     """The sender's buffers and shared tensors in this process, on the local index of the sender's GPU (and the
-    allocations opened by driver handle, if the sender shared those). Failing, it leaves nothing counted: torch
-    counts each share until a consumer releases it, so the shares it did not open are released here."""
+    allocations opened by driver handle, if the sender shared those); each shared tensor lent to ``pass_on`` with
+    its spare share, if one came. Failing, it leaves nothing counted: torch counts each share until a consumer
+    releases it, so the shares it did not open are released here."""
     import torch
 
     uuid, bufs, allocations, tensors = pickle.loads(base64.b64decode(shared))  # from our own sender
@@ -139,10 +142,12 @@ def _open(
             if len(opened) == fail_at:
                 raise TransportError(f"{group.describe('opening the shared tensors')}: failed ({FAIL_OPEN_ENV})")
             if mapped is None:
-                opened[name] = ipc.open_shared(own, local[0], spare)
+                tensor, shift = ipc.open_shared(own, local[0]), 0
             else:
                 e = entries[name]
-                opened[name] = mapped.view(own, e.dtype, e.shape, e.nbytes, spare)
+                tensor, shift = mapped.view(own, e.dtype, e.shape, e.nbytes), own[2]
+            pass_on.lend(tensor, spare, local[0], shift)
+            opened[name] = tensor
         for b in bufs:
             nb = buffer_bytes
             buffers.append(ipc.open_shared(b, local[0]) if mapped is None else mapped.view(b, "uint8", (nb,), nb))
@@ -150,7 +155,7 @@ def _open(
     except BaseException:
         # Every torch share of the payload opened or released once: the spares of what was opened, and the
         # shares of what was not (driver handles count nothing: an allocation closes with its last view).
-        ipc.settle([*opened.values(), *buffers])
+        pass_on.settle(opened.values())
         ipc.release(spare for name, (_, spare) in tensors.items() if name not in opened)
         if allocations is None:
             ipc.release(own for name, (own, _) in tensors.items() if name not in opened)
@@ -172,30 +177,45 @@ def _fail_open(version: int) -> int | None:
     return int(count) if at.strip() == str(version) and count.strip().isdigit() else None
 
 
-# A receiver's acknowledgement: the broadcast transports' (code, bucket, sync number), then how many of the
-# sync's tensors its engine passed on to another process so far (genengine.engine.ipc.passes).
-IPC_STATUS_WIDTH = STATUS_WIDTH + 1
+ANNOUNCE_WIDTH = 1
+"""A receiver's announcement, its first word of each sync (before the sender shares anything): 1 when its engine
+passes the tensors of its loads on to another process (``passes_on``), else 0."""
+
+
+def passes_on(engine: object) -> bool:
+    """Whether ``engine`` declares that its loads pass the tensors written to them on to another process
+    (``EngineBase.passes_tensors_on``; an engine that declares nothing does not)."""
+    return getattr(engine, "passes_tensors_on", False) is True
+
+
+def _hand_over(session: object, pass_on: ipc.PassOn) -> None:
+    """Give the load session the sync's spare shares (an ``EngineBase`` session has ``pass_on``; a session of
+    another kind takes none, and its engine must not pass opened memory on)."""
+    if session is not None and hasattr(session, "pass_on"):
+        session.pass_on = pass_on
 
 
 class CudaIpcSender(SenderBase):
     def __init__(self, group: Group) -> None:
         super().__init__(group)
-        self._spares = True
-        """Share each tensor a second time, for the receivers' engines to pass on: until a sync shows that no
-        receiver passes anything on (vLLM loads in the replica's own process), and again once one does (it
-        passed on copies meanwhile)."""
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> SyncReport:
         import torch
 
         g = self.group
         trace = Trace("sender")
+        g.check_usable()
+        # Each receiver's announcement: a second share of each tensor only where an engine passes them on (SGLang
+        # loads in its scheduler process; vLLM in the replica's own, which would only release it unused).
+        announced = g.gather_status(ANNOUNCE_WIDTH, "waiting for every replica to announce itself for the sync")
+        spares = any(row[0] for row in announced.values())
+        trace.mark("announce_wait")
         plan, start = self._plan(named_tensors, version, share=shareable(self._device), check=ipc.handles)
         handles = ipc.handles()  # a bad value was refused on every rank by the plan's check
         bufs = self._buffers.get(plan.buffer_bytes)
         trace.mark("plan")
         # a share nobody opens would hold its memory for good
-        shared, handles = _share(bufs, plan, self._spares, handles) if plan.buckets else ("", handles)
+        shared, handles = _share(bufs, plan, spares, handles) if plan.buckets else ("", handles)
         trace.mark("share")
         g.broadcast_bytes(plan.metadata(seq=self._seq, shared=shared), "sending the sync's metadata")
         trace.mark("metadata")
@@ -221,7 +241,6 @@ class CudaIpcSender(SenderBase):
         # are in, so no receiver still reads it (slime's rule).
         if plan.buckets:
             pack(0)
-        passed_on = 0
         for k, bucket in enumerate(plan.buckets):
             failed_here = error is not None
             trace.next_bucket()
@@ -234,23 +253,20 @@ class CudaIpcSender(SenderBase):
             if not failed_here and k + 1 < len(plan.buckets):
                 pack(k + 1)
             trace.mark("pack_issue")
-            got = g.gather_status(IPC_STATUS_WIDTH, f"waiting for every replica to load {bucket.describe(k)}")
+            got = g.gather_status(STATUS_WIDTH, f"waiting for every replica to load {bucket.describe(k)}")
             trace.mark("ack_wait")
-            passed_on = max(row[3] for row in got.values())
             for rank, row in got.items():
                 if rank not in statuses or (statuses[rank][0] == OK and row[0] != OK):
                     statuses[rank] = row  # a replica's first failure is the one to report
             if failed_here:
                 break  # bucket k carried the abort flag: every receiver stopped at it
         if not plan.buckets:
-            statuses = g.gather_status(IPC_STATUS_WIDTH, "waiting for every replica to take the sync")
+            statuses = g.gather_status(STATUS_WIDTH, "waiting for every replica to take the sync")
         if error is not None:
             raise error
         raise_for_status(g, plan, statuses, self._seq)
-        if any(e.shared for b in plan.buckets for e in b.entries):  # a whole sync with shared tensors
-            self._spares = passed_on > 0
         report = SyncReport(version, plan.num_tensors, plan.num_bytes, len(plan.buckets), time.perf_counter() - start)
-        trace.write(self._seq, report, handles=handles)
+        trace.write(self._seq, report, handles=handles, spares=spares)
         return report
 
     def close(self) -> None:
@@ -268,6 +284,7 @@ class CudaIpcReceiver(Endpoint):
         g.check_usable()
         start = time.perf_counter()
         trace = Trace("receiver")
+        g.send_status([int(passes_on(engine))], "announcing this replica for the sync")
         meta = read_metadata(g)
         version: int = meta["version"]
         seq = int(meta["seq"])
@@ -275,8 +292,10 @@ class CudaIpcReceiver(Endpoint):
         trace.mark("metadata")
         nbuf = int(meta["buffer_bytes"])
         unreachable = None
+        pass_on = ipc.PassOn()  # this sync's spare shares, for the engine to pass its tensors on with
         try:
-            shared, lent, mapped = _open(meta["shared"], g, buckets, nbuf, version) if buckets else ([], {}, None)
+            opened = _open(meta["shared"], g, buckets, nbuf, version, pass_on) if buckets else ([], {}, None)
+            shared, lent, mapped = opened
         except Exception as exc:  # reported in step below: the sender hears of it at once, not at its timeout
             traceback.clear_frames(exc.__traceback__)
             shared, lent, mapped, unreachable = [], {}, None, (UNREACHABLE, 0, exc)
@@ -285,8 +304,8 @@ class CudaIpcReceiver(Endpoint):
         trace.mark("open")
         tensors = nbytes = loaded = 0
         session, failure = (None, unreachable) if unreachable else open_session(engine, version, check_finite)
-        opened = session  # ``session`` is None once committed
-        first_pass = ipc.passes()
+        _hand_over(session, pass_on)
+        began = session  # ``session`` is None once committed
         trace.mark("session")
         try:
             for k, bucket in enumerate(buckets):
@@ -306,9 +325,9 @@ class CudaIpcReceiver(Endpoint):
                 if flag == layout.FLAG_ABORT:
                     failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, written(session, loaded)))
                     if mapped is not None:  # closed before the sender hears of it (it lets go of its tensors)
-                        _release(mapped, g, lent, shared)
+                        _release(mapped, g, lent, shared, pass_on)
                         mapped = None
-                    g.send_status([ABORTED, k, seq, ipc.passes() - first_pass], "acknowledging the abort")
+                    g.send_status([ABORTED, k, seq], "acknowledging the abort")
                     break
                 if (
                     failure is None
@@ -336,40 +355,46 @@ class CudaIpcReceiver(Endpoint):
                     session = None
                     trace.mark("commit")
                 # spare shares not passed on (none opened when this receiver could not open the sync)
-                ipc.settle(lent.pop(e.name) for e in bucket.entries if e.shared and e.name in lent)
+                pass_on.settle(lent.pop(e.name) for e in bucket.entries if e.shared and e.name in lent)
                 if mapped is not None and k == len(buckets) - 1:
-                    _release(mapped, g, lent, shared)
+                    _release(mapped, g, lent, shared, pass_on)
                     mapped = None
                 trace.mark("release")  # the last references to the bucket's opened tensors: their handles close
                 code, at = (failure[0], failure[1]) if failure else (OK, k)
-                g.send_status([code, at, seq, ipc.passes() - first_pass], f"acknowledging {bucket.describe(k)}")
+                g.send_status([code, at, seq], f"acknowledging {bucket.describe(k)}")
                 trace.mark("ack")
             if session is not None:
                 failure = finish_load(session, failure, len(buckets))
             if not buckets:
                 code, at = (failure[0], failure[1]) if failure else (OK, -1)
-                g.send_status([code, at, seq, 0], "acknowledging the sync")
+                g.send_status([code, at, seq], "acknowledging the sync")
         except BaseException as exc:  # the group failed mid-sync (a dead peer, a timeout): the load ends with it
             if session is not None:
                 session.abort(exc)
             raise
         finally:
-            ipc.settle([*lent.values(), *shared])
+            pass_on.settle(lent.values())
             del shared, lent  # drop our references to the sender's memory
             if mapped is not None:
-                _release(mapped, g, {}, [])  # lent and shared dropped above
+                _release(mapped, g, {}, [], pass_on)  # lent and shared dropped above
         if failure is not None:
-            raise_failure(failure, written(opened, loaded))
+            raise_failure(failure, written(began, loaded))
         report = SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
-        trace.write(seq, report, handles=handles)
+        trace.write(seq, report, handles=handles, passed_on=pass_on.passed)
         return report
 
 
-def _release(mapped: ipc.Opened, group: Group, lent: dict[str, torch.Tensor], shared: list[torch.Tensor]) -> None:
+def _release(
+    mapped: ipc.Opened,
+    group: Group,
+    lent: dict[str, torch.Tensor],
+    shared: list[torch.Tensor],
+    pass_on: ipc.PassOn,
+) -> None:
     """Drop the views left (``lent``, emptied; the buffers ``shared``) and let the allocations opened by driver
     handle close: nothing counts those handles, so one still open when the receiver acknowledges holds the
     trainer's memory (the trainer may free it meanwhile)."""
-    ipc.settle([*lent.values(), *shared])
+    pass_on.settle(lent.values())
     lent.clear()
     del shared[:]
     left = mapped.release()

@@ -1,6 +1,6 @@
 """Three processes on one GPU: a trainer shares its tensors, a replica opens them and passes them on
-(``genengine.engine.ipc.dumps``), an engine process opens what it was passed. What the colocated SGLang replica of a
-``cuda_ipc`` sync does, with torch alone; ``tests/gpu/test_transport_gpu.py`` runs it.
+(``genengine.engine.ipc.PassOn.dumps``), an engine process opens what it was passed. What the colocated SGLang
+replica of a ``cuda_ipc`` sync does, with torch alone; ``tests/gpu/test_transport_gpu.py`` runs it.
 
 Checked: the engine process reads the trainer's values bit for bit (a dense tensor and a view at an odd
 offset of a larger storage), under the trainer's spare share and, once none is left (or none was sent), as
@@ -50,22 +50,24 @@ def _replica(shares: dict[str, Any], mode: str, out: Any) -> None:
     torch.cuda.set_device(0)
     try:
         mapped = ipc.Opened(shares.pop(DRIVER), 0) if mode == "driver" else None
-        opened = {
-            name: ipc.open_shared(own, 0, spare) if mapped is None else mapped.view(*own, spare)
-            for name, (own, spare) in shares.items()
-        }
+        pass_on = ipc.PassOn()  # what a cuda_ipc receiver hands its engine's load session
+        opened = {}
+        for name, (own, spare) in shares.items():
+            tensor = ipc.open_shared(own, 0) if mapped is None else mapped.view(*own)
+            pass_on.lend(tensor, spare, 0, 0 if mapped is None else own[0][2])
+            opened[name] = tensor
+        del tensor
         row: dict[str, Any] = {"replica": {name: float(t.double().sum()) for name, t in opened.items()}}
         if mode != "settled":
-            before = ipc.passes()
-            payloads = [ipc.dumps(list(opened.items())) for _ in range(1 if mode == "no-spare" else 2)]
-            row["passes"] = ipc.passes() - before
+            payloads = [pass_on.dumps(list(opened.items())) for _ in range(1 if mode == "no-spare" else 2)]
+            row["passes"] = pass_on.passed
             ctx = mp.get_context("spawn")
             q = ctx.Queue()
             p = ctx.Process(target=_engine, args=(payloads, q))
             p.start()
             row["engine"] = q.get(timeout=120)
             p.join(60)
-        ipc.settle(opened.values())
+        pass_on.settle(opened.values())
         del opened
         if mapped is not None:
             row["left_open"] = mapped.release()

@@ -38,7 +38,7 @@ def install() -> None:
     original = TransformersEngine._apply_weights
     original_generate = TransformersEngine.generate
 
-    def _apply_weights(self: Any, bucket: list[tuple[str, Any]]) -> None:
+    def _apply_weights(self: Any, bucket: list[tuple[str, Any]], session: Any) -> None:
         directory = os.environ.get(ENV)
         if directory:
             switch = Path(directory) / "fail-weight"
@@ -55,7 +55,7 @@ def install() -> None:
                 name = None
             if name is not None and name in {n for n, _ in bucket} and _claim(doomed):
                 os._exit(20)  # the replica's process dies writing this bucket of a sync
-        original(self, bucket)
+        original(self, bucket, session)
 
     def generate(self: Any, *args: Any, **kwargs: Any) -> Any:
         directory = os.environ.get(ENV)

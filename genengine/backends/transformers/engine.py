@@ -46,6 +46,8 @@ from genengine.errors import ConfigError, EngineClosedError, InvalidArgumentErro
 if TYPE_CHECKING:
     import torch
 
+    from genengine.backend import LoadSession
+
 __all__ = ["OPTIONS", "HFRawEngine", "TransformersEngine", "hf_generate_tokens_per_second"]
 
 OPTIONS = (
@@ -450,7 +452,7 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
                     p.data = torch.empty(shape, dtype=p.dtype, device=self.device)
 
     # ---- weights -------------------------------------------------------------------------------------------
-    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]], session: LoadSession) -> None:
         import torch
 
         with self._locked():

@@ -37,16 +37,16 @@ class LoadProbe:
     def __init__(self, engine: Any) -> None:
         self.flushes = 0
         self.versions_at_writes: list[int] = []
-        finish: Callable[[], None] = engine._finish_weights
-        apply: Callable[[Any], None] = engine._apply_weights
+        finish: Callable[[Any], None] = engine._finish_weights
+        apply: Callable[[Any, Any], None] = engine._apply_weights
 
-        def counting_finish() -> None:
+        def counting_finish(session: Any) -> None:
             self.flushes += 1
-            finish()
+            finish(session)
 
-        def recording_apply(bucket: Any) -> None:
+        def recording_apply(bucket: Any, session: Any) -> None:
             self.versions_at_writes.append(engine.weight_version)
-            apply(bucket)
+            apply(bucket, session)
 
         engine._finish_weights = counting_finish
         engine._apply_weights = recording_apply

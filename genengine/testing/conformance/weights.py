@@ -348,11 +348,11 @@ class WeightsTests(ConformanceBase):
         received: list[list[Any]] = []
         apply = engine._apply_weights
 
-        def recording(bucket: list[tuple[str, Any]]) -> None:
+        def recording(bucket: list[tuple[str, Any]], session: Any) -> None:
             received.append(
                 [(n, t.numel() * t.element_size(), type(t) is torch.Tensor, t.is_contiguous()) for n, t in bucket]
             )
-            apply(bucket)
+            apply(bucket, session)
 
         monkeypatch.setattr(engine, "_apply_weights", recording)
         return received

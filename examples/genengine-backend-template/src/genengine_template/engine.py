@@ -94,7 +94,7 @@ class TemplateEngine(backend.FromConfig, backend.EngineBase):
         if backend.TAG_KV_CACHE in tags:
             self._loop.resume_cache()
 
-    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def _apply_weights(self, bucket: list[tuple[str, torch.Tensor]], session: backend.LoadSession) -> None:
         for name, tensor in bucket:
             self._loop.write_weight(name, tensor)
 
