@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
+from genengine.adapters import Adapter, AdapterConfig, AdapterInfo
 from genengine.config import EngineConfig, check_options, option_bool, option_int, option_number
 from genengine.engine.aio import (
     PAUSE_MODES,
@@ -90,6 +91,9 @@ __all__ = [
     "REFERENCE_DTYPES",
     "TAG_KV_CACHE",
     "TAG_WEIGHTS",
+    "Adapter",
+    "AdapterConfig",
+    "AdapterInfo",
     "AsyncEngineBase",
     "AsyncGenerationEngine",
     "AsyncRequest",
