@@ -177,7 +177,7 @@ class AdapterTests(ConformanceBase):
                 stream = engine.stream(PROMPTS[0], params)
                 chunk = await asyncio.wait_for(stream.__anext__(), 30)
                 assert chunk.token_ids
-                engine.load_adapter("conf-c", second, self._config(), version=2)
+                adapter_engine.load_adapter("conf-c", second, self._config(), version=2)
                 return await asyncio.wait_for(stream.collect(), 60)
 
             midway = asyncio.run(replaced_midway()).outputs[0]
