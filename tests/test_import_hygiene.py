@@ -180,7 +180,7 @@ def test_cycle_finder_finds_a_circle() -> None:
 # ---- the layers (issue 42 point 1): the folders are floors, and arrows only point down ----------------------
 FLOORS: dict[str, int] = {
     # 0: the contract: the data and protocols every layer speaks; they import nothing of genengine but each other
-    **dict.fromkeys(("protocol", "config", "errors", "requests", "weights", "hookspecs"), 0),
+    **dict.fromkeys(("protocol", "config", "errors", "requests", "weights", "hookspecs", "adapters"), 0),
     "engine": 1,  # the shared machinery every backend runs on
     "distributed": 1,  # TP groups and topology (a public path for torchrun users)
     "plugins": 2,  # the plugin system: registry, versions, optional extras
