@@ -255,8 +255,7 @@ class SamplingParams:
         set_(self, "stop", tuple(stop))
         ids = () if self.stop_token_ids is None else as_token_ids("stop_token_ids", self.stop_token_ids)
         set_(self, "stop_token_ids", ids)
-        if self.adapter is not None:
-            check_adapter_name(self.adapter)
+        set_(self, "adapter", None if self.adapter is None else check_adapter_name(self.adapter))
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,142 @@
+"""LoRA sync of a PEFT policy: adapter only (``load_adapter``) against TRL's way (merge the adapter into the base,
+send the whole model with ``load_weights``, unmerge), on an engine that serves adapters.
+
+    python3 benchmarks/bench_lora_sync.py [--reps 5] [--json PATH]     # a GPU: a Qwen2-7B-shaped base in bf16
+    python3 benchmarks/bench_lora_sync.py --tiny                       # a CPU: the tiny model (its default)
+
+The base is a random-weight Qwen2 model of ``--params`` (default 7e9; written once by the project's builder)
+served by the embedded engine (``backend="transformers"``, the one that serves adapters today) on ``cuda``; the
+"trainer" holds its own copy of the base on the same GPU, plus a rank-``--rank`` (16) adapter on q/k/v/o and
+gate/up/down of every layer. Each side is timed ``--reps`` times after a warm-up:
+
+  adapter   engine.load_adapter("policy", <the adapter's lora_A/lora_B tensors>, config, version=step)
+  merge     W += s·B@A on the trainer's copy (every targeted module), engine.load_weights(<the whole model>),
+            W -= s·B@A (TRL's merge_adapter / sync / unmerge_adapter)
+
+and the GPU memory each needs beyond what was allocated before it (the allocator's peak over the sync). Goal
+(issue 45): adapter sync <= 10 ms and no merged copy of the model. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _peak_over(device: str, call: Any) -> tuple[float, int]:
+    """Seconds of ``call()`` and the allocator's peak over it above what was allocated before (0 on CPU)."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    call()
+    _sync(device)
+    seconds = time.perf_counter() - start
+    extra = torch.cuda.max_memory_allocated() - before if cuda else 0
+    return seconds, int(extra)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (the default without CUDA)")
+    parser.add_argument("--params", type=float, default=7e9, help="base model size (Qwen2 proportions)")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--model-dir", default="/tmp/genengine-bench-lora", help="where the base is written once")
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    import genengine
+    from genengine.models.tiny_model import build_tiny_model
+
+    tiny = args.tiny or not torch.cuda.is_available()
+    device = "cpu" if tiny else "cuda"
+    dtype = "float32" if tiny else "bfloat16"
+    path = Path(args.model_dir) / ("tiny" if tiny else f"qwen2-{args.params:.0e}")
+    if not (path / "config.json").exists():
+        kwargs: dict[str, Any] = {"dtype": dtype} if tiny else {"dtype": dtype, "num_params": int(args.params)}
+        build_tiny_model(path, **kwargs)
+    engine = genengine.create_engine(
+        backend="transformers", model=str(path), dtype=dtype, options={"device": device, "max_lora_rank": args.rank}
+    )
+    try:
+        model = engine.model  # type: ignore[attr-defined]
+        trainer = {n: p.detach().clone() for n, p in model.named_parameters()}  # the trainer's own base copy
+        gen = torch.Generator(device=device).manual_seed(0)
+        adapter: dict[str, Any] = {}
+        for name, weight in trainer.items():
+            module = name.removesuffix(".weight")
+            if weight.dim() == 2 and module.rpartition(".")[2] in TARGETS:
+                out_f, in_f = weight.shape
+                tdtype = weight.dtype
+                a = torch.randn((args.rank, in_f), generator=gen, device=device, dtype=tdtype) * 0.01
+                b = torch.randn((out_f, args.rank), generator=gen, device=device, dtype=tdtype) * 0.01
+                adapter[f"base_model.model.{module}.lora_A.weight"] = a
+                adapter[f"base_model.model.{module}.lora_B.weight"] = b
+        config = {"r": args.rank, "lora_alpha": 2 * args.rank, "target_modules": list(TARGETS)}
+        scale = 2.0
+
+        def adapter_sync(step: int) -> None:
+            engine.load_adapter("policy", adapter.items(), config, version=step)  # type: ignore[attr-defined]
+
+        def merge_sync(step: int) -> None:
+            with torch.no_grad():
+                for key, a in adapter.items():
+                    if ".lora_A." in key:
+                        module = key.removeprefix("base_model.model.").partition(".lora_A.")[0]
+                        b = adapter[key.replace(".lora_A.", ".lora_B.")]
+                        trainer[f"{module}.weight"].add_(b @ a, alpha=scale)
+                engine.load_weights(list(trainer.items()), version=step)
+                for key, a in adapter.items():
+                    if ".lora_A." in key:
+                        module = key.removeprefix("base_model.model.").partition(".lora_A.")[0]
+                        b = adapter[key.replace(".lora_A.", ".lora_B.")]
+                        trainer[f"{module}.weight"].sub_(b @ a, alpha=scale)
+
+        result: dict[str, Any] = {
+            "device": torch.cuda.get_device_name() if not tiny else "cpu",
+            "base_params": sum(t.numel() for t in trainer.values()),
+            "adapter_tensors": len(adapter),
+            "adapter_bytes": sum(t.numel() * t.element_size() for t in adapter.values()),
+            "rank": args.rank,
+        }
+        for side, call in (("adapter", adapter_sync), ("merge", merge_sync)):
+            call(0)  # warm-up
+            runs = [_peak_over(device, lambda step=step, call=call: call(step)) for step in range(1, args.reps + 1)]
+            result[f"{side}_s"] = statistics.median(s for s, _ in runs)
+            result[f"{side}_extra_gib"] = max(m for _, m in runs) / (1 << 30)
+        probe = engine.generate(
+            prompt_token_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 4, "adapter": "policy"}
+        )
+        result["adapter_served"] = bool(probe[0].outputs[0].token_ids)
+        result["goal_10ms"] = result["adapter_s"] <= 0.010
+    finally:
+        engine.shutdown()
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
