@@ -24,6 +24,7 @@ from genengine.backend import (
     option_number,
     resolve_model_dir,
 )
+from genengine_sglang.adapters import adapter_settings
 from genengine_sglang.compat import check_installed, recorded_server_args, split_graph_options
 
 __all__ = [
@@ -214,6 +215,7 @@ def resolve_settings(config: EngineConfig, *, environ: Mapping[str, str] | None 
     for key in ("disable_cuda_graph", "skip_tokenizer_init", "trust_remote_code", "enable_deterministic_inference"):
         if key in overrides:
             option_bool(key, overrides[key])
+    adapter_settings(overrides)  # enable_lora needs max_lora_rank and lora_target_modules: refused before a GPU is used
 
     return SGLangSettings(
         model_path=model_path,
