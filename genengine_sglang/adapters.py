@@ -16,9 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 from genengine.backend import Adapter, ConfigError, GenEngineError, Request
 
-if TYPE_CHECKING:
-    from genengine_sglang.settings import SGLangSettings
-
 __all__ = [
     "SGLANG_LORA_MODULES",
     "SGLangAdapters",
@@ -100,7 +97,7 @@ def lora_paths(requests: Sequence[Request], samples: Sequence[int]) -> list[str 
 class SGLangAdapters:
     """``AdapterHost``'s hooks for ``SGLangEngine`` (a mixin before ``AsyncEngineBase`` in its bases)."""
 
-    _settings: SGLangSettings
+    _settings: Any  # SGLangSettings (settings.py imports this module: no arrow back)
     _engine: Any
     if TYPE_CHECKING:  # SGLangEngine's and AsyncEngineBase's (a stub here would shadow the latter)
 
@@ -126,14 +123,22 @@ class SGLangAdapters:
         return retired
 
     def _add_adapter(self, adapter: Adapter, replaced: Adapter | None) -> None:
+        import inspect
+
         from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
 
+        fields = inspect.signature(LoadLoRAAdapterFromTensorsReqInput).parameters
+        serialize = getattr(self._engine, "_serialize_tensors_per_rank", None)
+        if "serialized_named_tensors" not in fields or serialize is None:  # compat.BRANCHES: before 0.5.17
+            raise GenEngineError(
+                "this SGLang release cannot load adapters from tensors as genengine sends them: 0.5.17 can"
+            )
         self._unload_idle()
         name = sglang_name(adapter)
 
         def run() -> None:
             engine = self._engine
-            payloads = engine._serialize_tensors_per_rank(sglang_tensors(adapter), None)
+            payloads = serialize(sglang_tensors(adapter), None)
             request = LoadLoRAAdapterFromTensorsReqInput(
                 lora_name=name, config_dict=config_dict(adapter), serialized_named_tensors=payloads
             )

@@ -90,3 +90,4 @@ class LoraLayers:
             hook.remove()
         self._hooks = {}
         self._groups = []
+        self._modules = {}  # so that a shut-down engine holds no reference to its model
