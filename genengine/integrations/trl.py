@@ -122,16 +122,19 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
     process adds its index, as TRL seeds one vLLM per process. Colocated only: one engine per training process.
     """
 
+    lora_sync: LoraSync = "auto"
+    sync_mode: Literal["full", "merge", "adapter"] = "full"
+    """What each sync sends: the whole model (``"full"``), the PEFT policy merged (``"merge"``), or only its adapter
+    (``"adapter"``, after one sync of the base weights)."""
+    last_adapter: AdapterInfo | None = None
+    """The last adapter-only sync's ``AdapterInfo``."""
+    _adapter_config: AdapterConfig | None = None
+    _base_synced = False
+
     def __init__(self, *args: Any, genengine: Any, seed: int = 0, lora_sync: LoraSync = "auto", **kwargs: Any) -> None:
         self._genengine = engine_config_source(genengine)
         self._seed = seed
         self.lora_sync = check_lora_sync(lora_sync)
-        self.sync_mode: Literal["full", "merge", "adapter"] = "full"
-        """What each sync sends: the whole model (``"full"``), the PEFT policy merged (``"merge"``), or only its
-        adapter (``"adapter"``, after one sync of the base weights)."""
-        self.last_adapter: AdapterInfo | None = None
-        self._adapter_config: AdapterConfig | None = None
-        self._base_synced = False
         self.engine: Any = None
         """The ``GenerationEngine`` (typed loosely: ``load_weights(version=...)``, which every genengine engine takes,
         is not in the protocol class yet)."""
@@ -190,7 +193,7 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
 
     def _choose_sync(self, engine: Any) -> None:
         """Adapter-only sync for a PEFT policy where the backend serves adapters (``lora_sync``), logged."""
-        if not is_peft_model(self.model):
+        if not (isinstance(self.model, torch.nn.Module) and is_peft_model(self.model)):
             return
         self.sync_mode = "merge"
         why = "lora_sync='merge'"
