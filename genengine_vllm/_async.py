@@ -193,7 +193,9 @@ class AsyncDriver:
                 # takes it: if the core refuses, that state must go too, or
                 # has_unfinished_requests() stays True and LLM.generate loops forever.
                 adding = [vid]
-                self.engine.add_request(vid, engine_input, params, lora_request=bound if loras is None else loras[k])
+                lora = bound if loras is None else loras[k]
+                extra = {} if lora is None else {"lora_request": lora}  # the adapter's LoRARequest
+                self.engine.add_request(vid, engine_input, params, **extra)
                 ids.append(vid)
                 adding = []
                 if request is not None and request.prompt_token_ids is None:
