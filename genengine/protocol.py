@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeGuard, runtime_checkable
 
+from genengine.adapters import check_adapter_name
 from genengine.errors import InvalidArgumentError, closest
 
 if TYPE_CHECKING:
@@ -202,7 +203,8 @@ class SamplingParams:
     ``temperature=0`` is greedy. ``top_k`` is off when None or -1. ``stop`` strings end a completion
     (the text is cut before the stop string; the token that completed it stays in ``token_ids``);
     ``stop_token_ids`` (and EOS unless ``ignore_eos``) end it with that token kept in ``token_ids``.
-    ``logprobs=True`` returns the processed log-probability of each sampled token.
+    ``logprobs=True`` returns the processed log-probability of each sampled token. ``adapter`` names a LoRA
+    adapter loaded with ``load_adapter`` to generate with (None: the base model).
     """
 
     max_new_tokens: int = 64
@@ -215,6 +217,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     ignore_eos: bool = False
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalised values (np.float32 → float, list → tuple) are set here
@@ -252,6 +255,7 @@ class SamplingParams:
         set_(self, "stop", tuple(stop))
         ids = () if self.stop_token_ids is None else as_token_ids("stop_token_ids", self.stop_token_ids)
         set_(self, "stop_token_ids", ids)
+        set_(self, "adapter", None if self.adapter is None else check_adapter_name(self.adapter))
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from genengine.adapters import Adapter
 from genengine.errors import InvalidArgumentError
 from genengine.protocol import SamplingParams, as_token_ids, plain_scalar
 
@@ -22,6 +23,8 @@ class Request:
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     image: Any = None
+    lora: Adapter | None = None
+    """The adapter ``params.adapter`` names, bound by the engine when it takes the request (None: the base)."""
 
 
 def _as_list(name: str, value: Any) -> list[Any]:

@@ -289,6 +289,8 @@ class AsyncDriver:
             kwargs["image_data"] = request.image
         if use_filter:
             kwargs["custom_logit_processor"] = self._processor
+        if request.lora is not None:
+            kwargs["lora_path"] = request.lora.handle  # the adapter bound at submission, also when resubmitted
         key = self._extra_key()
         if key is not None:
             kwargs["extra_key"] = key  # GenerateReqInput.extra_key: the radix cache's namespace

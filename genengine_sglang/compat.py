@@ -64,6 +64,7 @@ _GRAPH_BACKENDS = (
     "sglang.srt.server_args:ServerArgs(cuda_graph_backend_prefill, cuda_graph_backend_decode, cuda_graph_config)"
 )
 _OLDER_THAN_0514 = ("0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1")
+_LORA_TENSORS = "sglang.srt.managers.io_struct:LoadLoRAAdapterFromTensorsReqInput.serialized_named_tensors"
 
 BRANCHES: Mapping[str, tuple[str, ...]] = {
     # prompt_ids_returned / request_prompt_ids: GenerateReqInput.return_prompt_token_ids came in 0.5.13.
@@ -75,6 +76,8 @@ BRANCHES: Mapping[str, tuple[str, ...]] = {
     _GRAPHS_SPLIT: _OLDER_THAN_0514,
     _GRAPH_BACKENDS: _OLDER_THAN_0514,
     _GRAPHS_ONE: ("0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17"),
+    # adapters.lora_from_tensors: adapters from tensors one payload per TP rank (the field genengine sends) in 0.5.17.
+    _LORA_TENSORS: (*_OLDER_THAN_0514, "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16"),
 }
 """Each use of ``genengine_sglang.upstream.USES`` that some supported releases lack → those releases."""
 

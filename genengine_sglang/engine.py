@@ -42,6 +42,7 @@ from genengine.errors import (
 from genengine_sglang import _process, _weightsync
 from genengine_sglang._group import collective_timeout, make_group, on_leader
 from genengine_sglang._weightsync import LoadCall
+from genengine_sglang.adapters import SGLangAdapters, lora_paths
 from genengine_sglang.compat import request_prompt_ids, with_prompt_ids
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.mapping import build_entries, results_from_sglang
@@ -71,7 +72,7 @@ _seed_warned = False
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
-class SGLangEngine(AsyncEngineBase):
+class SGLangEngine(SGLangAdapters, AsyncEngineBase):  # type: ignore[misc,override]  # adapters: per instance
     """The SGLang engine of one tensor-parallel group (see the module docstring)."""
 
     supported_tags: tuple[str, ...] = (TAG_WEIGHTS, TAG_KV_CACHE, TAG_CUDA_GRAPH)
@@ -242,9 +243,11 @@ class SGLangEngine(AsyncEngineBase):
                 kwargs["image_data"] = [by_index[e.request].image for e in entries]
             if any(e.use_filter for e in entries):
                 kwargs["custom_logit_processor"] = [self._processor if e.use_filter else None for e in entries]
-            key = self._cache_key()
+            key, paths = self._cache_key(), lora_paths(requests, [e.request for e in entries])
             if key is not None:
                 kwargs["extra_key"] = key
+            if paths is not None:
+                kwargs["lora_path"] = paths  # GenerateReqInput.lora_path: the adapter's SGLang name per entry
             tokenizer = getattr(self._engine.tokenizer_manager, "tokenizer", None)
             prompt_ids = request_prompt_ids(kwargs, tokenizer)  # SGLang's flag, or our tokenization (< 0.5.13)
             outputs = with_prompt_ids(self._call_sglang(GenerateReqInput(**kwargs)), prompt_ids)

@@ -17,6 +17,7 @@ from typing import Any
 from genengine.backend import EngineConfig, check_options, option_bool, option_int, option_number
 from genengine.engine.checkpoint import resolve_model_dir
 from genengine.errors import ConfigError, InvalidArgumentError
+from genengine_sglang.adapters import adapter_settings
 from genengine_sglang.compat import check_installed, recorded_server_args, split_graph_options
 
 __all__ = [
@@ -207,6 +208,7 @@ def resolve_settings(config: EngineConfig, *, environ: Mapping[str, str] | None 
     for key in ("disable_cuda_graph", "skip_tokenizer_init", "trust_remote_code", "enable_deterministic_inference"):
         if key in overrides:
             option_bool(key, overrides[key])
+    adapter_settings(overrides)  # enable_lora needs max_lora_rank and lora_target_modules: refused before a GPU is used
 
     return SGLangSettings(
         model_path=model_path,

@@ -64,6 +64,16 @@ USES: tuple[str, ...] = (
     "sglang.srt.server_args:ServerArgs(cuda_graph_max_bs_decode, disable_prefill_cuda_graph)",
     "sglang.srt.server_args:ServerArgs(cuda_graph_max_bs, disable_piecewise_cuda_graph)",
     "sglang.srt.server_args:ServerArgs(cuda_graph_backend_prefill, cuda_graph_backend_decode, cuda_graph_config)",
+    # adapters.py: LoRA adapters from tensors, per request, unloaded
+    "?sglang.srt.entrypoints.engine:Engine._serialize_tensors_per_rank",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager.load_lora_adapter_from_tensors",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager.unload_lora_adapter",
+    "sglang.srt.managers.io_struct:LoadLoRAAdapterFromTensorsReqInput.lora_name",
+    "sglang.srt.managers.io_struct:LoadLoRAAdapterFromTensorsReqInput.config_dict",
+    "sglang.srt.managers.io_struct:LoadLoRAAdapterFromTensorsReqInput.serialized_named_tensors",  # compat: 0.5.17
+    "sglang.srt.managers.io_struct:UnloadLoRAAdapterReqInput.lora_name",
+    "sglang.srt.managers.io_struct:GenerateReqInput(lora_path)",
+    "sglang.srt.server_args:ServerArgs(enable_lora, max_lora_rank, lora_target_modules)",
     # settings.py (server_kwargs): the server arguments genengine sets itself
     "sglang.srt.server_args:ServerArgs(model_path, tp_size, mem_fraction_static, dtype, base_gpu_id, gpu_id_step, "
     "port, skip_tokenizer_init, trust_remote_code, disable_cuda_graph, random_seed, enable_memory_saver, "

@@ -157,12 +157,15 @@ class AsyncDriver:
             self.samples[vid] = _InFlight(request, index)
         self.by_request[id(request)] = ids
 
-    def submit_sync(self, prompts: list[dict[str, Any]], params: list[Any]) -> SyncBatch:
-        """A synchronous ``generate``'s requests; their final outputs come back in ``prompts``' order."""
+    def submit_sync(
+        self, prompts: list[dict[str, Any]], params: list[Any], loras: list[Any] | None = None
+    ) -> SyncBatch:
+        """A synchronous ``generate``'s requests (``loras``: each one's ``LoRARequest``); their final outputs come back
+        in ``prompts``' order."""
         from vllm.sampling_params import RequestOutputKind
 
         self.check_usable()
-        ids = self._add(list(zip(prompts, params, strict=True)), "s", RequestOutputKind.FINAL_ONLY, None)
+        ids = self._add(list(zip(prompts, params, strict=True)), "s", RequestOutputKind.FINAL_ONLY, None, loras)
         batch = SyncBatch(outputs=[None] * len(ids), remaining=len(ids))
         for position, vid in enumerate(ids):
             self.sync[vid] = (batch, position)
@@ -171,12 +174,18 @@ class AsyncDriver:
         return batch
 
     def _add(
-        self, inputs: list[tuple[dict[str, Any], Any]], kind: str, output_kind: Any, request: AsyncRequest | None
+        self,
+        inputs: list[tuple[dict[str, Any], Any]],
+        kind: str,
+        output_kind: Any,
+        request: AsyncRequest | None,
+        loras: list[Any] | None = None,
     ) -> list[str]:
         ids: list[str] = []
         adding: list[str] = []
+        bound = None if request is None or request.request.lora is None else request.request.lora.handle
         try:
-            for prompt, params in inputs:
+            for k, (prompt, params) in enumerate(inputs):
                 params.output_kind = output_kind  # as LLM._add_request sets FINAL_ONLY
                 # Rendered as LLM.generate renders: the same prompt token ids.
                 engine_input = self.llm._preprocess_cmpl_one(prompt)
@@ -185,7 +194,9 @@ class AsyncDriver:
                 # takes it: if the core refuses, that state must go too, or
                 # has_unfinished_requests() stays True and LLM.generate loops forever.
                 adding = [vid]
-                self.engine.add_request(vid, engine_input, params)
+                lora = bound if loras is None else loras[k]
+                extra = {} if lora is None else {"lora_request": lora}  # the adapter's LoRARequest
+                self.engine.add_request(vid, engine_input, params, **extra)
                 ids.append(vid)
                 adding = []
                 if request is not None and request.prompt_token_ids is None:

@@ -43,6 +43,7 @@ from genengine_vllm._process import (
     trainer_world,
     without_expandable_segments,
 )
+from genengine_vllm.adapters import VLLMAdapters, lora_requests
 from genengine_vllm.mapping import convert_request_output, load_image, split_greedy_n, vllm_sampling_kwargs
 from genengine_vllm.settings import WEIGHT_SYNC_MODES, VLLMSettings, build_llm_kwargs, resolve_settings
 
@@ -76,7 +77,7 @@ def _unstash_saved_buffers(wrapper: Any) -> None:
 
 
 # ---- the engine --------------------------------------------------------------------------------------------
-class VLLMEngine(AsyncEngineBase):
+class VLLMEngine(VLLMAdapters, AsyncEngineBase):  # type: ignore[misc,override]  # adapters: per instance
     """vLLM in the trainer's process: generate, sleep (levels 1 and 2), staged wake, in-place weight loads.
 
     Create it with :meth:`from_config` (what ``genengine.create_engine(backend="vllm", ...)`` calls) or
@@ -342,14 +343,15 @@ class VLLMEngine(AsyncEngineBase):
             driver = self._driver
             if driver is not None:
                 driver.check_usable()
-            batch = driver.submit_sync(prompts, params) if driver is not None and driver.busy else None
+            loras = lora_requests(requests, owners)  # the adapter of each prompt (LoRARequest), or None
+            batch = driver.submit_sync(prompts, params, loras) if driver is not None and driver.busy else None
             if batch is None:
                 # No request of the driver in vLLM: LLM.generate as always (it steps until every request vLLM
                 # knows is done, so it cannot run beside streamed ones).
                 self._drop_orphans()
                 try:
                     with engine_stream(self._cuda):
-                        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+                        outputs = self._llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
                 except ValueError as exc:  # vLLM's VLLMValidationError: e.g. a text prompt longer than max_model_len
                     raise InvalidArgumentError(f"vLLM refused the request: {exc}") from exc
         if batch is not None:
@@ -491,6 +493,7 @@ class VLLMEngine(AsyncEngineBase):
         if driver is not None:
             driver.close()  # streams in flight end with "abort", keeping their tokens
         llm, self._llm = self._llm, None
+        self._remove_adapter_dirs()
         try:
             # EngineBase woke every released tag first (wake_before_shutdown); when that wake failed, memory is
             # still unmapped and freeing it would poison the process's allocator: leave it to process exit.

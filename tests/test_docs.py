@@ -223,6 +223,28 @@ def test_trl_cpu_recipe_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert gaps and max(gaps) < 1e-4, "the engine made the rollouts, in float32 as the policy"
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("trl") is None or importlib.util.find_spec("peft") is None,
+    reason="trl and peft are not installed (the dev extra installs them)",
+)
+def test_trl_lora_recipe_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/trl.md's LoRA recipe runs as written: two GRPO steps of a PEFT policy, each sync sending only the
+    adapter."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    (block,) = re.findall(r"^```python\n(.*?)^```", _section("trl.md", "LoRA: adapter-only sync"), re.M | re.S)
+    namespace: dict[str, Any] = {"__name__": "docs_trl_lora"}
+    threads = torch.get_num_threads()
+    try:
+        exec(compile(block, "docs/trl.md LoRA recipe", "exec"), namespace)
+    finally:
+        torch.set_num_threads(threads)
+    generation = namespace["trainer"].vllm_generation
+    assert generation.sync_mode == "adapter" and generation.last_adapter.version == 1
+    assert generation.engine is None
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="mkdocs is not installed (extra 'docs')")
 def test_docs_build_strict(tmp_path: Path) -> None:
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1")

@@ -43,7 +43,8 @@ def undocumented_overrides(cls: type) -> list[str]:
     """The private members of ``EngineBase``/``AsyncEngineBase`` that ``cls`` (or a class between it and them)
     redefines although ``HOOKS`` does not list them."""
     base = {n for n in dir(AsyncEngineBase) if n.startswith("_") and not n.startswith("__")} - {"_abc_impl"}
-    mine = {n for k in cls.__mro__ if k not in (EngineBase, AsyncEngineBase, object) for n in vars(k)}
+    core = set(EngineBase.__mro__) | set(AsyncEngineBase.__mro__)  # EngineBase's own bases (AdapterHost) too
+    mine = {n for k in cls.__mro__ if k not in core for n in vars(k)}
     return sorted((mine & base) - set(HOOKS))
 
 

@@ -50,6 +50,7 @@ PLUGIN_CORE = {
     "genengine.backend",  # the plugin authors' face: re-exports only (test_the_facade_only_re_exports)
     "genengine.distributed",  # TP groups and topology
     "genengine.errors",  # the contract's errors
+    "genengine.adapters",  # the contract's adapters: an engine that serves LoRA adapters
     "genengine.engine.checkpoint",  # an engine that reads a model directory
     "genengine.engine.environ",  # ... or runs processes: scoped environment, the CUDA allocator setting
     "genengine.engine.lifecycle",  # ... whose processes die with the trainer, and live-engine tracking
@@ -266,7 +267,7 @@ def test_cycle_finder_finds_a_circle() -> None:
 # ---- the layers (issue 42 point 1): the folders are floors, and arrows only point down ----------------------
 FLOORS: dict[str, int] = {
     # 0: the contract: the data and protocols every layer speaks; they import nothing of genengine but each other
-    **dict.fromkeys(("protocol", "config", "errors", "requests", "weights", "hookspecs"), 0),
+    **dict.fromkeys(("protocol", "config", "errors", "requests", "weights", "hookspecs", "adapters"), 0),
     "engine": 1,  # the shared machinery every backend runs on
     "distributed": 1,  # TP groups and topology (a public path for torchrun users)
     "plugins": 2,  # the plugin system: registry, versions, optional extras

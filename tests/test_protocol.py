@@ -93,8 +93,8 @@ def test_plain_int_token_ids_skip_the_per_token_loop(monkeypatch: pytest.MonkeyP
 
     greedy = SamplingParams(temperature=0.0)  # its own checks are not the tokens'
     calls = []
-    real = protocol._scalar
-    monkeypatch.setattr(protocol, "_scalar", lambda v: (calls.append(v), real(v))[1])
+    real = protocol.plain_scalar
+    monkeypatch.setattr(protocol, "plain_scalar", lambda v: (calls.append(v), real(v))[1])
     rows = [[5, 0, 6, 1], (2, 3)]
     reqs = normalize_requests(prompt_token_ids=rows, sampling_params=greedy, vocab_size=7)
     assert [r.prompt_token_ids for r in reqs] == [(5, 0, 6, 1), (2, 3)] and calls == []

@@ -196,6 +196,7 @@ def run_on_engine(
     model: Any = None,
     reward_funcs: Any = None,
     before_train: Any = None,
+    lora_sync: str = "auto",
     **changes: Any,
 ) -> tuple[Any, Record]:
     """A GRPO run on the engine, spied on (``spy``); ``model`` is the policy (default: the tiny model),
@@ -219,6 +220,7 @@ def run_on_engine(
         train_dataset=setup.dataset,
         processing_class=setup.tokenizer,
         genengine=ENGINE,
+        lora_sync=lora_sync,
     )
     holder["trainer"] = trainer
     spy(trainer, setup, record)
@@ -377,11 +379,13 @@ def test_lora_policy_syncs_its_merged_weights(setup: Setup, tmp_path: Path) -> N
         model=get_peft_model(base, lora),
         reward_funcs=odd_share,
         before_train=compare_after_each_sync,
+        lora_sync="merge",
         per_device_train_batch_size=8,
         num_generations=4,
         max_completion_length=8,
     )
     try:
+        assert trainer.vllm_generation.sync_mode == "merge"
         assert len(syncs) == 2 and [s["version"] for s in record.syncs] == [0, 1]
         assert syncs[0]["moved"] == 0.0, "before the first step the adapter is zero: merged == base"
         assert syncs[1]["moved"] > 1e-3, "after a step the merged weights differ from the base: the check can fail"
@@ -392,6 +396,124 @@ def test_lora_policy_syncs_its_merged_weights(setup: Setup, tmp_path: Path) -> N
         assert not any("lora_" in n for n in trainer.vllm_generation.engine.model.state_dict())
     finally:
         trainer.vllm_generation.shutdown()
+
+
+@needs_trl
+@pytest.mark.skipif(not HAVE_PEFT, reason="peft is not installed (the dev extra installs it)")
+def test_lora_policy_syncs_only_its_adapter(setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A PEFT policy on an engine that serves adapters: after the first sync (base weights once) each sync sends
+    only the adapter, labelled with the step; the engine's base weights stay the base (no merged copy), the rollouts
+    name the adapter, and the engine's greedy tokens and logprobs with it are the PeftModel's own."""
+    import logging
+
+    from peft import LoraConfig, get_peft_model
+
+    base = policy(setup)
+    initial = {n: p.detach().clone() for n, p in base.named_parameters()}
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    probes = [setup.tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    seen: list[dict[str, Any]] = []
+
+    def check_after_each_sync(trainer: Any) -> None:
+        from genengine import SamplingParams
+
+        gen = trainer.vllm_generation
+        spied, real_load_adapter = gen.sync_weights, gen.engine.load_adapter
+        adapter_loads: list[int] = []
+
+        def load_adapter(name: str, tensors: Any, config: Any, **kw: Any) -> Any:
+            tensors = list(tensors)
+            assert tensors and all(".lora_A." in n or ".lora_B." in n for n, _ in tensors)
+            adapter_loads.append(len(tensors))
+            return real_load_adapter(name, tensors, config, **kw)
+
+        gen.engine.load_adapter = load_adapter
+
+        def sync_weights() -> None:
+            spied()
+            engine = gen.engine
+            greedy = SamplingParams(temperature=0, max_new_tokens=8, logprobs=True, ignore_eos=True, adapter="policy")
+            ours = engine.generate(prompt_token_ids=probes, sampling_params=greedy)
+            theirs = [hf_greedy(trainer.model, ids, 8) for ids in probes]
+            served = dict(engine.model.named_parameters())
+            # PEFT starts lora_B at zero: how far it moved is how far the adapter moved.
+            moved = max(float(p.detach().abs().max()) for n, p in trainer.model.named_parameters() if "lora_B" in n)
+            seen.append(
+                {
+                    "version": engine.adapters["policy"].version,
+                    "versions": {o.weight_versions for r in ours for o in r.outputs},
+                    "same_tokens": all(r.outputs[0].token_ids == t for r, (t, _) in zip(ours, theirs, strict=True)),
+                    "lp_gap": max(
+                        abs(a - b)
+                        for r, (_, lps) in zip(ours, theirs, strict=True)
+                        for a, b in zip(r.outputs[0].logprobs, lps, strict=True)
+                    ),
+                    "base_gap": max(float((served[n] - t).abs().max()) for n, t in initial.items()),
+                    "adapter_loads": list(adapter_loads),
+                    "moved": moved,
+                }
+            )
+
+        gen.sync_weights = sync_weights
+
+    def odd_share(seen_ids: list[list[list[int]]]) -> Any:
+        def reward(completions: list[Any], completion_ids: list[list[int]], **_: Any) -> list[float]:
+            seen_ids.append([list(c) for c in completion_ids])
+            return [sum(t % 2 for t in c) / max(1, len(c)) for c in completion_ids]
+
+        return reward
+
+    caplog.set_level(logging.INFO, logger="genengine.integrations.trl")
+    trainer, record = run_on_engine(
+        setup,
+        tmp_path,
+        3,
+        model=get_peft_model(base, lora),
+        reward_funcs=odd_share,
+        before_train=check_after_each_sync,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+    )
+    try:
+        gen = trainer.vllm_generation
+        assert gen.sync_mode == "adapter" and gen._sampling.adapter == "policy"
+        assert "only the adapter" in caplog.text
+        assert [s["version"] for s in seen] == [0, 1, 2] and record.loads == 1, "the base is sent once, not per step"
+        assert [len(s["adapter_loads"]) for s in seen] == [1, 2, 3]
+        assert seen[-1]["moved"] > 1e-3, "training moved the adapter: the comparison below can fail"
+        for s in seen:
+            assert s["versions"] == {((0, s["version"]),)}, s
+            assert s["base_gap"] == 0.0, "the engine's base weights changed: a merged copy was sent"
+            assert s["same_tokens"] and s["lp_gap"] < 1e-4, s
+        assert record.rollouts and rewards_of(trainer)
+        assert not any("lora_" in n for n in gen.engine.model.state_dict())
+    finally:
+        trainer.vllm_generation.shutdown()
+
+
+@needs_trl
+@pytest.mark.skipif(not HAVE_PEFT, reason="peft is not installed (the dev extra installs it)")
+def test_lora_sync_adapter_is_refused_where_it_cannot_be_served(setup: Setup, tmp_path: Path) -> None:
+    """``lora_sync='adapter'`` with a PEFT config the engines do not serve (DoRA) fails at construction, naming
+    why; a bad ``lora_sync`` value is refused before the model loads."""
+    from peft import LoraConfig, get_peft_model
+
+    from genengine.errors import ConfigError
+    from genengine.integrations.trl import GRPOTrainer
+
+    dora = LoraConfig(r=4, lora_alpha=8, use_dora=True, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    kwargs: dict[str, Any] = {
+        "reward_funcs": demo_reward(setup.target),
+        "args": grpo_config(tmp_path, 1, per_device_train_batch_size=8, num_generations=4),
+        "train_dataset": setup.dataset,
+        "processing_class": setup.tokenizer,
+        "genengine": ENGINE,
+    }
+    with pytest.raises(ConfigError, match="use_dora"):
+        GRPOTrainer(model=get_peft_model(policy(setup), dora), lora_sync="adapter", **kwargs)
+    with pytest.raises(ConfigError, match="lora_sync='sometimes'"):
+        GRPOTrainer(model=policy(setup), lora_sync="sometimes", **kwargs)
 
 
 @needs_trl

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from genengine.engine.adapters import AdapterHost
 from genengine.engine.hooks import check_hook_signatures, generate_check_value
 from genengine.errors import (
     EngineClosedError,
@@ -50,8 +51,9 @@ if TYPE_CHECKING:
 __all__ = ["EngineBase", "LoadSession"]
 
 
-class EngineBase(abc.ABC):
-    """Shared implementation of :class:`genengine.protocol.GenerationEngine`."""
+class EngineBase(AdapterHost, abc.ABC):
+    """Shared implementation of :class:`genengine.protocol.GenerationEngine` (and, for a backend that declares
+    ``supports_adapters``, of :class:`genengine.adapters.SupportsAdapters`: see ``AdapterHost``)."""
 
     supported_tags: tuple[str, ...] = (TAG_WEIGHTS, TAG_KV_CACHE)
     supports_images: ClassVar[bool] = False
@@ -218,14 +220,18 @@ class EngineBase(abc.ABC):
             vocab_size=self._vocab_size(),
             supports_images=self.supports_images,
         )
+        requests = self._bind_adapters(requests)
         self._check_can_generate()
         results = self._generate(requests)
-        version = ((0, self.__weight_version),)
         return [
             dataclasses.replace(
-                result, outputs=[dataclasses.replace(out, weight_versions=version) for out in result.outputs]
+                result,
+                outputs=[
+                    dataclasses.replace(out, weight_versions=((0, self._version_of(request, self.__weight_version)),))
+                    for out in result.outputs
+                ],
             )
-            for result in results
+            for request, result in zip(requests, results, strict=True)
         ]
 
     def _check_sleep(self, level: int) -> None:

@@ -32,6 +32,10 @@ HOOKS = (
     "_check_weights_may_change",
     "_on_new_weight_version",
     "passes_tensors_on",
+    # AdapterHost's (genengine.engine.adapters), for a backend that serves LoRA adapters
+    "_max_lora_rank",
+    "_add_adapter",
+    "_drop_adapter",
     # AsyncEngineBase's (genengine.engine.aio)
     "_check_async_available",
     "_async_start",

@@ -14,6 +14,7 @@ is loaded or any engine or GPU memory is taken. docs/trl.md is the user's page.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import inspect
 import logging
@@ -22,8 +23,9 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from types import ModuleType, SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
+from genengine.adapters import AdapterConfig, AdapterInfo, supports_adapters
 from genengine.config import EngineConfig
 from genengine.errors import ConfigError, GenEngineError, InvalidArgumentError
 from genengine.integrations.trl_config import (
@@ -79,8 +81,10 @@ from trl.trainer import rloo_trainer as _rloo_module  # noqa: E402
 from trl.trainer.utils import get_config_model_id  # noqa: E402
 
 __all__ = [
+    "ADAPTER_NAME",
     "CONFIG_KEYS",
     "INSTALL_HINT",
+    "LORA_SYNC_MODES",
     "TRL_VERSION",
     "GRPOTrainer",
     "GenEngineGeneration",
@@ -95,6 +99,20 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
+LoraSync = Literal["auto", "adapter", "merge"]
+LORA_SYNC_MODES: tuple[LoraSync, ...] = ("auto", "adapter", "merge")
+"""How a PEFT (LoRA) policy reaches the engine: ``"adapter"`` sends only the adapter (``load_adapter``), ``"merge"``
+merges it into the base weights, sends the whole model and unmerges (TRL's way), ``"auto"`` the adapter where the
+backend serves adapters and the adapter can be served, else the merge; each says what it chose in the log."""
+ADAPTER_NAME = "policy"
+"""The name the policy's adapter is served under (``SamplingParams(adapter=...)`` of the rollouts)."""
+
+
+def check_lora_sync(value: object) -> LoraSync:
+    if value not in LORA_SYNC_MODES:
+        raise ConfigError(f"lora_sync={value!r}: allowed are {', '.join(map(repr, LORA_SYNC_MODES))}")
+    return value  # type: ignore[return-value]
+
 
 class GenEngineGeneration(_vllm_generation.VLLMGeneration):
     """``VLLMGeneration`` with a genengine engine in place of ``vllm.LLM``: same constructor, same
@@ -104,9 +122,19 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
     process adds its index, as TRL seeds one vLLM per process. Colocated only: one engine per training process.
     """
 
-    def __init__(self, *args: Any, genengine: Any, seed: int = 0, **kwargs: Any) -> None:
+    lora_sync: LoraSync = "auto"
+    sync_mode: Literal["full", "merge", "adapter"] = "full"
+    """What each sync sends: the whole model (``"full"``), the PEFT policy merged (``"merge"``), or only its adapter
+    (``"adapter"``, after one sync of the base weights)."""
+    last_adapter: AdapterInfo | None = None
+    """The last adapter-only sync's ``AdapterInfo``."""
+    _adapter_config: AdapterConfig | None = None
+    _base_synced = False
+
+    def __init__(self, *args: Any, genengine: Any, seed: int = 0, lora_sync: LoraSync = "auto", **kwargs: Any) -> None:
         self._genengine = engine_config_source(genengine)
         self._seed = seed
+        self.lora_sync = check_lora_sync(lora_sync)
         self.engine: Any = None
         """The ``GenerationEngine`` (typed loosely: ``load_weights(version=...)``, which every genengine engine takes,
         is not in the protocol class yet)."""
@@ -153,14 +181,51 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
         try:
             if isinstance(self.processing_class, ProcessorMixin) and not getattr(engine, "supports_images", False):
                 raise ConfigError(no_images(config.backend))
+            self._choose_sync(engine)
             if self.enable_sleep_mode:
-                engine.sleep(level=2)  # as TRL: nothing held until the first sync
+                engine.sleep(level=self._sleep_level)  # as TRL: nothing held until the first sync
         except BaseException:
             engine.shutdown()
             raise
         self.engine = engine
         self._llm_weights_sleeping = self.enable_sleep_mode
         self.accelerator.wait_for_everyone()
+
+    def _choose_sync(self, engine: Any) -> None:
+        """Adapter-only sync for a PEFT policy where the backend serves adapters (``lora_sync``), logged."""
+        if not (isinstance(self.model, torch.nn.Module) and is_peft_model(self.model)):
+            return
+        self.sync_mode = "merge"
+        why = "lora_sync='merge'"
+        if self.lora_sync != "merge":
+            why, adapter_config = "", None
+            policy: Any = self.model
+            peft_config = policy.peft_config[policy.active_adapter]
+            try:
+                adapter_config = AdapterConfig.coerce(peft_config)
+            except InvalidArgumentError as exc:
+                why = f"its adapter cannot be served ({exc})"
+            if not supports_adapters(engine):
+                why = f"backend {type(engine).__name__} does not serve adapters"
+            elif self._dist.is_zero3 or self._dist.is_fsdp:
+                why = "adapter-only sync of a ZeRO-3 or FSDP policy is not written yet"
+            elif adapter_config is not None and adapter_config.r > engine.max_lora_rank:
+                why = f"the adapter's rank {adapter_config.r} is over the engine's max_lora_rank {engine.max_lora_rank}"
+            if not why:
+                self.sync_mode, self._adapter_config = "adapter", adapter_config
+                self._sampling = dataclasses.replace(self._sampling, adapter=ADAPTER_NAME)
+            elif self.lora_sync == "adapter":
+                raise ConfigError(f"lora_sync='adapter' but {why}; allowed: lora_sync='auto' or 'merge'")
+        _log.info(
+            "PEFT policy: each sync sends %s%s",
+            "only the adapter (load_adapter; the base once)" if self.sync_mode == "adapter" else "the merged model",
+            f" ({why})" if why else "",
+        )
+
+    @property
+    def _sleep_level(self) -> int:
+        """2 as TRL (the weights come back with each sync), but 1 under adapter sync: the base never changes."""
+        return 1 if self.sync_mode == "adapter" else 2
 
     def _engine(self) -> Any:
         if self.engine is None:
@@ -204,8 +269,31 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
         # the model does not hold, and the engine then checks the whole sync before the first write and reads the
         # tensors in place (vLLM: one call, not one per bucket). Any other walk makes a tensor per parameter (a
         # copy, or FSDP2's full_tensor() gather): it stays a stream, bounded by the engine's buckets.
+        if self.sync_mode == "adapter":
+            self._sync_adapter(engine)
+            return
         own = not (self._walk_moves() or self._dist.is_fsdp)
         self.last_load = engine.load_weights(list(walk) if own else walk, version=self._next_version())
+
+    def _sync_adapter(self, engine: Any) -> None:
+        """Only the adapter's tensors (PEFT's names), under ``ADAPTER_NAME`` with the step as its version; the first
+        time also the base weights (the engine's checkpoint may not be the policy's base), unmerged."""
+        from peft import get_peft_model_state_dict
+
+        version = self._next_version()
+        policy: Any = self.model
+        with torch.no_grad():
+            if not self._base_synced:
+                base = (
+                    (name.removeprefix("base_model.model.").replace(".base_layer", ""), param.detach())
+                    for name, param in policy.named_parameters()
+                    if policy.prefix not in name
+                )
+                self.last_load = engine.load_weights(list(base), version=version)
+                self._base_synced = True
+            tensors = get_peft_model_state_dict(policy, adapter_name=policy.active_adapter)
+            named = [(name, tensor.detach().clone()) for name, tensor in tensors.items()]
+            self.last_adapter = engine.load_adapter(ADAPTER_NAME, named, self._adapter_config, version=version)
 
     # ---- generation --------------------------------------------------------------------------------------------
     def _image_data(self, images: list[list[Any] | None] | None, count: int) -> list[Any] | None:
@@ -245,6 +333,8 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
         engine = self._engine()
         if self.enable_sleep_mode and self._llm_weights_sleeping:
             self.sync_weights()  # level 2 dropped the weights: they come from the policy, as in TRL
+        elif self.sync_mode == "adapter" and ADAPTER_NAME not in engine.adapters:
+            self.sync_weights()  # the rollouts name the adapter: it must be there
         if self.enable_sleep_mode:
             engine.wake([TAG_KV_CACHE])
         image_data = self._image_data(images, len(prompts))
@@ -263,8 +353,8 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
             logprobs = [[[None if math.isnan(lp) else float(lp)] for lp in (o.logprobs or [])] for o in outputs]
             token_ids = [[[t] for t in o.token_ids] for o in outputs]
         if self.enable_sleep_mode:
-            engine.sleep(level=2)
-            self._llm_weights_sleeping = True
+            engine.sleep(level=self._sleep_level)
+            self._llm_weights_sleeping = self._sleep_level == 2
         return prompt_ids, completion_ids, logprobs, token_ids
 
 
@@ -273,7 +363,7 @@ _swap_lock = threading.Lock()
 
 
 @contextmanager
-def _generation_class(module: ModuleType, genengine: Any, seed: int) -> Iterator[None]:
+def _generation_class(module: ModuleType, genengine: Any, seed: int, lora_sync: LoraSync) -> Iterator[None]:
     """While the trainer's ``__init__`` runs, its module's ``VLLMGeneration`` builds a ``GenEngineGeneration``
     (TRL looks the name up when it builds the generator). Only for this thread: a plain TRL trainer built at the
     same time in another thread still gets TRL's class."""
@@ -283,7 +373,7 @@ def _generation_class(module: ModuleType, genengine: Any, seed: int) -> Iterator
     def build(*args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != owner:
             return original(*args, **kwargs)
-        return GenEngineGeneration(*args, genengine=genengine, seed=seed, **kwargs)
+        return GenEngineGeneration(*args, genengine=genengine, seed=seed, lora_sync=lora_sync, **kwargs)
 
     with _swap_lock:
         setattr(module, "VLLMGeneration", build)  # noqa: B010
@@ -295,16 +385,17 @@ def _generation_class(module: ModuleType, genengine: Any, seed: int) -> Iterator
 
 class _GenEngineTrainer:
     """A TRL trainer that takes ``genengine=CONFIG``: with it, TRL's vLLM path runs on that engine; without it,
-    the trainer is TRL's, unchanged."""
+    the trainer is TRL's, unchanged. ``lora_sync`` (``LORA_SYNC_MODES``) says how a PEFT policy is synced."""
 
     _trl_trainer: ClassVar[type]
     _trl_module: ClassVar[ModuleType]
     _trl_config: ClassVar[type]
 
-    def __init__(self, *args: Any, genengine: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, genengine: Any = None, lora_sync: LoraSync = "auto", **kwargs: Any) -> None:
         if genengine is None:
             super().__init__(*args, **kwargs)
             return
+        check_lora_sync(lora_sync)
         bound = inspect.signature(self._trl_trainer).bind(*args, **kwargs)
         model = bound.arguments["model"]
         config = bound.arguments.get("args")
@@ -342,7 +433,7 @@ class _GenEngineTrainer:
         use_vllm = config.use_vllm
         config.use_vllm = True  # TRL's vLLM path is the one that calls a generator object
         try:
-            with _generation_class(self._trl_module, genengine, config.seed):
+            with _generation_class(self._trl_module, genengine, config.seed, lora_sync):
                 super().__init__(*bound.args, **bound.kwargs)
         finally:
             config.use_vllm = use_vllm  # the caller's config object is left as it was given

@@ -15,8 +15,12 @@ if TYPE_CHECKING:
     import torch
 
     from genengine.backend import AsyncRequest
+    from genengine.backends.transformers._lora import LoraWeights
 
-__all__ = ["TINY_TEMPERATURE", "Row", "buffer_layer_class", "greedy", "processed_sample"]
+PrefixKey = tuple["LoraWeights | None", tuple[int, ...]]
+"""A prefill's cache key: the adapter (None: the base) and the token ids."""
+
+__all__ = ["TINY_TEMPERATURE", "PrefixKey", "Row", "buffer_layer_class", "greedy", "processed_sample"]
 
 TINY_TEMPERATURE = 1e-30
 """Below this a temperature is its T → 0 limit: float32 ``logits / T`` would overflow to inf and give NaN."""
@@ -34,6 +38,8 @@ class Row:
     index: int = 0
     emitted: int = 0
     _rng: torch.Generator | None = None
+    lora: LoraWeights | None = None
+    """The adapter this row is generated with (None: the base model)."""
 
     @property
     def params(self) -> SamplingParams:
@@ -43,6 +49,11 @@ class Row:
     def context(self) -> tuple[int, ...]:
         """What the next token is sampled after: the prompt and every token so far."""
         return self.prompt + tuple(self.out.tokens) if self.out.tokens else self.prompt
+
+    @property
+    def key(self) -> PrefixKey:
+        """The context's prefill as the prefix cache knows it: per adapter, since the KV differs."""
+        return (self.lora, self.context)
 
     def report(self) -> None:
         """Hand an async request the tokens it has not seen, and the finish once there is one."""

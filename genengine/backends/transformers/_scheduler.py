@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     import torch
 
     from genengine.backend import DriverLock
-    from genengine.backends.transformers._sampling import Row
+    from genengine.backends.transformers._lora import LoraWeights
+    from genengine.backends.transformers._sampling import PrefixKey, Row
 
 __all__ = ["DecodeBatch", "Decoder", "Prefix", "Scheduler"]
 
@@ -41,11 +42,12 @@ class Decoder:
     lock: DriverLock
     """The engine's lock: each round runs under it, and lets waiting callers in between rounds."""
     new_cache: Callable[[], Any]
-    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
-    """``(tokens [batch], allowed [batch, 1, 1, keys], positions [batch], cache) -> next-token logits``."""
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any, list[LoraWeights | None]], torch.Tensor]
+    """``(tokens [batch], allowed [batch, 1, 1, keys], positions [batch], cache, each row's adapter) ->
+    next-token logits``."""
     sample: Callable[[torch.Tensor, list[Row]], tuple[torch.Tensor, list[int]]]
     """``(logits, rows) -> (tokens, indices of the rows that go on)``; records each row's token."""
-    prefill: Callable[[list[tuple[int, ...]]], dict[tuple[int, ...], Prefix]]
+    prefill: Callable[[list[PrefixKey]], dict[PrefixKey, Prefix]]
 
 
 class DecodeBatch:
@@ -57,7 +59,7 @@ class DecodeBatch:
     the scheduler rebuilds the batch from a new prefill).
     """
 
-    def __init__(self, decoder: Decoder, rows: list[Row], prefixes: dict[tuple[int, ...], Prefix]) -> None:
+    def __init__(self, decoder: Decoder, rows: list[Row], prefixes: dict[PrefixKey, Prefix]) -> None:
         import torch
 
         self.decoder, self.rows = decoder, rows
@@ -65,15 +67,16 @@ class DecodeBatch:
         width = max(len(c) for c in contexts)
         capacity = width + max(row.params.max_new_tokens - len(row.out.tokens) for row in rows)
         batch = len(rows)
-        first = prefixes[contexts[0]]
+        keys_of = [row.key for row in rows]
+        first = prefixes[keys_of[0]]
         self.cache = decoder.new_cache()
         layers = []
         for layer in range(len(first.keys)):
             kv_heads, _, head_dim = first.keys[layer].shape
             keys = first.keys[layer].new_zeros((batch, kv_heads, capacity, head_dim))
             values = torch.zeros_like(keys)
-            for b, ctx in enumerate(contexts):
-                entry = prefixes[ctx]
+            for b, (ctx, key) in enumerate(zip(contexts, keys_of, strict=True)):
+                entry = prefixes[key]
                 keys[b, :, width - len(ctx) : width] = entry.keys[layer]
                 values[b, :, width - len(ctx) : width] = entry.values[layer]
             layers.append(buffer_layer_class()(keys, values, width))
@@ -84,7 +87,7 @@ class DecodeBatch:
             allowed[b, :, :, width - len(ctx) : width] = True
         self.allowed = allowed.to(decoder.device)
         self.positions = torch.tensor([len(c) for c in contexts], device=decoder.device)
-        self.logits: torch.Tensor | None = torch.stack([prefixes[c].logits for c in contexts])
+        self.logits: torch.Tensor | None = torch.stack([prefixes[k].logits for k in keys_of])
         self.unfed: torch.Tensor | None = None
         self.active = list(range(batch))
         self.length = width
@@ -100,7 +103,8 @@ class DecodeBatch:
         if self.unfed is not None:
             self.allowed[:, :, :, self.length] = True
             self.length += 1
-            self.logits = decoder.forward(self.unfed, self.allowed[:, :, :, : self.length], self.positions, self.cache)
+            allowed, loras = self.allowed[:, :, :, : self.length], [self.rows[i].lora for i in self.active]
+            self.logits = decoder.forward(self.unfed, allowed, self.positions, self.cache, loras)
             self.positions = self.positions + 1
         assert self.logits is not None
         live = [self.rows[i] for i in self.active]
@@ -173,7 +177,7 @@ class Scheduler:
             self.batches, self.rebuild = [], False
         if self.pending:
             rows, self.pending = self.pending, []
-            prefixes = decoder.prefill(list(dict.fromkeys(row.context for row in rows)))
+            prefixes = decoder.prefill(list(dict.fromkeys(row.key for row in rows)))
             rows.sort(key=lambda row: len(row.context))
             size = decoder.max_batch_size
             self.batches.extend(DecodeBatch(decoder, rows[i : i + size], prefixes) for i in range(0, len(rows), size))

@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from genengine.adapters import Adapter
 from genengine.backend import (
     DEFAULT_BUCKET_BYTES,
     TAG_KV_CACHE,
@@ -38,7 +39,8 @@ from genengine.backend import (
     text_decoder,
     torch_dtype,
 )
-from genengine.backends.transformers._sampling import Row, greedy, processed_sample
+from genengine.backends.transformers._lora import LoraLayers
+from genengine.backends.transformers._sampling import PrefixKey, Row, greedy, processed_sample
 from genengine.backends.transformers._scheduler import DecodeBatch, Decoder, Prefix, Scheduler
 from genengine.engine.environ import malloc_trim
 from genengine.errors import ConfigError, EngineClosedError, InvalidArgumentError
@@ -57,14 +59,13 @@ OPTIONS = (
     "attn_implementation",
     "prefix_cache_bytes",
     "keep_prefix_cache_on_sleep",
+    "max_lora_rank",
 )
 """Backend options (``EngineConfig.options``) this backend accepts."""
 
 _ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
-# ---- option checks (all run before anything is loaded) -------------------------------------------------------
-# ---- per-call state ---------------------------------------------------------------------------------------
 class TransformersEngine(FromConfig, AsyncEngineBase):
     """A ``GenerationEngine`` running a transformers causal LM in this process.
 
@@ -75,11 +76,13 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
     cache sleeps can be seen to happen at wake; see ``prefix_cache_hits``). ``mem_util`` is not used: memory
     grows with the batch. Sleep level 1 moves the weights to host memory (on CPU there is nothing to
     move) and drops the prefix cache (unless ``keep_prefix_cache_on_sleep``); level 2 frees the weights'
-    storage and the cache.
+    storage and the cache. LoRA adapters (``load_adapter``) up to rank ``max_lora_rank`` are served per request
+    on every linear layer, through forward hooks: the base weights are never merged.
     """
 
     supported_tags = (TAG_WEIGHTS, TAG_KV_CACHE)
     validate_all_weights_first = True
+    supports_adapters = True
     backend_name = "transformers"
     config_options = OPTIONS
 
@@ -96,6 +99,7 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
         attn_implementation: str | None = None,
         prefix_cache_bytes: int = 256 << 20,
         keep_prefix_cache_on_sleep: bool = False,
+        max_lora_rank: int = 64,
     ) -> None:
         model_dir = os.fspath(model)
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
@@ -104,6 +108,7 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
         if dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ConfigError(f"dtype={dtype!r}: allowed are auto, bfloat16, float16, float32")
         option_int("max_batch_size", max_batch_size)
+        option_int("max_lora_rank", max_lora_rank)
         if attn_implementation is not None and attn_implementation not in _ATTN_IMPLEMENTATIONS:
             raise ConfigError(
                 f"attn_implementation={attn_implementation!r}: allowed are {', '.join(_ATTN_IMPLEMENTATIONS)} or None"
@@ -171,7 +176,9 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
         self._unique_params = list({id(p): p for p in self._params.values()}.values())
         self._shapes = [tuple(p.shape) for p in self._unique_params]
         self._host_backup: list[torch.Tensor] | None = None
-        self._prefixes: OrderedDict[tuple[int, ...], Prefix] = OrderedDict()
+        self.max_lora_rank_option = max_lora_rank
+        self._loras = LoraLayers(self._model, self.device, self.dtype)
+        self._prefixes: OrderedDict[PrefixKey, Prefix] = OrderedDict()
         self._prefix_nbytes = 0
         self._prefix_hits = 0
         self._lock = DriverLock()  # the scheduler steps under it and lets waiting callers in first
@@ -220,18 +227,19 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
             )
         return ids
 
-    def _new_rows(self, ids: tuple[int, ...], p: SamplingParams) -> list[Row]:
-        return [Row(ids, self._seeds.sample(p, j), self._completion(p)) for j in range(p.n)]
+    def _new_rows(self, ids: tuple[int, ...], request: Request) -> list[Row]:
+        p, lora = request.params, None if request.lora is None else request.lora.handle
+        return [Row(ids, self._seeds.sample(p, j), self._completion(p), lora=lora) for j in range(p.n)]
 
     def _generate(self, requests: list[Request]) -> list[GenerationResult]:
         import torch
 
         prompts = [self._checked_prompt(r) for r in requests]
         with self._locked():
-            rows = [self._new_rows(ids, r.params) for r, ids in zip(requests, prompts, strict=True)]
+            rows = [self._new_rows(ids, r) for r, ids in zip(requests, prompts, strict=True)]
             flat = [row for per_request in rows for row in per_request]
             with torch.inference_mode():
-                prefixes = self._prefill(list(dict.fromkeys(prompts)))
+                prefixes = self._prefill(list(dict.fromkeys(row.key for row in flat)))
                 # Rows of similar prompt length decode together: less padding.
                 ordered = sorted(flat, key=lambda row: len(row.prompt))
                 for start in range(0, len(ordered), self.max_batch_size):
@@ -252,23 +260,25 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
 
         return DynamicCache(config=self._config)
 
-    def _prefill(self, prompts: list[tuple[int, ...]]) -> dict[tuple[int, ...], Prefix]:
-        """KV and next-token logits of each distinct prompt, from the prefix cache or computed in batches."""
+    def _prefill(self, prompts: list[PrefixKey]) -> dict[PrefixKey, Prefix]:
+        """KV and next-token logits of each distinct (adapter, prompt), from the prefix cache or computed in
+        batches."""
         import torch
 
-        found: dict[tuple[int, ...], Prefix] = {}
+        found: dict[PrefixKey, Prefix] = {}
         todo = []
-        for ids in prompts:
-            hit = self._prefixes.get(ids)
+        for key in prompts:
+            hit = self._prefixes.get(key)
             if hit is not None:
-                self._prefixes.move_to_end(ids)
-                found[ids] = hit
+                self._prefixes.move_to_end(key)
+                found[key] = hit
                 self._prefix_hits += 1
             else:
-                todo.append(ids)
-        todo.sort(key=len)
+                todo.append(key)
+        todo.sort(key=lambda key: len(key[1]))
         for start in range(0, len(todo), self.max_batch_size):
-            batch = todo[start : start + self.max_batch_size]
+            chunk = todo[start : start + self.max_batch_size]
+            batch = [ids for _, ids in chunk]
             width = max(len(ids) for ids in batch)
             input_ids = torch.full((len(batch), width), self._pad, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -278,30 +288,31 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
             input_ids, mask = input_ids.to(self.device), mask.to(self.device)
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             cache = self._new_cache()
-            out = self._model(
-                input_ids=input_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kwarg: cache},
-            )
+            with self._loras.rows([lora for lora, _ in chunk]):
+                out = self._model(
+                    input_ids=input_ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{self._cache_kwarg: cache},
+                )
             logits = out.logits[:, -1].float()
             layers = cache.layers
-            for b, ids in enumerate(batch):
+            for b, (key, ids) in enumerate(zip(chunk, batch, strict=True)):
                 keep = slice(width - len(ids), width)
                 keys = [layer.keys[b, :, keep].clone() for layer in layers]
                 values = [layer.values[b, :, keep].clone() for layer in layers]
                 nbytes = sum(t.numel() * t.element_size() for t in (*keys, *values))
                 entry = Prefix(keys, values, logits[b].clone(), nbytes)
-                found[ids] = entry
-                self._remember(ids, entry)
+                found[key] = entry
+                self._remember(key, entry)
         return found
 
-    def _remember(self, ids: tuple[int, ...], entry: Prefix) -> None:
+    def _remember(self, key: PrefixKey, entry: Prefix) -> None:
         if entry.nbytes > self.prefix_cache_bytes:
             return
-        self._prefixes[ids] = entry
+        self._prefixes[key] = entry
         self._prefix_nbytes += entry.nbytes
         while self._prefix_nbytes > self.prefix_cache_bytes:
             _, old = self._prefixes.popitem(last=False)
@@ -313,18 +324,19 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
             self.device, self.max_batch_size, self._lock, self._new_cache, self._forward, self._sample, self._prefill
         )
 
-    def _forward(self, ids: torch.Tensor, allowed: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _forward(self, ids: Any, allowed: torch.Tensor, positions: torch.Tensor, cache: Any, loras: Any) -> Any:
         """One decode step of the model: each row's next-token logits after its newest token."""
-        out = self._model(
-            input_ids=ids[:, None],
-            attention_mask=self._decode_mask(allowed),
-            position_ids=positions[:, None],
-            use_cache=True,
-            **{self._cache_kwarg: cache},
-        )
+        with self._loras.rows(loras):
+            out = self._model(
+                input_ids=ids[:, None],
+                attention_mask=self._decode_mask(allowed),
+                position_ids=positions[:, None],
+                use_cache=True,
+                **{self._cache_kwarg: cache},
+            )
         return out.logits[:, -1].float()
 
-    def _decode(self, rows: list[Row], prefixes: dict[tuple[int, ...], Prefix]) -> None:
+    def _decode(self, rows: list[Row], prefixes: dict[PrefixKey, Prefix]) -> None:
         batch = DecodeBatch(self._decoder(), rows, prefixes)
         while batch.step():
             pass
@@ -372,7 +384,7 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
     def _async_start(self, request: AsyncRequest) -> None:
         ids = self._checked_prompt(request.request)
         request.prompt_token_ids = ids
-        rows = self._new_rows(ids, request.params)
+        rows = self._new_rows(ids, request.request)
         for j, row in enumerate(rows):
             row.sink, row.index = request, j
         with self._locked():
@@ -402,6 +414,20 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
             scheduler = self._ensure_scheduler()
             scheduler.held = False
             scheduler.wakeup.notify()
+
+    # ---- adapters (genengine.engine.adapters' hooks) -------------------------------------------------------------
+    def _max_lora_rank(self) -> int:
+        return self.max_lora_rank_option
+
+    def _add_adapter(self, adapter: Adapter, replaced: Adapter | None) -> None:
+        with self._locked():
+            adapter.handle = self._loras.prepare(adapter)
+
+    def _drop_adapter(self, adapter: Adapter) -> None:
+        """Rows bound to it keep its tensors until they finish; its cached prefills go now."""
+        with self._locked():
+            for key in [key for key in self._prefixes if key[0] is adapter.handle]:
+                self._prefix_nbytes -= self._prefixes.pop(key).nbytes
 
     # ---- memory --------------------------------------------------------------------------------------------
     def _drop_prefixes(self) -> None:
@@ -475,6 +501,7 @@ class TransformersEngine(FromConfig, AsyncEngineBase):
                         row.report()
             self._scheduler.stop(EngineClosedError("the engine was shut down while the request was running"))
         self._drop_prefixes()
+        self._loras.close()
         self._host_backup = None
         self._params = {}
         self._unique_params = []

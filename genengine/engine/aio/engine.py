@@ -252,7 +252,7 @@ class AsyncEngineBase(EngineBase):
     def _on_new_weight_version(self, version: int) -> None:
         state = self._async_state()
         with state.lock:
-            live = [r for r in state.live.values() if not r.done]
+            live = [r for r in state.live.values() if not r.done and r.request.lora is None]  # adapters: fixed
         for request in live:
             request.new_version(version)
 
@@ -313,10 +313,12 @@ class AsyncEngineBase(EngineBase):
             vocab_size=self._vocab_size(),
             supports_images=self.supports_images,
         )
+        request = self._bind_adapters([request])[0]
         self._check_can_generate()
         if self.paused is None:
             self._check_no_open_load("start a request")  # queued during a pause, it starts after the commit
-        handle = AsyncRequest(request_id, request, self.weight_version, asyncio.get_running_loop())
+        version = self._version_of(request, self.weight_version)
+        handle = AsyncRequest(request_id, request, version, asyncio.get_running_loop())
         state = self._async_state()
         with state.lock:
             known = state.live.get(request_id)
@@ -331,7 +333,7 @@ class AsyncEngineBase(EngineBase):
     def _admit(self, handle: AsyncRequest) -> None:
         # Its tokens come from the weights in force now: a request queued during a pause that started after a
         # load (and the resume) is that load's version, not the one it was submitted under.
-        handle.new_version(self.weight_version)
+        handle.new_version(self._version_of(handle.request, self.weight_version))
         state = self._async_state()
         with state.lock:
             for rid in [rid for rid, r in state.live.items() if r.done]:

@@ -26,7 +26,7 @@ import pytest
 pytest.register_assert_rewrite(
     *(
         f"genengine.testing.conformance.{name}"
-        for name in ("base", "generate", "sleep_wake", "weights", "asynchronous", "suite", "transport")
+        for name in ("base", "generate", "sleep_wake", "weights", "asynchronous", "adapters", "suite", "transport")
     )
 )
 

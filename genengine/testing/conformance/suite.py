@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from genengine.errors import EngineClosedError
+from genengine.testing.conformance.adapters import AdapterTests
 from genengine.testing.conformance.asynchronous import AsyncTests
 from genengine.testing.conformance.generate import GenerateTests
 from genengine.testing.conformance.sleep_wake import SleepWakeTests
@@ -15,8 +16,8 @@ __all__ = ["EngineConformance"]
 
 # pytest collects inherited tests base by base in reverse MRO order, so these bases (listed last to
 # first) run generate, then sleep/wake, then load_weights, then async (skipped for engines without it), then
-# the class's own shutdown test.
-class EngineConformance(AsyncTests, WeightsTests, SleepWakeTests, GenerateTests):
+# adapters (skipped for engines without them), then the class's own shutdown test.
+class EngineConformance(AdapterTests, AsyncTests, WeightsTests, SleepWakeTests, GenerateTests):
     """The conformance suite. Subclass it, override ``make_engine`` and the capability flags."""
 
     # ---- shutdown --------------------------------------------------------------------------------------

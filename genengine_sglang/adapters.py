@@ -1,0 +1,179 @@
+"""LoRA adapters on SGLang: ``load_adapter`` through SGLang's ``load_lora_adapter_from_tensors`` (0.5.17), a
+request's adapter through ``GenerateReqInput.lora_path``.
+
+SGLang serves adapters only when the engine starts with them enabled: pass SGLang's own server arguments as
+options, ``enable_lora=True``, ``max_lora_rank`` and ``lora_target_modules`` (SGLang needs the last two when no
+``lora_paths`` are given: they size its LoRA memory pool). Each genengine adapter object is loaded under its own
+SGLang name (``<name>@<uid>``), so a replacement never changes a request in flight; the replaced one is unloaded
+once no request of ours still uses it (SGLang's unload would otherwise wait for them, and a request held by a
+``keep`` pause resubmits under it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from genengine.adapters import Adapter
+from genengine.backend import Request
+from genengine.errors import ConfigError, GenEngineError
+
+__all__ = [
+    "SGLANG_LORA_MODULES",
+    "SGLangAdapters",
+    "adapter_settings",
+    "config_dict",
+    "lora_paths",
+    "sglang_name",
+    "sglang_tensors",
+]
+
+SGLANG_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections SGLang 0.5.17 adapts on dense models (``sglang/srt/lora/utils.py``; qkv and gate/up are
+fused there, which it does itself from the separate PEFT weights)."""
+
+
+def adapter_settings(overrides: Mapping[str, Any]) -> tuple[bool, int, tuple[str, ...]]:
+    """Whether the engine serves adapters, its max rank and the modules it adapts, from the server arguments."""
+    if not overrides.get("enable_lora"):
+        return False, 0, ()
+    rank = overrides.get("max_lora_rank")
+    targets = overrides.get("lora_target_modules")
+    if rank is None or targets is None:
+        raise ConfigError(
+            "enable_lora=True: give max_lora_rank (an int) and lora_target_modules (a list such as ['q_proj', "
+            "'v_proj'], or 'all') too, so that SGLang sizes its LoRA pool for the adapters load_adapter sends"
+        )
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ConfigError(f"max_lora_rank={rank!r} must be an integer >= 1")
+    if targets == "all" or targets == ["all"]:
+        modules = SGLANG_LORA_MODULES
+    else:
+        if isinstance(targets, str) or not all(isinstance(t, str) for t in targets):
+            raise ConfigError(f"lora_target_modules={targets!r} must be a list of module names or 'all'")
+        unknown = sorted(set(targets) - set(SGLANG_LORA_MODULES))
+        if unknown:
+            raise ConfigError(
+                f"lora_target_modules {unknown}: SGLang adapts {', '.join(SGLANG_LORA_MODULES)} (or 'all')"
+            )
+        modules = tuple(targets)
+    return True, rank, modules
+
+
+def sglang_name(adapter: Adapter) -> str:
+    """The adapter object's name in SGLang: unique per load, so a replacement is a new adapter there."""
+    return f"{adapter.name}@{adapter.uid}"
+
+
+def config_dict(adapter: Adapter) -> dict[str, Any]:
+    """The PEFT ``adapter_config.json`` SGLang's ``LoRAConfig.from_dict`` reads."""
+    targets = adapter.config.target_modules
+    return {
+        "peft_type": "LORA",
+        "r": adapter.config.r,
+        "lora_alpha": adapter.config.lora_alpha,
+        "target_modules": targets if isinstance(targets, str) else list(targets),
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
+
+
+def sglang_tensors(adapter: Adapter) -> dict[str, Any]:
+    """PEFT's names (``base_model.model.<module>.lora_A.weight``), on the CPU: SGLang keeps adapters in host memory
+    until a batch needs them and serializes one copy per TP rank."""
+    tensors: dict[str, Any] = {}
+    for module, (a, b) in adapter.pairs.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().cpu().contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().cpu().contiguous()
+    return tensors
+
+
+def lora_paths(requests: Sequence[Request], samples: Sequence[int]) -> list[str | None] | None:
+    """``GenerateReqInput.lora_path`` for entries of ``requests`` (entry ``k`` is a sample of request index
+    ``samples[k]``); None when no request has an adapter (SGLang's default)."""
+    by_index = {r.index: r for r in requests}
+    names = [None if by_index[i].lora is None else by_index[i].lora.handle for i in samples]  # type: ignore[union-attr]
+    return names if any(n is not None for n in names) else None
+
+
+class SGLangAdapters:
+    """``AdapterHost``'s hooks for ``SGLangEngine`` (a mixin before ``AsyncEngineBase`` in its bases)."""
+
+    _settings: Any  # SGLangSettings (settings.py imports this module: no arrow back)
+    _engine: Any
+    if TYPE_CHECKING:  # SGLangEngine's and AsyncEngineBase's (a stub here would shadow the latter)
+
+        def _on_leader(self, op: str, fn: Any) -> Any: ...
+        def _sgl(self, fn: Any, what: str = ...) -> Any: ...
+        def _async_state(self) -> Any: ...
+
+    @property
+    def supports_adapters(self) -> bool:  # type: ignore[override]
+        return adapter_settings(self._settings.server_overrides)[0]
+
+    @property
+    def adapter_modules(self) -> tuple[str, ...]:  # type: ignore[override]
+        return adapter_settings(self._settings.server_overrides)[2]
+
+    def _max_lora_rank(self) -> int:
+        return adapter_settings(self._settings.server_overrides)[1]
+
+    def _retired(self) -> list[Adapter]:
+        retired: list[Adapter] | None = self.__dict__.get("_retired_adapters")
+        if retired is None:
+            retired = self.__dict__["_retired_adapters"] = []
+        return retired
+
+    def _add_adapter(self, adapter: Adapter, replaced: Adapter | None) -> None:
+        import inspect
+
+        from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+
+        fields = inspect.signature(LoadLoRAAdapterFromTensorsReqInput).parameters
+        serialize = getattr(self._engine, "_serialize_tensors_per_rank", None)
+        if "serialized_named_tensors" not in fields or serialize is None:  # compat.BRANCHES: before 0.5.17
+            raise GenEngineError(
+                "this SGLang release cannot load adapters from tensors as genengine sends them: 0.5.17 can"
+            )
+        self._unload_idle()
+        name = sglang_name(adapter)
+
+        def run() -> None:
+            engine = self._engine
+            payloads = serialize(sglang_tensors(adapter), None)
+            request = LoadLoRAAdapterFromTensorsReqInput(
+                lora_name=name, config_dict=config_dict(adapter), serialized_named_tensors=payloads
+            )
+            call = engine.tokenizer_manager.load_lora_adapter_from_tensors(request, None)
+            result = self._sgl(lambda: engine.loop.run_until_complete(call), "SGLang's load_lora_adapter_from_tensors")
+            if not result.success:
+                raise GenEngineError(f"SGLang refused adapter {adapter.name!r}: {result.error_message}")
+
+        self._on_leader("load_adapter", run)
+        adapter.handle = name
+
+    def _drop_adapter(self, adapter: Adapter) -> None:
+        self._retired().append(adapter)
+        self._unload_idle()
+
+    def _unload_idle(self) -> None:
+        """Unload the retired adapters no request of ours uses any more."""
+        state = self._async_state()
+        with state.lock:
+            used = {id(r.request.lora) for r in [*state.live.values(), *state.queued] if not r.done}
+        retired = self._retired()
+        for adapter in [a for a in retired if id(a) not in used]:
+            retired.remove(adapter)
+            self._unload(sglang_name(adapter))
+
+    def _unload(self, name: str) -> None:
+        from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+
+        def run() -> None:
+            engine = self._engine
+            call = engine.tokenizer_manager.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=name), None)
+            result = self._sgl(lambda: engine.loop.run_until_complete(call), "SGLang's unload_lora_adapter")
+            if not result.success:
+                raise GenEngineError(f"SGLang could not unload adapter {name!r}: {result.error_message}")
+
+        self._on_leader("unload_adapter", run)

@@ -1,0 +1,144 @@
+"""LoRA adapters on vLLM: each ``load_adapter`` becomes a ``LoRARequest`` that requests carry
+(``LLM.generate(lora_request=...)``, ``LLMEngine.add_request(lora_request=...)``).
+
+vLLM 0.26's ``LoRARequest`` loads from a folder (``lora_path``; no tensors field), so the adapter is written as a
+PEFT folder (``adapter_config.json`` and ``adapter_model.safetensors``) in shared memory (``/dev/shm`` where it
+exists: no disk) and preloaded with ``LLMEngine.add_lora``, which checks it there and then. verl instead patches
+vLLM's worker LoRA manager to read tensors from the request; a folder in tmpfs costs one copy of the adapter
+(tens of MB at 7B rank 16) and touches nothing of vLLM. Each load gets its own ``lora_int_id`` (the adapter's
+uid), so a replacement never changes a request in flight; the replaced one is removed once no request of ours
+uses it. vLLM serves adapters when started with ``enable_lora=True`` (its own ``EngineArgs``: ``max_lora_rank``,
+default 16; ``max_loras``, adapters per batch, default 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from genengine.adapters import Adapter
+from genengine.backend import Request
+from genengine.errors import ConfigError, GenEngineError
+
+__all__ = ["VLLMAdapters", "adapter_settings", "lora_requests", "write_adapter_dir"]
+
+_DEFAULT_RANK = 16  # vLLM's LoRAConfig.max_lora_rank default
+_SHM = "/dev/shm"
+
+
+def adapter_settings(llm_options: Mapping[str, Any]) -> tuple[bool, int]:
+    """Whether vLLM serves adapters, and its max rank, from the ``vllm.LLM`` options."""
+    if not llm_options.get("enable_lora"):
+        return False, 0
+    rank = llm_options.get("max_lora_rank", _DEFAULT_RANK)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ConfigError(f"max_lora_rank={rank!r} must be an integer >= 1")
+    return True, rank
+
+
+def write_adapter_dir(adapter: Adapter, parent: str | None = None) -> str:
+    """The adapter as a PEFT folder (what ``LoRARequest.lora_path`` names), in ``parent`` (default: shared memory)."""
+    from safetensors.torch import save_file
+
+    if parent is None and os.path.isdir(_SHM):
+        parent = _SHM
+    path = tempfile.mkdtemp(prefix=f"genengine-lora-{adapter.uid}-", dir=parent)
+    try:
+        tensors = {}
+        for module, (a, b) in adapter.pairs.items():
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().cpu().contiguous()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().cpu().contiguous()
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        targets = adapter.config.target_modules
+        config = {
+            "peft_type": "LORA",
+            "r": adapter.config.r,
+            "lora_alpha": adapter.config.lora_alpha,
+            "target_modules": targets if isinstance(targets, str) else list(targets),
+            "bias": "none",
+            "task_type": "CAUSAL_LM",
+        }
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    return path
+
+
+def lora_requests(requests: Sequence[Request], owners: Sequence[int]) -> list[Any] | None:
+    """``LLM.generate``'s ``lora_request`` list for prompts owned by ``owners`` (request indices); None when no
+    request has an adapter."""
+    by_index = {r.index: r for r in requests}
+    loras = [None if by_index[i].lora is None else by_index[i].lora.handle for i in owners]  # type: ignore[union-attr]
+    return loras if any(lora is not None for lora in loras) else None
+
+
+class VLLMAdapters:
+    """``AdapterHost``'s hooks for ``VLLMEngine`` (a mixin before ``AsyncEngineBase`` in its bases)."""
+
+    settings: Any  # VLLMSettings
+    _llm: Any
+    _lock: Any  # VLLMEngine's DriverLock
+    if TYPE_CHECKING:  # AsyncEngineBase's (a stub here would shadow it)
+
+        def _async_state(self) -> Any: ...
+
+    @property
+    def supports_adapters(self) -> bool:  # type: ignore[override]
+        return adapter_settings(self.settings.llm_options)[0]
+
+    def _max_lora_rank(self) -> int:
+        return adapter_settings(self.settings.llm_options)[1]
+
+    def _retired(self) -> list[Adapter]:
+        retired: list[Adapter] | None = self.__dict__.get("_retired_adapters")
+        if retired is None:
+            retired = self.__dict__["_retired_adapters"] = []
+        return retired
+
+    def _add_adapter(self, adapter: Adapter, replaced: Adapter | None) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self._unload_idle()
+        path = write_adapter_dir(adapter)
+        request = LoRARequest(lora_name=f"{adapter.name}@{adapter.uid}", lora_int_id=adapter.uid, lora_path=path)
+        try:
+            with self._lock():
+                added = self._llm.llm_engine.add_lora(request)
+        except BaseException as exc:
+            shutil.rmtree(path, ignore_errors=True)
+            if isinstance(exc, Exception) and not isinstance(exc, GenEngineError):
+                raise GenEngineError(f"vLLM refused adapter {adapter.name!r}: {exc}") from exc
+            raise
+        if not added:
+            shutil.rmtree(path, ignore_errors=True)
+            raise GenEngineError(f"vLLM refused adapter {adapter.name!r} (add_lora returned False)")
+        adapter.handle = request
+
+    def _drop_adapter(self, adapter: Adapter) -> None:
+        self._retired().append(adapter)
+        self._unload_idle()
+
+    def _unload_idle(self) -> None:
+        """Remove the retired adapters no request of ours uses any more (and their folders)."""
+        state = self._async_state()
+        with state.lock:
+            used = {id(r.request.lora) for r in [*state.live.values(), *state.queued] if not r.done}
+        retired = self._retired()
+        for adapter in [a for a in retired if id(a) not in used]:
+            retired.remove(adapter)
+            with self._lock():
+                self._llm.llm_engine.remove_lora(adapter.uid)
+            shutil.rmtree(adapter.handle.lora_path, ignore_errors=True)
+
+    def _remove_adapter_dirs(self) -> None:
+        """At shutdown: the folders of every adapter still loaded or retired (vLLM is gone with them)."""
+        registry: Mapping[str, Adapter] = self.__dict__.get("_adapters_by_name", {})
+        for adapter in [*registry.values(), *self._retired()]:
+            if adapter.handle is not None:
+                shutil.rmtree(adapter.handle.lora_path, ignore_errors=True)

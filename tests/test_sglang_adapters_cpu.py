@@ -1,0 +1,175 @@
+"""SGLang's adapter mapping without SGLang: the server arguments that enable it, PEFT's config and tensor names
+as ``load_lora_adapter_from_tensors`` (0.5.17) takes them, ``GenerateReqInput.lora_path`` per entry, and a
+replaced adapter unloaded only once no request of ours uses it (SGLang's calls faked, their signatures as in
+``tokenizer_control_mixin.py``). The real engine runs in tests/gpu/test_sglang_gpu.py's conformance class."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from genengine.adapters import Adapter, AdapterConfig
+from genengine.errors import ConfigError, GenEngineError
+from genengine.protocol import SamplingParams
+from genengine.requests import Request
+from genengine_sglang.adapters import (
+    SGLangAdapters,
+    adapter_settings,
+    config_dict,
+    lora_paths,
+    sglang_name,
+    sglang_tensors,
+)
+
+CONFIG = AdapterConfig(r=2, lora_alpha=4, target_modules=("q_proj", "v_proj"))
+
+
+def _adapter(name: str = "policy", version: int = 0) -> Adapter:
+    pairs = {"model.layers.0.self_attn.q_proj": (torch.ones(2, 4), torch.ones(6, 2))}
+    return Adapter(name=name, version=version, config=CONFIG, pairs=pairs)
+
+
+def test_server_arguments_enable_adapters() -> None:
+    assert adapter_settings({}) == (False, 0, ())
+    on = {"enable_lora": True, "max_lora_rank": 16, "lora_target_modules": ["q_proj", "down_proj"]}
+    assert adapter_settings(on) == (True, 16, ("q_proj", "down_proj"))
+    assert adapter_settings({**on, "lora_target_modules": "all"})[2][-1] == "down_proj"
+    with pytest.raises(ConfigError, match="give max_lora_rank"):
+        adapter_settings({"enable_lora": True})
+    with pytest.raises(ConfigError, match="lora_target_modules \\['lm_head'\\]"):
+        adapter_settings({**on, "lora_target_modules": ["lm_head"]})
+
+
+def test_enable_lora_without_its_sizes_is_refused_with_the_settings(tmp_path: Path) -> None:
+    from genengine.config import EngineConfig
+    from genengine.models.tiny_model import tiny_model_dir
+    from genengine_sglang.settings import resolve_settings
+
+    config = EngineConfig(backend="sglang", model=str(tiny_model_dir()), options={"enable_lora": True})
+    with pytest.raises(ConfigError, match="max_lora_rank"):
+        resolve_settings(config, environ={})
+
+
+def test_config_and_tensors_as_sglang_reads_them() -> None:
+    adapter = _adapter()
+    assert config_dict(adapter) == {
+        "peft_type": "LORA",
+        "r": 2,
+        "lora_alpha": 4.0,
+        "target_modules": ["q_proj", "v_proj"],
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
+    tensors = sglang_tensors(adapter)
+    assert sorted(tensors) == [
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight",
+    ]
+    assert all(t.device.type == "cpu" for t in tensors.values())
+    assert sglang_name(adapter) == f"policy@{adapter.uid}" and sglang_name(_adapter()) != sglang_name(adapter)
+
+
+def test_lora_path_per_entry() -> None:
+    adapter = _adapter()
+    adapter.handle = "policy@1"
+    base = Request(0, SamplingParams(n=2), prompt_token_ids=(1,))
+    tuned = Request(1, SamplingParams(adapter="policy"), prompt_token_ids=(2,), lora=adapter)
+    assert lora_paths([base], [0, 0]) is None
+    assert lora_paths([base, tuned], [0, 0, 1]) == [None, None, "policy@1"]
+
+
+@dataclass
+class _State:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    live: dict[str, Any] = field(default_factory=dict)
+    queued: list[Any] = field(default_factory=list)
+
+
+class _FakeEngine(SGLangAdapters):
+    """The mixin over SGLang's calls, faked: loads and unloads recorded; ``fail`` makes SGLang refuse a load."""
+
+    def __init__(self) -> None:
+        overrides = {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["q_proj"]}
+        self._settings = types.SimpleNamespace(server_overrides=overrides)  # type: ignore[assignment]
+        self.calls: list[tuple[str, str]] = []
+        self.fail = False
+        self.state = _State()
+        outer = self
+
+        class TM:
+            async def load_lora_adapter_from_tensors(self, req: Any, _: Any) -> Any:
+                outer.calls.append(("load", req.lora_name))
+                return types.SimpleNamespace(success=not outer.fail, error_message="bad shapes")
+
+            async def unload_lora_adapter(self, req: Any, _: Any) -> Any:
+                outer.calls.append(("unload", req.lora_name))
+                return types.SimpleNamespace(success=True, error_message=None)
+
+        self._engine = types.SimpleNamespace(
+            tokenizer_manager=TM(),
+            loop=asyncio.new_event_loop(),
+            _serialize_tensors_per_rank=lambda tensors, fmt: [tensors],
+        )
+
+    def _on_leader(self, op: str, fn: Any) -> Any:
+        return fn()
+
+    def _sgl(self, fn: Any, what: str = "") -> Any:
+        return fn()
+
+    def _async_state(self) -> Any:
+        return self.state
+
+
+@pytest.fixture
+def io_struct(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's request classes as plain records (``sglang.srt.managers.io_struct``, 0.5.17 field names)."""
+    module = types.ModuleType("sglang.srt.managers.io_struct")
+
+    @dataclass
+    class LoadLoRAAdapterFromTensorsReqInput:
+        lora_name: str
+        config_dict: dict[str, Any]
+        serialized_named_tensors: list[Any]
+
+    @dataclass
+    class UnloadLoRAAdapterReqInput:
+        lora_name: str
+
+    module.LoadLoRAAdapterFromTensorsReqInput = LoadLoRAAdapterFromTensorsReqInput  # type: ignore[attr-defined]
+    module.UnloadLoRAAdapterReqInput = UnloadLoRAAdapterReqInput  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", module)
+
+
+def test_a_replaced_adapter_is_unloaded_once_idle(io_struct: None) -> None:
+    engine = _FakeEngine()
+    assert engine.supports_adapters and engine._max_lora_rank() == 8 and engine.adapter_modules == ("q_proj",)
+    first, second = _adapter(version=1), _adapter(version=2)
+    engine._add_adapter(first, None)
+    assert first.handle == sglang_name(first) and engine.calls == [("load", first.handle)]
+    # A request of ours still runs with the first one: the replacement loads, the first stays in SGLang.
+    running = types.SimpleNamespace(done=False, request=types.SimpleNamespace(lora=first))
+    engine.state.live["r"] = running
+    engine._add_adapter(second, first)
+    engine._drop_adapter(first)
+    assert engine.calls[-1] == ("load", second.handle)
+    running.done = True
+    engine._add_adapter(_adapter(version=3), second)  # the next load unloads what is idle first
+    assert ("unload", first.handle) in engine.calls
+
+
+def test_sglang_refusing_an_adapter_is_an_error(io_struct: None) -> None:
+    engine = _FakeEngine()
+    engine.fail = True
+    adapter = _adapter()
+    with pytest.raises(GenEngineError, match="SGLang refused adapter 'policy': bad shapes"):
+        engine._add_adapter(adapter, None)
+    assert adapter.handle is None

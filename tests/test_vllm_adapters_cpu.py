@@ -1,0 +1,136 @@
+"""vLLM's adapter mapping without vLLM: the ``LLM`` options that enable it, the PEFT folder a ``LoRARequest`` names
+(read back with safetensors), ``lora_request`` per prompt, and a replaced adapter removed (with its folder) only
+once no request of ours uses it (vLLM's ``LLMEngine.add_lora``/``remove_lora`` faked, as in 0.26's
+``v1/engine/llm_engine.py``). The real engine runs in tests/gpu/test_vllm_adapters_gpu.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from genengine.adapters import Adapter, AdapterConfig
+from genengine.errors import ConfigError, GenEngineError
+from genengine.protocol import SamplingParams
+from genengine.requests import Request
+from genengine_vllm.adapters import VLLMAdapters, adapter_settings, lora_requests, write_adapter_dir
+
+CONFIG = AdapterConfig(r=2, lora_alpha=4, target_modules=("q_proj", "v_proj"))
+
+
+def _adapter(version: int = 0) -> Adapter:
+    pairs = {"model.layers.0.self_attn.q_proj": (torch.arange(8.0).reshape(2, 4), torch.ones(6, 2))}
+    return Adapter(name="policy", version=version, config=CONFIG, pairs=pairs)
+
+
+def test_options_enable_adapters() -> None:
+    assert adapter_settings({}) == (False, 0)
+    assert adapter_settings({"enable_lora": True}) == (True, 16)
+    assert adapter_settings({"enable_lora": True, "max_lora_rank": 64}) == (True, 64)
+    with pytest.raises(ConfigError, match="max_lora_rank=0"):
+        adapter_settings({"enable_lora": True, "max_lora_rank": 0})
+
+
+def test_the_peft_folder(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    adapter = _adapter()
+    path = write_adapter_dir(adapter, str(tmp_path))
+    tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
+    a, b = adapter.pairs["model.layers.0.self_attn.q_proj"]
+    assert torch.equal(tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"], a)
+    assert torch.equal(tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"], b)
+    config = json.loads(Path(path, "adapter_config.json").read_text())
+    assert config["r"] == 2 and config["lora_alpha"] == 4.0 and config["target_modules"] == ["q_proj", "v_proj"]
+
+
+def test_lora_request_per_prompt() -> None:
+    adapter = _adapter()
+    adapter.handle = "LoRARequest"
+    base = Request(0, SamplingParams(), prompt_token_ids=(1,))
+    tuned = Request(1, SamplingParams(adapter="policy"), prompt_token_ids=(2,), lora=adapter)
+    assert lora_requests([base], [0]) is None
+    assert lora_requests([base, tuned], [0, 1, 1]) == [None, "LoRARequest", "LoRARequest"]
+
+
+@dataclass
+class _State:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    live: dict[str, Any] = field(default_factory=dict)
+    queued: list[Any] = field(default_factory=list)
+
+
+class _FakeEngine(VLLMAdapters):
+    def __init__(self) -> None:
+        self.settings = types.SimpleNamespace(llm_options={"enable_lora": True, "max_lora_rank": 8})
+        self.calls: list[tuple[str, int]] = []
+        self.accept = True
+        self.state = _State()
+        outer = self
+
+        class Engine:
+            def add_lora(self, request: Any) -> bool:
+                assert os.path.isfile(os.path.join(request.lora_path, "adapter_model.safetensors"))
+                outer.calls.append(("add", request.lora_int_id))
+                return outer.accept
+
+            def remove_lora(self, lora_id: int) -> bool:
+                outer.calls.append(("remove", lora_id))
+                return True
+
+        self._llm = types.SimpleNamespace(llm_engine=Engine())
+        self._lock = contextlib.nullcontext
+
+    def _async_state(self) -> Any:
+        return self.state
+
+
+@pytest.fixture
+def lora_request_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("vllm.lora.request")
+
+    @dataclass
+    class LoRARequest:
+        lora_name: str
+        lora_int_id: int
+        lora_path: str
+
+    module.LoRARequest = LoRARequest  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", module)
+
+
+def test_a_replaced_adapter_is_removed_once_idle(lora_request_module: None) -> None:
+    engine = _FakeEngine()
+    assert engine.supports_adapters and engine._max_lora_rank() == 8
+    first, second = _adapter(1), _adapter(2)
+    engine._add_adapter(first, None)
+    assert first.handle.lora_int_id == first.uid and first.handle.lora_name == f"policy@{first.uid}"
+    running = types.SimpleNamespace(done=False, request=types.SimpleNamespace(lora=first))
+    engine.state.live["r"] = running
+    engine._add_adapter(second, first)
+    engine._drop_adapter(first)
+    assert ("remove", first.uid) not in engine.calls and os.path.isdir(first.handle.lora_path)
+    running.done = True
+    engine._add_adapter(_adapter(3), second)
+    assert ("remove", first.uid) in engine.calls and not os.path.exists(first.handle.lora_path)
+    engine._adapters_by_name = {"policy": second}  # type: ignore[attr-defined]
+    engine._remove_adapter_dirs()
+    assert not os.path.exists(second.handle.lora_path)
+
+
+def test_vllm_refusing_an_adapter_is_an_error_and_leaves_no_folder(lora_request_module: None) -> None:
+    engine = _FakeEngine()
+    engine.accept = False
+    adapter = _adapter()
+    with pytest.raises(GenEngineError, match="vLLM refused adapter 'policy'"):
+        engine._add_adapter(adapter, None)
+    assert adapter.handle is None
