@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A name-mapping bug: layer 1's tensors are written into layer 0. A load of other weights is not equal to a fresh
 # engine on them, and the load that ``restoring`` makes afterwards leaves layer 0 wrong, so with the one bug every

@@ -13,7 +13,7 @@ import pytest
 from genengine import EngineConfig
 from genengine.models.tiny_model import tiny_model_dir
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BACKENDS = ("transformers", "sglang", "vllm")
 
 

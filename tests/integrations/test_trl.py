@@ -575,7 +575,7 @@ def test_a_backend_name_alone_is_a_config(
     assert "use_vllm=True is set too: genengine's engine runs, TRL builds no vllm.LLM" in lines[1]
 
 
-EXAMPLE_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "examples" / "configs").glob("*.yaml"))
+EXAMPLE_CONFIGS = sorted((Path(__file__).resolve().parents[2] / "examples" / "configs").glob("*.yaml"))
 
 
 @needs_trl

@@ -7,7 +7,6 @@ workers (tests/dist_worker.py), with several simulated nodes where LOCAL_WORLD_S
 from __future__ import annotations
 
 import argparse
-import importlib
 import itertools
 import json
 import socket
@@ -19,13 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import dist_worker as dw
 
 from genengine import distributed as gd
 from genengine.cli.topology import add_parser
 from genengine.errors import DistributedSetupError, InvalidArgumentError
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-dw = importlib.import_module("dist_worker")
 
 pytestmark = pytest.mark.timeout(120)
 

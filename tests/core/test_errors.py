@@ -13,7 +13,7 @@ from pathlib import Path
 
 from genengine import errors
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 CLASSES = {n: getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)}
 
 

@@ -13,7 +13,7 @@ import pytest
 from genengine.cli.bench.paired import SampleChild, pair_ratio, run_paired, summarize
 from genengine.errors import InvalidArgumentError
 
-BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
 
 # A fake engine: each sample "generates" TOKENS tokens in SECONDS and appends "NAME SEED" to LOG.
 FAKE = textwrap.dedent(

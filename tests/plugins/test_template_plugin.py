@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "examples" / "genengine-backend-template"
 _SKIP = shutil.ignore_patterns(
     ".venv", ".git", "build", "dist", "site", "*.egg-info", "__pycache__", ".*_cache", "out", ".gpu", ".whl",

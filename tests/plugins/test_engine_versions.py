@@ -31,7 +31,7 @@ from genengine.models.tiny_model import tiny_model_dir
 from genengine_sglang.engine import SGLangEngine
 from genengine_vllm.engine import VLLMEngine
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPAT = {"sglang": sglang_compat.VERIFIED, "vllm": vllm_compat.VERIFIED}
 
 

@@ -19,7 +19,7 @@ import genengine
 from genengine.errors import BackendImportError, BackendNotFoundError, ConfigError, GenEngineError
 from genengine.plugins.registry import available_backends, create_engine, get_backend
 
-PLUGINS = Path(__file__).parent / "plugins"
+PLUGINS = Path(__file__).parent / "packages"
 
 
 @pytest.fixture(scope="session")

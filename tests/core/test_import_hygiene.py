@@ -43,7 +43,7 @@ def test_every_subcommand_help_is_light() -> None:
 
 
 # ---- the packages' shape: read from their source (no import) -------------------------------------------------
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("genengine", "genengine_sglang", "genengine_vllm")
 PLUGINS = ("genengine_sglang", "genengine_vllm")
 PLUGIN_CORE = {"genengine.backend", "genengine.distributed"}

@@ -18,7 +18,7 @@ import pytest
 
 tomllib = pytest.importorskip("tomllib")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "plugins.md"
 
 

@@ -176,7 +176,7 @@ def test_bench_sync_7b_writes_the_json_and_verify_reads_it(tmp_path: Path, monke
     import subprocess
     import sys
 
-    benchmarks = Path(__file__).resolve().parents[1] / "benchmarks"
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
     monkeypatch.syspath_prepend(str(benchmarks))
     import bench_sync_7b
 
@@ -191,7 +191,7 @@ def test_bench_sync_7b_writes_the_json_and_verify_reads_it(tmp_path: Path, monke
         assert bench_sync_7b.main(["vllm", "--syncs", "1", "--in-flight", "1"]) == 0
     report = json.loads((tmp_path / "bench_sync_vllm.json").read_text())
     assert report["targets"]["in_process"]["requests_finished"] == "1/1"
-    verify = (Path(__file__).resolve().parents[1] / "tools/gpu/verify.sh").read_text()
+    verify = (Path(__file__).resolve().parents[2] / "tools/gpu/verify.sh").read_text()
     snippet = verify.split('    sync) what=$(python3 - "$WORK/bench_sync_$ENGINE.json"', 1)[1]
     snippet = snippet.split("<<'EOF' 2>/dev/null || echo \"no report\"\n", 1)[1].split("\nEOF\n", 1)[0]
     row = subprocess.run(

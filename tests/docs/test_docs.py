@@ -25,7 +25,7 @@ import yaml
 from genengine import errors, hookspecs
 from genengine.protocol import GenerationEngine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*$", re.MULTILINE)
 DIRECTIVE = re.compile(r"^:::\s+([\w.]+)\s*$", re.MULTILINE)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PREPARE = ROOT / "tools" / "gpu" / "prepare.sh"
 PLUGINS = {"vllm": "genengine_vllm", "sglang": "genengine_sglang"}
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

@@ -34,7 +34,7 @@ exit_with(RUN, main)
 
 def _pythonpath() -> str:
     """The script imports ``support`` as the GPU scripts do, from ``tests/`` on the path."""
-    tests = str(Path(__file__).resolve().parent)
+    tests = str(Path(__file__).resolve().parents[1])
     return os.pathsep.join([tests, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 

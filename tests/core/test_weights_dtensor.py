@@ -9,20 +9,15 @@ NaN in one rank's shard must be refused by both ranks alike (neither may hang in
 
 from __future__ import annotations
 
-import importlib
 import os
 import queue
-import sys
 import traceback
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-dw = importlib.import_module("dist_worker")
-from support.start import worker_context  # noqa: E402
+from support import dist_worker as dw
+from support.start import worker_context
 
 pytestmark = pytest.mark.timeout(300)
 

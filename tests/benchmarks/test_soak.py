@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOAK = ROOT / "benchmarks" / "soak.py"
 MIB = 1 << 20
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = {"vllm": "genengine_vllm", "sglang": "genengine_sglang"}
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from genengine.cli.bench.paired import SampleChild
 
-BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
+BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
 
 # A fake engine whose call of N new tokens takes FIXED + N * PER_TOKEN seconds, timed inside as P1 children do.
 FAKE = textwrap.dedent(

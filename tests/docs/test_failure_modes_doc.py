@@ -18,7 +18,7 @@ from genengine.backends.transformers.engine import TransformersEngine
 from genengine.models.tiny_model import tiny_model_dir
 from genengine.testing.conformance import load_checkpoint
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "failure-modes.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "failure-modes.md"
 GREEDY = {"temperature": 0.0, "max_new_tokens": 1}
 
 
