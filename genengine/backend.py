@@ -7,7 +7,7 @@ for the async calls, ``AsyncEngineBase`` (an ``EngineBase`` that serves them too
 its hooks report into and the ``DriverLock`` a driver thread shares with callers; and what an engine that
 owns processes needs: the checkpoint readers, scoped environment changes, exit hooks and the process's
 live-engine tracking. Backend plugins import the core only from here (and ``genengine.distributed``;
-tests/test_import_hygiene.py holds them to it). The module imports no torch (helpers that need it import
+tests/core/test_import_hygiene.py holds them to it). The module imports no torch (helpers that need it import
 it when called), so a plugin module may import it.
 """
 

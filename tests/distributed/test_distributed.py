@@ -1,7 +1,7 @@
 """genengine.distributed: the pure topology exhaustively, then real gloo process groups in worker processes.
 
 No process group is mocked: the distributed tests run torch.distributed over TCP in a pool of spawned
-workers (tests/dist_worker.py), with several simulated nodes where LOCAL_WORLD_SIZE < WORLD_SIZE.
+workers (tests/support/dist_worker.py), with several simulated nodes where LOCAL_WORLD_SIZE < WORLD_SIZE.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """EnginePool on a real local Ray cluster (2 CPUs), embedded replicas on the tiny random model: one pool of
 two separate replicas for the module (starting replicas costs seconds each), read by most tests and killed
-last. What any engine must do is checked on a pool by tests/test_ray_conformance.py; this file checks what
+last. What any engine must do is checked on a pool by tests/ray_pool/test_ray_conformance.py; this file checks what
 is the pool's own: options, routing over replicas, every replica reached, failures and restarts. The gloo
-group is tests/test_ray_pool_sync.py's, the colocated placements tests/test_ray_colocated.py's.
+group is tests/ray_pool/test_ray_pool_sync.py's, the colocated placements tests/ray_pool/test_ray_colocated.py's.
 """
 
 from __future__ import annotations
