@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
-# verl for tests/test_verl.py, without its requirements (see pyproject's dev extra for why and what it needs).
+# verl for tests/integrations/test_verl.py, without its requirements (see pyproject's dev extra for why and what it needs).
 VERL_DEV ?= verl==0.9.1
 # Two workers (pytest-xdist), one test file each at a time: the CI machine has two cores, and most of the suite
 # waits on subprocesses and process groups.

@@ -1,4 +1,4 @@
-"""Nightly fuzzing: tests/test_fuzz.py with many more examples and a fresh random seed each night.
+"""Nightly fuzzing: tests/core/test_fuzz.py with many more examples and a fresh random seed each night.
 
     python benchmarks/fuzz_nightly.py [--scale 20] [--seed N] [--junit FILE] [-- extra pytest args]
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.executable,
         "-m",
         "pytest",
-        str(ROOT / "tests" / "test_fuzz.py"),
+        str(ROOT / "tests" / "core" / "test_fuzz.py"),
         "-q",
         "-p",
         "no:cacheprovider",

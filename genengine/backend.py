@@ -4,7 +4,7 @@ llm's plugins).
 ``from genengine import backend`` gives the base classes an adapter subclasses, the hook that registers it, the
 data its methods deal in, and the helpers every adapter otherwise writes again (the ``from_config`` factory, the
 weight list of a loaded model, the stop/EOS rules, seeds, option checks). This module only re-exports: each name
-lives in the layer module that owns it, and tests/test_import_hygiene.py keeps it so (no logic, at most 35 names).
+lives in the layer module that owns it, and tests/core/test_import_hygiene.py keeps it so (no logic, at most 35 names).
 
 The rest of what a plugin may import from the core, each from the module that owns it: every error from
 :mod:`genengine.errors` (the contract's); for an engine that reads a checkpoint or runs its own processes,

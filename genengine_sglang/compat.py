@@ -2,9 +2,9 @@
 
 ``SUPPORTED`` are the releases the code is written for: each has a recorded API surface
 (``surfaces/VERSION.json``, made by ``tools/engine_surface.py`` from the release's wheel) that
-``tests/test_engine_surfaces.py`` checks the plugin's uses (``genengine_sglang.upstream``) against on the CPU.
+``tests/plugins/test_engine_surfaces.py`` checks the plugin's uses (``genengine_sglang.upstream``) against on the CPU.
 ``VERIFIED`` is the part of them run on the H200 (GPU suite and ``verify.sh``); pyproject's ``sglang`` extra
-declares exactly that range (tests/test_engine_versions.py holds them equal); widen it only after both ends
+declares exactly that range (tests/plugins/test_engine_versions.py holds them equal); widen it only after both ends
 have passed (docs/deployment.md's matrix). Where releases differ in what the plugin uses, a function here
 branches on the feature (the field or module exists), not on the version string, and ``BRANCHES`` names the
 use and the releases that lack it (the surface test holds that list exact).

@@ -1,7 +1,7 @@
 """What of vLLM this plugin touches: checked against every supported release's recorded surface.
 
 ``tools/engine_surface.py`` reads each release's wheel (by AST, nothing imported) and writes
-``surfaces/VERSION.json`` for the modules and classes named here; ``tests/test_engine_surfaces.py`` checks,
+``surfaces/VERSION.json`` for the modules and classes named here; ``tests/plugins/test_engine_surfaces.py`` checks,
 on the CPU, that every use exists in every release ``compat.SURFACES`` lists, unless ``compat.BRANCHES``
 names that use and the releases that lack it (the plugin then branches on the feature). A use is
 ``"module:Name[.member][(keyword, ...)]"``: the module exports ``Name``; the class (or a base) has ``member``

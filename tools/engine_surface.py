@@ -8,7 +8,7 @@ the wheel's sources by AST and writes ``genengine_ENGINE/surfaces/VERSION.json``
 module named there, the members (methods with their parameter names, class attributes, instance attributes
 assigned in methods, inherited ones too) of each class named there, the parameters of each function named
 there, and the field lists of the classes in ``FIELDS`` (``EngineArgs``, ``ServerArgs``: what the settings
-layer accepts as pass-through options where the engine is not installed). ``tests/test_engine_surfaces.py``
+layer accepts as pass-through options where the engine is not installed). ``tests/plugins/test_engine_surfaces.py``
 checks the plugin's uses against every supported release's file, on the CPU, with no wheel.
 
 A wheel missing from ``--wheels`` (default ``$WHEELS`` or /tmp/wheels) is fetched with

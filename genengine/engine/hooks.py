@@ -2,7 +2,7 @@
 
 ``HOOKS`` is the list docs/plugins.md documents: a plugin overrides those and nothing else of the base (the state
 machine's own members, ``_end_load`` and ``_begin_load`` among them, stay the base's); the hygiene test
-(``tests/test_import_hygiene.py``) fails on a shipped plugin that overrides another.
+(``tests/core/test_import_hygiene.py``) fails on a shipped plugin that overrides another.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The fleet is the only writer of that state: which replicas exist and their status, each one's engine state and
 weight version, which are routed to (the router's entries and loads), the pool's weight version, pause and
 closed flags. The other parts read it and change it through the verbs below (``mark_loaded``,
-``mark_needs_weights``, ``mark_stale``, ``pick``, ``release``, ...); tests/test_pool_hygiene.py fails if code
+``mark_needs_weights``, ``mark_stale``, ``pick``, ``release``, ...); tests/ray_pool/test_pool_hygiene.py fails if code
 elsewhere writes a field. The roles that act on the fleet are their own classes:
 :class:`~genengine.ray.lifecycle.Lifecycle` (placement, start, health, restore, teardown) and
 :class:`~genengine.ray.dispatch.Dispatch` (routing and ``generate``); the fan-out itself

@@ -4,7 +4,7 @@ Every call the pool makes on a replica is a method here, with the replica's argu
 replica method by a string, and nothing outside this module touches the actor. Each method returns the
 call's Ray object ref (the fleet's fan-out waits for it); the engine calls answer a
 :class:`~genengine.ray.replica.Reply`. Only :class:`~genengine.ray.fleet.Fleet` writes a ``Replica``'s fields
-(tests/test_pool_hygiene.py checks it). Importing this module imports neither Ray nor torch.
+(tests/ray_pool/test_pool_hygiene.py checks it). Importing this module imports neither Ray nor torch.
 """
 
 from __future__ import annotations

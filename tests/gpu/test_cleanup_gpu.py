@@ -7,7 +7,7 @@ tree, and any process carrying the run's environment marker (orphans wherever th
 gone, and the GPU's free memory must be back where it was before the trainer started. SGLang's engine
 processes die with the trainer through ``PR_SET_PDEATHSIG`` (SGLang sets it in its scheduler and
 detokenizer) and ``genengine.engine.lifecycle.at_exit`` (normal exit, exception, Ctrl-C); vLLM runs in the trainer's
-process. The CPU twin, with the controls that show the checks can fail, is tests/test_cleanup.py.
+process. The CPU twin, with the controls that show the checks can fail, is tests/core/test_cleanup.py.
 
 The engine is SGLang when it is importable, else vLLM (``GENENGINE_CLEANUP_BACKEND`` overrides); SGLang's
 machine settings come from ``$GENENGINE_SGLANG_OPTIONS`` as tools/gpu/run_tests.sh sets them. Run:

@@ -1,6 +1,6 @@
 """Weight transports on GPUs: NCCL between two GPUs, CUDA IPC between two processes on one GPU.
 
-The CPU suite (tests/test_transport.py) covers the protocol over gloo; these runs check what only a GPU
+The CPU suite (tests/transport/test_transport.py) covers the protocol over gloo; these runs check what only a GPU
 shows: NCCL carrying the buckets (its own communicator, the side-stream packing), a dead NCCL peer
 raising within the timeout without NCCL's watchdog killing the survivor, and CUDA IPC handles opened by
 another process on the same GPU. Every replica holds the embedded engine on its GPU.

@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 _PROC = Path("/proc")
+_TESTS = str(Path(__file__).resolve().parents[1])  # tests/, where ``support`` is imported from
 
 
 @dataclass(frozen=True)
@@ -268,6 +269,9 @@ class TrainerRun:
         full_env = dict(os.environ if env is None else env)
         full_env[MARK_ENV] = self.marker
         full_env.setdefault("PYTHONUNBUFFERED", "1")
+        # A test file run as the child script sits in its topic's folder (tests/core/...): it imports ``support``
+        # from tests/, which the script's own folder on ``sys.path`` does not give.
+        full_env["PYTHONPATH"] = os.pathsep.join([_TESTS, *filter(None, [full_env.get("PYTHONPATH")])])
         self._lines: list[str] = []
         self._ready = threading.Event()
         self._ready_line = ""

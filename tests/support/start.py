@@ -2,15 +2,15 @@
 torch, torch.distributed and the tiny model's transformers modules once, instead of spawned afresh.
 
 A spawned child imports torch (2-3 s of CPU) and, to build an engine, transformers' model code (3-4 s more) before
-it does anything; the 2-core CI machine paid that once per rank, 8 ranks for tests/test_distributed.py alone.
-Forked from the server, a child starts with those modules in memory. It is still a process of its own (its own pid,
-memory, process group, signals), started by ``multiprocessing`` as before; what differs from ``spawn``: it does not
-re-run its imports (modules that read a variable at import read the server's, the session's), while ``os.environ``
-is its parent's at ``start()``, as a spawned child's is. Files whose subject is a process's start itself (the
-SGLang-like children of tests/test_cleanup.py, the engines' own start-ups) keep ``spawn``, and so does
-tests/dist_worker.py's WorkerPool for now: forked, its 4-rank ``helpers`` job hung on rank 3 in two of three full
-runs of tests/test_distributed.py on a loaded machine (the spawned pool failed a 4-rank job there once too, with a
-gloo connection error; not yet understood).
+it does anything; the 2-core CI machine paid that once per rank, 8 ranks for tests/distributed/test_distributed.py
+alone. Forked from the server, a child starts with those modules in memory. It is still a process of its own (its
+own pid, memory, process group, signals), started by ``multiprocessing`` as before; what differs from ``spawn``: it
+does not re-run its imports (modules that read a variable at import read the server's, the session's), while
+``os.environ`` is its parent's at ``start()``, as a spawned child's is. Files whose subject is a process's start
+itself (the SGLang-like children of tests/core/test_cleanup.py, the engines' own start-ups) keep ``spawn``, and so
+does tests/support/dist_worker.py's WorkerPool for now: forked, its 4-rank ``helpers`` job hung on rank 3 in two of
+three full runs of tests/distributed/test_distributed.py on a loaded machine (the spawned pool failed a 4-rank job
+there once too, with a gloo connection error; not yet understood).
 
 The server is started by the first worker of a pytest process and serves every file that process runs.
 """

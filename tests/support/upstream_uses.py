@@ -1,6 +1,6 @@
 """Check a plugin's declared upstream uses against the installed engine by importing it (GPU machine only).
 
-``tests/test_engine_surfaces.py`` checks the uses against surfaces read from the wheels by AST; this checks
+``tests/plugins/test_engine_surfaces.py`` checks the uses against surfaces read from the wheels by AST; this checks
 the same uses against the real, imported engine, so a fault of the AST reading (a name it finds that does not
 exist at run time, or a signature it misreads) shows on the GPU machine. Importable without the engine.
 """

@@ -1,7 +1,8 @@
-"""A stand-in for verl's trainer worker (verl/workers/engine_workers.py) in tests/test_verl.py: a Ray actor that
-builds the rollout the way the worker does (``get_rollout_class(name, mode)`` on verl's ``RolloutConfig``) and
-makes the worker's calls on it: ``release()``, ``resume(["weights"])``, ``update_weights(...)``,
-``resume(["kv_cache"])``. Only the FSDP model is missing: the weights come from a checkpoint on disk."""
+"""A stand-in for verl's trainer worker (verl/workers/engine_workers.py) in tests/integrations/test_verl.py: a Ray
+actor that builds the rollout the way the worker does (``get_rollout_class(name, mode)`` on verl's
+``RolloutConfig``) and makes the worker's calls on it: ``release()``, ``resume(["weights"])``,
+``update_weights(...)``, ``resume(["kv_cache"])``. Only the FSDP model is missing: the weights come from a
+checkpoint on disk."""
 
 from __future__ import annotations
 

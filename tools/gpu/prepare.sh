@@ -80,7 +80,8 @@ fi
 # the engine's site has of its requirements: datasets (TRL's), multiprocess and dill (datasets'; SGLang's site
 # already pins dill 0.4.1). The image has the rest: accelerate 1.15.0, huggingface-hub 1.33.0, pandas, pyarrow,
 # psutil, jinja2, xxhash, fsspec (datasets 5.2.0 wants pyarrow>=24, fsspec<=2026.9.0: verify.sh's trl row checks).
-# All pure Python, 0.9 MiB packed. TRL 1.16 needs transformers>=4.56.2: both sites' (5.12.1, 5.17.0) pass tests/test_trl.py.
+# All pure Python, 0.9 MiB packed. TRL 1.16 needs transformers>=4.56.2: both sites' (5.12.1, 5.17.0) pass
+# tests/integrations/test_trl.py.
 if [ "${WITH_TRL:-0}" = 1 ]; then
   PINS="$PINS trl==1.16.0 datasets==5.2.0 multiprocess==0.70.19"
   case " $PINS " in *" dill=="*) ;; *) PINS="$PINS dill==0.4.1" ;; esac

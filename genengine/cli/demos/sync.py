@@ -55,7 +55,7 @@ PROMPTS = [
 """The demo's 16 prompts (each step samples ``prompts_per_step`` of them)."""
 TRL_PROMPTS = [PROMPTS[i] for i in (0, 1, 3, 4, 5, 6, 9, 15, 2, 7, 8, 10, 11, 12, 13, 14)]
 """The same prompts in the order TRL's example and tests train on them (TRL reads its dataset in order, and the
-learning figures of tests/test_trl.py were measured with this one)."""
+learning figures of tests/integrations/test_trl.py were measured with this one)."""
 
 
 @dataclass

@@ -1,0 +1,203 @@
+"""``genengine bench --sync``: a weight sync split into pause, gather, transfer, load and resume."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from genengine.cli import main
+from genengine.cli.bench.sync import (
+    PHASES,
+    SyncBenchSettings,
+    format_sync_report,
+    one_sync,
+    run_sync_bench,
+    split_traced,
+    summarize_phases,
+)
+from genengine.errors import InvalidArgumentError
+from genengine.protocol import LoadReport
+
+
+class _Recorder:
+    """An async engine that records what the sync does, in order."""
+
+    supports_async = True
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.loaded: list[tuple[str, torch.Tensor]] = []
+
+    async def generate_async(self, prompt_token_ids: list[int], sampling_params: Any) -> Any:
+        self.calls.append("submit")
+        from types import SimpleNamespace
+
+        out = SimpleNamespace(finish_reason="length", token_ids=[1] * sampling_params["max_new_tokens"])
+        return SimpleNamespace(outputs=[out])
+
+    async def pause_generation(self, mode: str = "keep") -> None:
+        self.calls.append(f"pause:{mode}")
+
+    async def resume_generation(self) -> None:
+        self.calls.append("resume")
+
+    def load_weights(self, pairs: list[tuple[str, torch.Tensor]], **kwargs: Any) -> LoadReport:
+        self.calls.append(f"load:{sorted(kwargs.items())}")
+        self.loaded = list(pairs)
+        return LoadReport(num_tensors=len(pairs), num_bytes=0, num_buckets=1, seconds=0.0)
+
+
+def test_one_sync_pauses_gathers_in_the_engine_dtype_loads_then_resumes() -> None:
+    target = _Recorder()
+    params = {"a": torch.ones(4, dtype=torch.float32), "b": torch.zeros(2, dtype=torch.bfloat16)}
+    times = one_sync(target, params.items(), dtype=torch.bfloat16, prompts=[[1, 2], [3, 4]], max_new_tokens=3)
+    assert target.calls == ["submit", "submit", "pause:keep", "load:[('bucket_bytes', None)]", "resume"]
+    assert [(n, t.dtype) for n, t in target.loaded] == [("a", torch.bfloat16), ("b", torch.bfloat16)]
+    assert times["transfer"] is None and times["num_buckets"] == 1
+    assert all(times[p] >= 0 for p in ("pause", "gather", "load", "resume"))
+    assert times["requests_finished"] == times["requests"] == 2
+
+
+def test_a_synchronous_engine_has_no_pause_or_resume() -> None:
+    class Sync:
+        def load_weights(self, pairs: Any, **kwargs: Any) -> LoadReport:
+            return LoadReport(num_tensors=len(pairs), num_bytes=0, num_buckets=2, seconds=0.0)
+
+    times = one_sync(Sync(), [("w", torch.ones(2))], version=3)
+    assert times["pause"] is None and times["resume"] is None and times["load"] >= 0
+
+
+def test_summarize_phases_and_the_table() -> None:
+    rows = [
+        {"pause": 0.001, "gather": 0.002, "transfer": None, "load": 0.010, "resume": 0.001},
+        {"pause": 0.003, "gather": 0.002, "transfer": None, "load": 0.030, "resume": 0.001},
+    ]
+    s = summarize_phases(rows)
+    assert s["phases"]["transfer"] is None and s["phases"]["load"]["median"] == pytest.approx(0.02)
+    assert s["slowest"] == "load" and s["total_median"] == pytest.approx((0.014 + 0.036) / 2)
+    table = format_sync_report({"backend": "x", "targets": {"in_process": s, "pool": s}, "settings": {"syncs": 2}})
+    lines = table.splitlines()
+    assert [line.split()[0] for line in lines[2:7]] == list(PHASES)
+    assert "20.00 ms" in lines[5] and "n/a" in lines[4] and lines[-1].split()[1:] == ["load", "load"]
+    with pytest.raises(InvalidArgumentError, match="no syncs"):
+        summarize_phases([])
+
+
+def test_split_traced_takes_the_receivers_write_as_load(tmp_path: Path) -> None:
+    (tmp_path / "sync-2-receiver-11.json").write_text(
+        json.dumps({"totals": {"notice_wait": 0.02, "copy": 0.01, "write": 0.03, "commit": 0.005}})
+    )
+    (tmp_path / "sync-2-sender-10.json").write_text(json.dumps({"totals": {"pack_issue": 0.04}}))
+    assert split_traced(0.1, tmp_path, 2) == pytest.approx({"transfer": 0.065, "load": 0.035})
+    assert split_traced(0.1, tmp_path, 3) is None  # that sync left no receiver trace
+    # another pool's sync 2, written before this one started, is not this one's
+    assert split_traced(0.1, tmp_path, 2, since=time.time() + 60) is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [("syncs", 0, "syncs=0"), ("in_flight", -1, "in_flight=-1"), ("trainer_dtype", "int8", "allowed are")],
+)
+def test_bad_settings_are_refused(field: str, value: Any, match: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=match):
+        SyncBenchSettings(**{field: value}).check()
+
+
+def test_cli_refuses_sync_with_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--sync", "--pool"]) == 2
+    assert "--sync is its own measurement" in capsys.readouterr().err
+
+
+def test_sync_bench_on_the_embedded_backend(tmp_path: Path) -> None:
+    """The real run: the tiny model on CPU, requests in flight, a trainer in bfloat16 (gather casts)."""
+    buf = io.StringIO()
+    args = ["bench", "--sync", "--syncs", "2", "--in-flight", "2", "--max-new-tokens", "8", "--trainer-dtype"]
+    args += ["bfloat16", "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png")]
+    with contextlib.redirect_stdout(buf):
+        assert main(args) == 0
+    report = json.loads((tmp_path / "s.json").read_text())
+    t = report["targets"]["in_process"]
+    assert report["trainer_dtype"] == "bfloat16" and report["dtype"] == "float32"
+    for phase in ("pause", "gather", "load", "resume"):
+        assert len(t["phases"][phase]["all"]) == 2 and t["phases"][phase]["median"] > 0
+    assert t["phases"]["transfer"] is None  # in-process: the engine reads the trainer's tensors
+    assert t["requests_finished"] == "4/4"
+    assert format_sync_report(report) in buf.getvalue()
+    png = tmp_path / "s.png"
+    assert (("wrote " + str(png)) in buf.getvalue() and png.read_bytes()[:4] == b"\x89PNG") or (
+        "matplotlib is missing" in buf.getvalue()
+    )
+
+
+def test_a_config_only_folder_syncs_random_weights_under_the_models_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU engines' ``load_format="dummy"`` folders have no safetensors: the trainer's weights are random,
+    one per weight the model takes, in the trainer's dtype."""
+    import shutil
+
+    import genengine.plugins.registry
+    from genengine.models.tiny_model import tiny_model_dir
+
+    src = tiny_model_dir()
+    model = tmp_path / "m"
+    shutil.copytree(src, model, ignore=shutil.ignore_patterns("*.safetensors"))
+    loaded: list[tuple[str, torch.Tensor]] = []
+
+    class Engine:
+        def load_weights(self, pairs: Any, **kwargs: Any) -> LoadReport:
+            loaded[:] = pairs
+            return LoadReport(num_tensors=len(pairs), num_bytes=0, num_buckets=1, seconds=0.0)
+
+        def shutdown(self) -> None:
+            pass
+
+    monkeypatch.setattr(genengine.plugins.registry, "create_engine", lambda config: Engine())
+    report = run_sync_bench(SyncBenchSettings(model=str(model), syncs=1, trainer_dtype="bfloat16", dtype="float32"))
+    from safetensors import safe_open
+
+    with safe_open(str(next(Path(src).glob("*.safetensors"))), "pt") as fh:
+        names = set(fh.keys())
+    assert {n for n, _ in loaded} == names and report["num_tensors"] == len(names)
+    assert {t.dtype for _, t in loaded} == {torch.float32}  # gathered in the engine's dtype from bf16 ones
+    assert report["targets"]["in_process"]["phases"]["pause"] is None  # a synchronous engine
+
+
+def test_bench_sync_7b_writes_the_json_and_verify_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/bench_sync_7b.py (verify.sh's ``sync`` part) with the embedded backend standing in for the 7B
+    engine: its JSON lands in $OUT under the name verify.sh's summary reads, and that summary reads it."""
+    import subprocess
+    import sys
+
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    import bench_sync_7b
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_sync_7b, "make_model_dir", lambda path, tokenizer: path)
+    monkeypatch.setattr(
+        bench_sync_7b,
+        "settings",
+        lambda engine, model, syncs, in_flight: SyncBenchSettings(syncs=syncs, in_flight=in_flight, max_new_tokens=4),
+    )
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench_sync_7b.main(["vllm", "--syncs", "1", "--in-flight", "1"]) == 0
+    report = json.loads((tmp_path / "bench_sync_vllm.json").read_text())
+    assert report["targets"]["in_process"]["requests_finished"] == "1/1"
+    verify = (Path(__file__).resolve().parents[2] / "tools/gpu/verify.sh").read_text()
+    snippet = verify.split('    sync) what=$(python3 - "$WORK/bench_sync_$ENGINE.json"', 1)[1]
+    snippet = snippet.split("<<'EOF' 2>/dev/null || echo \"no report\"\n", 1)[1].split("\nEOF\n", 1)[0]
+    row = subprocess.run(
+        [sys.executable, "-c", snippet, str(tmp_path / "bench_sync_vllm.json"), str(tmp_path / "bench_sync_vllm.png")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "medians (ms): pause" in row and "requests finished 1/1" in row, row

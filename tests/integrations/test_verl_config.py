@@ -1,0 +1,150 @@
+"""The verl plugin's registration and config mapping, without Ray: fast checks of what
+tests/integrations/test_verl.py runs for real. The config mapping needs no verl at all (plain mappings stand in
+for verl's configs)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from genengine.errors import BackendNotFoundError, ConfigError
+from genengine.integrations.verl.config import engine_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rollout(**changes: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "name": "genengine",
+        "tensor_model_parallel_size": 2,
+        "data_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "n_gpus_per_node": 8,
+        "nnodes": 0,
+        "gpu_memory_utilization": 0.6,
+        "dtype": "bfloat16",
+        "max_model_len": 2048,
+        "prompt_length": 512,
+        "response_length": 256,
+        "free_cache_engine": True,
+        "seed": 7,
+        "engine_kwargs": {
+            "vllm": {},
+            "sglang": {},
+            "genengine": {"backend": "vllm", "options": {"enforce_eager": True}},
+        },
+    }
+    base.update(changes)
+    return base
+
+
+def test_verl_fields_map_onto_the_engine_config() -> None:
+    """Model, TP, memory share, dtype, seed from verl's fields; max_model_len as the backend's own option."""
+    s = engine_settings(rollout(), {"path": "/models/qwen"}, check_backend=False)
+    e = s.engine
+    assert (e.backend, e.model, e.tp_size, e.mem_util, e.dtype, e.seed) == (
+        "vllm",
+        "/models/qwen",
+        2,
+        0.6,
+        "bfloat16",
+        7,
+    )
+    assert e.options == {"enforce_eager": True, "max_model_len": 2048}
+    assert (s.transport, s.sleep_level, s.prompt_length, s.response_length) == ("cuda_ipc", 2, 512, 256)
+    sglang = rollout(engine_kwargs={"genengine": {"backend": "sglang"}})
+    assert engine_settings(sglang, {"path": "/m"}, check_backend=False).engine.options == {"context_length": 2048}
+    local = {"path": "hdfs://x", "local_path": "/tmp/x"}  # verl's HFModelConfig copies the model to local_path
+    assert engine_settings(rollout(), local, check_backend=False).engine.model == "/tmp/x"
+    cpu = rollout(engine_kwargs={"genengine": {"backend": "transformers"}})
+    assert engine_settings(cpu, None, check_backend=False).transport == "gloo"
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        ({"engine_kwargs": {"genengine": {}}}, ConfigError, "backend is not set"),
+        ({"engine_kwargs": {"genengine": {"backend": "nosuch"}}}, BackendNotFoundError, "unknown backend 'nosuch'"),
+        ({"engine_kwargs": {"genengine": {"backend": "vllm", "sleep_levl": 1}}}, ConfigError, "did you mean"),
+        ({"engine_kwargs": {"genengine": "sglang"}}, ConfigError, "must be a mapping"),
+        ({"tensor_model_parallel_size": 3}, ConfigError, "tensor_model_parallel_size=3 does not divide the 8"),
+        ({"tensor_model_parallel_size": 16, "nnodes": 2}, ConfigError, "larger than n_gpus_per_node=8"),
+        ({"data_parallel_size": 2}, ConfigError, "data_parallel_size=2 is not supported"),
+        ({"pipeline_model_parallel_size": 2}, ConfigError, "pipeline_model_parallel_size=2 is not supported"),
+        ({"gpu_memory_utilization": 1.5}, ConfigError, "mem_util=1.5"),
+        ({"engine_kwargs": {"genengine": {"backend": "vllm", "transport": "tcp"}}}, ConfigError, "transport='tcp'"),
+        ({"engine_kwargs": {"genengine": {"backend": "vllm", "sleep_level": 3}}}, ConfigError, "sleep_level=3"),
+        ({"name": "vllm"}, ConfigError, "name='vllm'"),
+    ],
+)
+def test_bad_configs_are_refused_naming_the_verl_key(changes: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        engine_settings(rollout(**changes), {"path": "/m"}, check_backend="nosuch" in str(changes))
+
+
+def test_a_bad_backend_option_is_the_backends_own_error() -> None:
+    """The backend's option check runs (registry.check_engine_config), under verl's key."""
+    cfg = rollout(engine_kwargs={"genengine": {"backend": "transformers", "options": {"max_batch_sise": 2}}})
+    with pytest.raises(ConfigError, match=r"engine_kwargs\.genengine: .*max_batch_sise"):
+        engine_settings(cfg, {"path": "/m"})
+
+
+def test_the_entry_point_is_declared_for_verl() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["entry-points"]["verl.plugins"] == {"genengine": "genengine.integrations.verl.plugin"}
+    assert "verl==0.9.1; python_version < '3.13'" in project["optional-dependencies"]["verl"]
+
+
+def test_import_verl_loads_the_entry_point_and_registers_genengine(tmp_path: Path) -> None:
+    """The entry point as an installed distribution declares it (its entry_points.txt), loaded by ``import verl``
+    itself in a fresh process: rollout.name=genengine resolves to the replica and the adapter."""
+    import subprocess
+
+    pytest.importorskip("verl.workers.rollout.replica", reason="verl 0.9.1 is not installed (make setup installs it)")
+    info = tmp_path / "genengine_verl_probe-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: genengine-verl-probe\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[verl.plugins]\ngenengine = genengine.integrations.verl.plugin\n")
+    code = (
+        "import verl\n"
+        "from verl.workers.rollout.replica import get_rollout_replica_class\n"
+        "from verl.workers.rollout.base import get_rollout_class\n"
+        "print(get_rollout_replica_class('genengine').__name__, get_rollout_class('genengine').__name__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_USE_EXTERNAL")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["GenEngineReplica", "GenEngineServerAdapter"]
+
+
+def test_the_plugin_registers_the_replica_and_the_adapter() -> None:
+    pytest.importorskip("verl.workers.rollout.replica", reason="verl 0.9.1 is not installed (make setup installs it)")
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    plugin = importlib.import_module("genengine.integrations.verl.plugin")
+    assert plugin.register() is True
+    assert _ROLLOUT_REGISTRY[("genengine", "async")] == plugin.ADAPTER
+    assert RolloutReplicaRegistry.get("genengine").__name__ == "GenEngineReplica"
+
+
+def test_a_failure_to_register_is_a_warning_naming_the_cause(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """verl logs a failing plugin at DEBUG only; ours says why at WARNING and never raises into ``import verl``."""
+    plugin = importlib.import_module("genengine.integrations.verl.plugin")
+    monkeypatch.setitem(sys.modules, "verl.workers.rollout.replica", None)  # import fails: ModuleNotFoundError
+    with caplog.at_level(logging.WARNING, logger="genengine.integrations.verl"):
+        assert plugin.register() is False
+    [record] = [r for r in caplog.records if r.name == "genengine.integrations.verl"]
+    assert record.levelno == logging.WARNING
+    assert "rollout.name=genengine" in record.getMessage()
+    assert "verl.workers.rollout.replica" in record.getMessage()
