@@ -38,7 +38,7 @@ __all__ = [
 ALL_LINEAR = "all-linear"
 """PEFT's ``target_modules`` spelling for "every linear layer but the output head"."""
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}")
 _PEFT_PREFIX = "base_model.model."
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
 _UNSUPPORTED = {
@@ -50,7 +50,7 @@ _HEADS = ("lm_head", "embed_out", "output")
 
 def check_adapter_name(name: object) -> str:
     """An adapter name: 1-128 characters of letters, digits and ``_ . @ : -``, starting with a letter or digit."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise InvalidArgumentError(
             f"adapter name {name!r}: allowed are 1-128 characters of letters, digits and _ . @ : -, "
             "starting with a letter or digit"

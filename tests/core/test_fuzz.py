@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -222,6 +223,8 @@ SAMPLING_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "seed": st.one_of(st.none(), st.integers(-(2**80), 2**80), ANY, NUMPY),
     "logprobs": st.one_of(st.booleans(), ANY, NUMPY),
     "ignore_eos": st.one_of(st.booleans(), ANY, NUMPY),
+    # no adapter is loaded on the fuzzed engines: every name is refused up front, None is the base model
+    "adapter": st.one_of(st.none(), st.text(max_size=6), st.sampled_from(["policy", "policy\n", "", b"a", 1]), ANY),
 }
 PARAMS_DICT = st.fixed_dictionaries({}, optional=SAMPLING_FIELDS)
 PARAMS = st.one_of(
@@ -481,6 +484,7 @@ CONTRACT: dict[str, Any] = {
     "seed": lambda v: v is None or _int(v),
     "logprobs": lambda v: isinstance(v, (bool, np.bool_)),
     "ignore_eos": lambda v: isinstance(v, (bool, np.bool_)),
+    "adapter": lambda v: v is None or (isinstance(v, str) and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.@:\-]{0,127}", v)),
 }
 """Per field, what the contract accepts: numbers (numpy's too) in range, strings or lists of them, bools."""
 
