@@ -11,7 +11,7 @@ once no request of ours still uses it (SGLang's unload would otherwise wait for 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from genengine.adapters import Adapter
@@ -105,7 +105,12 @@ class SGLangAdapters:
 
         def _on_leader(self, op: str, fn: Any) -> Any: ...
         def _sgl(self, fn: Any, what: str = ...) -> Any: ...
-        def _async_state(self) -> Any: ...
+
+        # AdapterHost's (EngineBase's bases)
+        _retired_adapters: list[Adapter]
+
+        def _retire_adapter(self, adapter: Adapter, unload: Callable[[Adapter], None]) -> None: ...
+        def _unload_idle_adapters(self, unload: Callable[[Adapter], None]) -> None: ...
 
     @property
     def supports_adapters(self) -> bool:  # type: ignore[override]
@@ -118,12 +123,6 @@ class SGLangAdapters:
     def _max_lora_rank(self) -> int:
         return adapter_settings(self._settings.server_overrides)[1]
 
-    def _retired(self) -> list[Adapter]:
-        retired: list[Adapter] | None = self.__dict__.get("_retired_adapters")
-        if retired is None:
-            retired = self.__dict__["_retired_adapters"] = []
-        return retired
-
     def _add_adapter(self, adapter: Adapter, replaced: Adapter | None) -> None:
         import inspect
 
@@ -135,7 +134,7 @@ class SGLangAdapters:
             raise GenEngineError(
                 "this SGLang release cannot load adapters from tensors as genengine sends them: 0.5.17 can"
             )
-        self._unload_idle()
+        self._unload_idle_adapters(self._unload_adapter)
         name = sglang_name(adapter)
 
         def run() -> None:
@@ -153,21 +152,12 @@ class SGLangAdapters:
         adapter.handle = name
 
     def _drop_adapter(self, adapter: Adapter) -> None:
-        self._retired().append(adapter)
-        self._unload_idle()
+        self._retire_adapter(adapter, self._unload_adapter)
 
-    def _unload_idle(self) -> None:
-        """Unload the retired adapters no request of ours uses any more."""
-        state = self._async_state()
-        with state.lock:
-            used = {id(r.request.lora) for r in [*state.live.values(), *state.queued] if not r.done}
-        retired = self._retired()
-        for adapter in [a for a in retired if id(a) not in used]:
-            retired.remove(adapter)
-            self._unload(sglang_name(adapter))
-
-    def _unload(self, name: str) -> None:
+    def _unload_adapter(self, adapter: Adapter) -> None:
         from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+
+        name = sglang_name(adapter)
 
         def run() -> None:
             engine = self._engine

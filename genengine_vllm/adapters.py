@@ -17,7 +17,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from genengine.adapters import Adapter
@@ -84,9 +84,12 @@ class VLLMAdapters:
     settings: Any  # VLLMSettings
     _llm: Any
     _lock: Any  # VLLMEngine's DriverLock
-    if TYPE_CHECKING:  # AsyncEngineBase's (a stub here would shadow it)
+    if TYPE_CHECKING:
+        # AdapterHost's (EngineBase's bases)
+        _retired_adapters: list[Adapter]
 
-        def _async_state(self) -> Any: ...
+        def _retire_adapter(self, adapter: Adapter, unload: Callable[[Adapter], None]) -> None: ...
+        def _unload_idle_adapters(self, unload: Callable[[Adapter], None]) -> None: ...
 
     @property
     def supports_adapters(self) -> bool:  # type: ignore[override]
@@ -95,16 +98,10 @@ class VLLMAdapters:
     def _max_lora_rank(self) -> int:
         return adapter_settings(self.settings.llm_options)[1]
 
-    def _retired(self) -> list[Adapter]:
-        retired: list[Adapter] | None = self.__dict__.get("_retired_adapters")
-        if retired is None:
-            retired = self.__dict__["_retired_adapters"] = []
-        return retired
-
     def _add_adapter(self, adapter: Adapter, replaced: Adapter | None) -> None:
         from vllm.lora.request import LoRARequest
 
-        self._unload_idle()
+        self._unload_idle_adapters(self._unload_adapter)
         path = write_adapter_dir(adapter)
         request = LoRARequest(lora_name=f"{adapter.name}@{adapter.uid}", lora_int_id=adapter.uid, lora_path=path)
         try:
@@ -121,24 +118,17 @@ class VLLMAdapters:
         adapter.handle = request
 
     def _drop_adapter(self, adapter: Adapter) -> None:
-        self._retired().append(adapter)
-        self._unload_idle()
+        self._retire_adapter(adapter, self._unload_adapter)
 
-    def _unload_idle(self) -> None:
-        """Remove the retired adapters no request of ours uses any more (and their folders)."""
-        state = self._async_state()
-        with state.lock:
-            used = {id(r.request.lora) for r in [*state.live.values(), *state.queued] if not r.done}
-        retired = self._retired()
-        for adapter in [a for a in retired if id(a) not in used]:
-            retired.remove(adapter)
-            with self._lock():
-                self._llm.llm_engine.remove_lora(adapter.uid)
-            shutil.rmtree(adapter.handle.lora_path, ignore_errors=True)
+    def _unload_adapter(self, adapter: Adapter) -> None:
+        """Remove ``adapter`` from vLLM, and its folder."""
+        with self._lock():
+            self._llm.llm_engine.remove_lora(adapter.uid)
+        shutil.rmtree(adapter.handle.lora_path, ignore_errors=True)
 
     def _remove_adapter_dirs(self) -> None:
         """At shutdown: the folders of every adapter still loaded or retired (vLLM is gone with them)."""
         registry: Mapping[str, Adapter] = self.__dict__.get("_adapters_by_name", {})
-        for adapter in [*registry.values(), *self._retired()]:
+        for adapter in [*registry.values(), *self._retired_adapters]:
             if adapter.handle is not None:
                 shutil.rmtree(adapter.handle.lora_path, ignore_errors=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from genengine.adapters import Adapter, AdapterConfig, AdapterInfo, check_adapter, check_adapter_name
@@ -45,6 +45,32 @@ class AdapterHost:
 
     def _drop_adapter(self, adapter: Adapter) -> None:
         """``adapter`` was replaced or unloaded: free it once the requests bound to it have finished."""
+        raise NotImplementedError
+
+    # ---- for a backend whose engine serves adapters by name (SGLang, vLLM) ----------------------------------
+    @property
+    def _retired_adapters(self) -> list[Adapter]:
+        retired: list[Adapter] | None = self.__dict__.get("_retired_adapters_list")
+        if retired is None:
+            retired = self.__dict__["_retired_adapters_list"] = []
+        return retired
+
+    def _retire_adapter(self, adapter: Adapter, unload: Callable[[Adapter], None]) -> None:
+        """A ``_drop_adapter`` for such a backend: ``adapter`` is freed by ``unload`` once no request uses it."""
+        self._retired_adapters.append(adapter)
+        self._unload_idle_adapters(unload)
+
+    def _unload_idle_adapters(self, unload: Callable[[Adapter], None]) -> None:
+        """``unload`` the retired adapters no request of ours uses any more (an engine serving them by name
+        must not lose one under a request in flight)."""
+        used = self._adapters_in_use()
+        retired = self._retired_adapters
+        for adapter in [a for a in retired if id(a) not in used]:
+            retired.remove(adapter)
+            unload(adapter)
+
+    def _adapters_in_use(self) -> set[int]:
+        """The ids of the adapters bound to requests not done (``AsyncEngineBase`` provides it)."""
         raise NotImplementedError
 
     # ---- EngineBase provides these -------------------------------------------------------------------------

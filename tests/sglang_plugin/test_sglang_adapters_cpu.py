@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from genengine.adapters import Adapter, AdapterConfig
+from genengine.engine.adapters import AdapterHost
+from genengine.engine.aio.engine import AsyncEngineBase
 from genengine.errors import ConfigError, GenEngineError
 from genengine.protocol import SamplingParams
 from genengine.requests import Request
@@ -93,7 +95,7 @@ class _State:
     queued: list[Any] = field(default_factory=list)
 
 
-class _FakeEngine(SGLangAdapters):
+class _FakeEngine(SGLangAdapters, AdapterHost):
     """The mixin over SGLang's calls, faked: loads and unloads recorded; ``fail`` makes SGLang refuse a load."""
 
     def __init__(self) -> None:
@@ -127,6 +129,8 @@ class _FakeEngine(SGLangAdapters):
 
     def _async_state(self) -> Any:
         return self.state
+
+    _adapters_in_use = AsyncEngineBase._adapters_in_use  # the real scan, over this fake's state
 
 
 @pytest.fixture

@@ -19,6 +19,8 @@ import pytest
 import torch
 
 from genengine.adapters import Adapter, AdapterConfig
+from genengine.engine.adapters import AdapterHost
+from genengine.engine.aio.engine import AsyncEngineBase
 from genengine.errors import ConfigError, GenEngineError
 from genengine.protocol import SamplingParams
 from genengine.requests import Request
@@ -69,7 +71,7 @@ class _State:
     queued: list[Any] = field(default_factory=list)
 
 
-class _FakeEngine(VLLMAdapters):
+class _FakeEngine(VLLMAdapters, AdapterHost):
     def __init__(self) -> None:
         self.settings = types.SimpleNamespace(llm_options={"enable_lora": True, "max_lora_rank": 8})
         self.calls: list[tuple[str, int]] = []
@@ -92,6 +94,8 @@ class _FakeEngine(VLLMAdapters):
 
     def _async_state(self) -> Any:
         return self.state
+
+    _adapters_in_use = AsyncEngineBase._adapters_in_use  # the real scan, over this fake's state
 
 
 @pytest.fixture

@@ -62,6 +62,11 @@ class AsyncEngineBase(EngineBase):
             state = self.__dict__.setdefault("_genengine_async", _AsyncState())
         return state
 
+    def _adapters_in_use(self) -> set[int]:
+        state = self._async_state()
+        with state.lock:
+            return {id(r.request.lora) for r in [*state.live.values(), *state.queued] if not r.done}
+
     @property
     def in_flight(self) -> int:
         """Requests submitted and not finished: running, held by a ``keep`` pause, or queued during a pause
