@@ -16,6 +16,9 @@
 #      "skipped" row at no cost, "trl_grpo" or "trl_sync": one of them, "trl_step": benchmarks/bench_trl_step.py, only on request;
 #      "bench": bench_ENGINE.py without P1 (P2, P3, SGLang's level-2 memory per process; ~200 s),
 #      "sync": benchmarks/bench_sync_7b.py (genengine bench --sync at 7B, phases JSON + PNG; ~60 s),
+#      "adapters": tests/gpu/test_ENGINE_adapters_gpu.py, "trl_async": tests/gpu/test_trl_async_gpu.py, "verl":
+#      tests/gpu/test_verl_gpu.py (genengine's rollout only unless GENENGINE_VERL_BASELINE=1), "lora":
+#      benchmarks/bench_lora_sync.py at 7B (adapter sync against merge + full sync + unmerge),
 #      "profile": benchmarks/profile_p1.py (P1's pair timed inside at two lengths; ~90 s)), VERIFY_RAY_SCALE (7b, the default, or
 #      tiny: the Ray test alone, no P7 figures), GENENGINE_EXIT_PARALLEL (1: the exit cases side by side, then
 #      one at a time only if that failed, as the row exit_seq; 0: one at a time), EXIT_CASES (pytest
@@ -117,7 +120,7 @@ run_part() {  # name timeout command...
   local secs; secs=$(python3 -c "print(f'{$end - $start:.0f}')")
   local what
   case "$name" in
-    suite|ray|transport|exit|exit_seq) what="$(junit_counts "$WORK/$name.xml")" ;;
+    suite|ray|transport|exit|exit_seq|adapters|trl_async|verl) what="$(junit_counts "$WORK/$name.xml")" ;;
     pool) what=$(pool_figures) ;;
     trl_grpo) what=$(python3 - "$WORK/trl_grpo_$TRL_BACKEND.json" <<'EOF' 2>/dev/null || echo "no report"
 import json, sys
@@ -308,9 +311,15 @@ for part in $PARTS; do
              $([ "$ENGINE" = sglang ] && echo --variants handles,flattened,per_param) ;;
     sync) run_part sync 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_sync_7b.py "$ENGINE" ;;
     profile) run_part profile 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/profile_p1.py "$ENGINE" ;;
+    adapters) run_part adapters 240 bash tools/gpu/run_tests.sh "$ENGINE" "tests/gpu/test_${ENGINE}_adapters_gpu.py" "$(PYTEST_J adapters)" ;;
+    trl_async) run_part trl_async 240 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_trl_async_gpu.py "$(PYTEST_J trl_async)" ;;
+    verl) run_part verl "${VERIFY_VERL_TIMEOUT_S:-420}" env GENENGINE_VERL_BASELINE="${GENENGINE_VERL_BASELINE:-0}" \
+            bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_verl_gpu.py "$(PYTEST_J verl)" ;;
+    lora) run_part lora 330 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_lora_sync.py --backend "$ENGINE" \
+            --json "$WORK/bench_lora_sync_$ENGINE.json" ;;
     trl) trl_parts ;;
     trl_grpo|trl_sync|trl_step) trl_parts "$part" ;;
-    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool p1 profile bench sync exit transport async ipc trl trl_grpo trl_sync trl_step) |") ;;
+    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool p1 profile bench sync exit transport async ipc adapters trl_async verl lora trl trl_grpo trl_sync trl_step) |") ;;
   esac
 done
 
