@@ -24,7 +24,7 @@ from genengine.adapters import Adapter
 from genengine.backend import Request
 from genengine.errors import ConfigError, GenEngineError
 
-__all__ = ["VLLMAdapters", "adapter_settings", "lora_requests", "write_adapter_dir"]
+__all__ = ["VLLMAdapters", "adapter_settings", "lora_base_names", "lora_requests", "write_adapter_dir"]
 
 _DEFAULT_RANK = 16  # vLLM's LoRAConfig.max_lora_rank default
 _SHM = "/dev/shm"
@@ -68,6 +68,34 @@ def write_adapter_dir(adapter: Adapter, parent: str | None = None) -> str:
         shutil.rmtree(path, ignore_errors=True)
         raise
     return path
+
+
+def lora_base_names(model: Any, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``items`` renamed for a vLLM model served with ``enable_lora``.
+
+    vLLM wraps every LoRA-capable layer in a ``BaseLayerWithLoRA`` that keeps the original one as ``base_layer``, so
+    ``...self_attn.qkv_proj.weight`` becomes ``...qkv_proj.base_layer.weight`` and the model's loader, which looks
+    the names up, refuses a trainer's ``q_proj.weight``. A name whose module (after vLLM's packing of q/k/v and
+    gate/up, ``packed_modules_mapping``) is wrapped gets the ``base_layer`` segment; the rest pass unchanged. verl
+    renames on the trainer's side (``replace_lora_wrapper``); here the engine's own modules decide.
+    """
+    wrapped = {name for name, module in model.named_modules() if getattr(module, "base_layer", None) is not None}
+    if not wrapped:
+        return items
+    tails = {".".join(parts[i:]) for parts in (w.split(".") for w in wrapped) for i in range(len(parts) - 3)}
+    packed: Mapping[str, Sequence[str]] = getattr(model, "packed_modules_mapping", None) or {}
+    whole_of = {part: whole for whole, parts in packed.items() for part in parts}
+    renamed = []
+    for name, tensor in items:
+        module, _, leaf = name.rpartition(".")
+        if leaf in ("weight", "bias") and module and not module.endswith(".base_layer"):
+            head, _, last = module.rpartition(".")
+            target = f"{head}.{whole_of.get(last, last)}" if head else whole_of.get(last, last)
+            # The same module path, or the same last four segments (a model whose HF prefix vLLM maps differently).
+            if target in wrapped or ".".join(target.split(".")[-4:]) in tails:
+                name = f"{module}.base_layer.{leaf}"
+        renamed.append((name, tensor))
+    return renamed
 
 
 def lora_requests(requests: Sequence[Request], owners: Sequence[int]) -> list[Any] | None:

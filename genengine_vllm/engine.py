@@ -43,7 +43,7 @@ from genengine_vllm._process import (
     trainer_world,
     without_expandable_segments,
 )
-from genengine_vllm.adapters import VLLMAdapters, lora_requests
+from genengine_vllm.adapters import VLLMAdapters, lora_base_names, lora_requests
 from genengine_vllm.mapping import convert_request_output, load_image, split_greedy_n, vllm_sampling_kwargs
 from genengine_vllm.settings import WEIGHT_SYNC_MODES, VLLMSettings, build_llm_kwargs, resolve_settings
 
@@ -470,7 +470,10 @@ class VLLMEngine(VLLMAdapters, AsyncEngineBase):  # type: ignore[misc,override] 
 
     def _load_into_model(self, items: list[tuple[str, torch.Tensor]]) -> None:
         # vLLM's own loader for the architecture: maps HF names (q/k/v → qkv_proj, ...) and shards for TP.
-        self._llm.apply_model(lambda model: model.load_weights(iter(items)))
+        if self.supports_adapters:  # LoRA-wrapped layers keep their weights under base_layer
+            self._llm.apply_model(lambda model: model.load_weights(iter(lora_base_names(model, items))))
+        else:
+            self._llm.apply_model(lambda model: model.load_weights(iter(items)))
 
     def _flush_cache(self) -> None:
         with self._lock():

@@ -24,7 +24,7 @@ from genengine.engine.aio.engine import AsyncEngineBase
 from genengine.errors import ConfigError, GenEngineError
 from genengine.protocol import SamplingParams
 from genengine.requests import Request
-from genengine_vllm.adapters import VLLMAdapters, adapter_settings, lora_requests, write_adapter_dir
+from genengine_vllm.adapters import VLLMAdapters, adapter_settings, lora_base_names, lora_requests, write_adapter_dir
 
 CONFIG = AdapterConfig(r=2, lora_alpha=4, target_modules=("q_proj", "v_proj"))
 
@@ -138,3 +138,64 @@ def test_vllm_refusing_an_adapter_is_an_error_and_leaves_no_folder(lora_request_
     with pytest.raises(GenEngineError, match="vLLM refused adapter 'policy'"):
         engine._add_adapter(adapter, None)
     assert adapter.handle is None
+
+
+class _Wrapped(torch.nn.Module):
+    """The shape of vLLM's ``BaseLayerWithLoRA``: the original layer kept as ``base_layer``."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_layer = inner
+
+
+def _vllm_like_model(*, lora: bool) -> torch.nn.Module:
+    """Qwen2's module tree as vLLM names it (q/k/v packed into qkv_proj, gate/up into gate_up_proj)."""
+    wrap = _Wrapped if lora else (lambda m: m)
+    attn = torch.nn.Module()
+    attn.qkv_proj = wrap(torch.nn.Linear(4, 12))
+    attn.o_proj = wrap(torch.nn.Linear(4, 4, bias=False))
+    layer = torch.nn.Module()
+    layer.self_attn = attn
+    layer.input_layernorm = torch.nn.LayerNorm(4)
+    inner = torch.nn.Module()
+    inner.layers = torch.nn.ModuleList([layer])
+    inner.embed_tokens = torch.nn.Embedding(10, 4)
+    model = torch.nn.Module()
+    model.model = inner
+    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}  # type: ignore[assignment]
+    return model
+
+
+def test_base_weights_name_the_wrapped_layers_of_a_lora_engine() -> None:
+    """vLLM with enable_lora keeps a wrapped layer's weight under base_layer, and its loader looks names up: a
+    trainer's q_proj.weight must become q_proj.base_layer.weight (the loader packs it into qkv_proj), while the
+    layers vLLM does not wrap keep their names."""
+    t = torch.zeros(1)
+    names = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.v_proj.bias",
+        "model.layers.0.self_attn.o_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    ]
+    renamed = [n for n, _ in lora_base_names(_vllm_like_model(lora=True), [(n, t) for n in names])]
+    assert renamed == [
+        "model.layers.0.self_attn.q_proj.base_layer.weight",
+        "model.layers.0.self_attn.v_proj.base_layer.bias",
+        "model.layers.0.self_attn.o_proj.base_layer.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    ]
+    # A prefix vLLM maps differently (a VLM's language model) still finds the wrapped layer by its last segments.
+    assert (
+        lora_base_names(_vllm_like_model(lora=True), [("language_model.model.layers.0.self_attn.k_proj.weight", t)])[0][
+            0
+        ]
+        == "language_model.model.layers.0.self_attn.k_proj.base_layer.weight"
+    )
+    plain = [(n, t) for n in names]
+    assert lora_base_names(_vllm_like_model(lora=False), plain) == plain
+    already = [("model.layers.0.self_attn.q_proj.base_layer.weight", t)]
+    assert lora_base_names(_vllm_like_model(lora=True), already) == already

@@ -135,6 +135,30 @@ class AdapterTests(ConformanceBase):
             engine.unload_adapter("conf-a")
         self.assert_baseline(engine, baseline)
 
+    def test_base_weights_load_beside_an_adapter(
+        self,
+        adapter_engine: Any,
+        original_weights: dict[str, Any],
+        other_weights: dict[str, Any],
+        baseline: list[GenerationResult],
+    ) -> None:
+        """The trainer's base weights (HF names) load into an engine that serves adapters: what TRL's adapter sync
+        does once, and the merge fallback every step. Engines wrap the targeted layers for LoRA (vLLM moves their
+        weights under ``base_layer``), so the names must still land."""
+        engine = adapter_engine
+        adapter = random_adapter(original_weights, self.adapter_targets, r=self.adapter_rank, seed=8)
+        engine.load_adapter("conf-f", adapter, self._config(), version=1)
+        params = dataclasses.replace(GREEDY, adapter="conf-f")
+        served = token_ids_of(engine.generate(PROMPTS, params))
+        with self.restoring(engine, original_weights):
+            engine.load_weights(other_weights.items())
+            assert token_ids_of(engine.generate(PROMPTS, GREEDY)) != token_ids_of(baseline), (
+                "the base load wrote nothing"
+            )
+            engine.load_weights(original_weights.items())
+        self.assert_baseline(engine, baseline)
+        assert token_ids_of(engine.generate(PROMPTS, params)) == served, "the adapter's outputs changed"
+
     def test_bad_adapter_is_refused_and_the_previous_one_kept(
         self, adapter_engine: Any, original_weights: dict[str, Any]
     ) -> None:
