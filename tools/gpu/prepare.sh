@@ -90,7 +90,8 @@ fi
 # image and the engine's site lack of what verl's trainer imports (main_ppo, ray_trainer, the FSDP engine, the agent and
 # reward loops, its dataset): tensordict, torchdata, hydra-core with omegaconf 2.3 and antlr4 4.9.3 (an sdist only:
 # built here into the cache as a pure-Python wheel, found through PIP_FIND_LINKS), peft, codetiming, pyvers,
-# cloudpickle, cachetools, orjson, uvicorn, and datasets (as WITH_TRL carries it). Needs WITH_RAY=1 (verl runs on
+# cloudpickle, cachetools, orjson, uvicorn, datasets (as WITH_TRL carries it), and TransferQueue with msgspec (verl's
+# default trainer, main_ppo's TaskRunnerV1, imports transfer_queue: its "verl-core" extra; pyzmq is the engine's). Needs WITH_RAY=1 (verl runs on
 # Ray). Not carried: wandb, tensorboard, ray[default]'s extras, pylatexenc, math-verify (console logger, our rule
 # reward); aiohttp (verl's reward loop) is assumed in the image: check with python3 -c 'import aiohttp'. verl pins
 # transformers<5.11 but imports with 5.12.1 (SGLang's site) and 5.17.0 (the image): installed without its pins.
@@ -102,7 +103,8 @@ if [ "${WITH_VERL:-0}" = 1 ]; then
     python3 -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3 -w "$VERL_CACHE" || die "cannot build antlr4 4.9.3"
   export PIP_FIND_LINKS="$VERL_CACHE"
   PINS="$PINS verl==0.9.1 tensordict==0.10.0 pyvers==0.2.3 cloudpickle==3.1.3 codetiming==1.4.0 cachetools==8.0.2
- hydra-core==1.3.8 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 torchdata==0.11.0 peft==0.21.2"
+ hydra-core==1.3.8 omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 torchdata==0.11.0 peft==0.21.2
+ transferqueue==0.1.11 msgspec==0.23.0"
   for pin in orjson==3.13.0 uvicorn==0.54.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1; do
     case " $PINS " in *" ${pin%%==*}=="*) ;; *) PINS="$PINS $pin" ;; esac
   done
