@@ -236,6 +236,16 @@ split = ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in parts.items())
 print(f"async/sync {r['ratio']:.3f}; pause-load-resume max {a['pause_load_resume_max']:.3f} s" + (f" (medians: {split} s)" if split else ""))
 EOF
 ) ;;
+    lora) what=$(python3 - "$WORK/bench_lora_sync_$ENGINE.json" <<'EOF' 2>/dev/null || echo "no report (see lora.log)"
+import json, sys
+r = json.load(open(sys.argv[1]))
+if "error" in r: print("error: " + r["error"][:200]); raise SystemExit
+print(f"adapter {r['adapter_s']:.4f} s (+{r['adapter_extra_gib']:.2f} GiB, free -{r['adapter_free_drop_gib']:.2f} GiB); "
+      f"merge + full sync + unmerge {r['merge_s']:.4f} s (+{r['merge_extra_gib']:.2f} GiB, free -{r['merge_free_drop_gib']:.2f} GiB); "
+      f"{r['adapter_tensors']} adapter tensors; served {r['adapter_served']}; goal 10 ms {r['goal_10ms']}")
+EOF
+) ;;
+    *) what="see $name.log" ;;
   esac
   what=$(printf '%s' "$what" | tr '\n|' ' /')  # one table row: no line breaks, no cell separators
   [ "$rc" = 124 ] || [ "$rc" = 137 ] && what="TIMED OUT; $what"
