@@ -16,13 +16,11 @@ import dataclasses
 import functools
 import importlib.metadata
 import inspect
-import json
 from collections.abc import Iterable, Mapping, Sequence
-from importlib import resources
 from typing import Any
 
 from genengine.backend import VerifiedRange
-from genengine.plugins.versions import VersionStatus, check_engine_version
+from genengine.plugins.versions import VersionStatus, check_engine_version, recorded_surface
 
 __all__ = [
     "BRANCHES",
@@ -89,11 +87,7 @@ def check_installed(options: Mapping[str, Any], environ: Mapping[str, str] | Non
 
 def surface(version: str) -> dict[str, Any] | None:
     """The recorded surface of ``version`` (``surfaces/VERSION.json``), or None when none was recorded."""
-    path = resources.files("genengine_sglang").joinpath("surfaces", f"{version}.json")
-    if not path.is_file():
-        return None
-    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    return data
+    return recorded_surface("genengine_sglang", version)
 
 
 @functools.cache

@@ -11,10 +11,12 @@ WARNING instead. The installed version is read from the distribution's metadata;
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 from genengine.config import option_bool
@@ -28,6 +30,7 @@ __all__ = [
     "check_engine_version",
     "genengine_version",
     "installed_version",
+    "recorded_surface",
 ]
 
 ALLOW_UNVERIFIED_OPTION = "allow_unverified_version"
@@ -110,6 +113,16 @@ def installed_version(distribution: str) -> str | None:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def recorded_surface(package: str, version: str) -> dict[str, Any] | None:
+    """The API surface of an engine release recorded in a plugin (``PACKAGE/surfaces/VERSION.json``, made by
+    ``tools/engine_surface.py``), or None when none was recorded: one reader for every plugin's ``compat``."""
+    path = resources.files(package).joinpath("surfaces", f"{version}.json")
+    if not path.is_file():
+        return None
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return data
 
 
 def check_engine_version(

@@ -154,6 +154,16 @@ def test_recorded_fields_stand_in_where_the_engine_is_not_installed(engine: str)
     assert set(oldest) != set(newest)
 
 
+@pytest.mark.parametrize("engine", sorted(PLUGINS))
+def test_compat_reads_its_own_recorded_surfaces(engine: str) -> None:
+    """Each plugin's ``compat.surface`` reads its own package's file (one reader, genengine.plugins.versions);
+    a release without one is None."""
+    _, compat = _plugin(engine)
+    for version in (compat.SUPPORTED[0], compat.VERIFIED.maximum):
+        assert compat.surface(version) == _surface(engine, version)
+    assert compat.surface("0.0.0") is None
+
+
 def _fake(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: Any) -> None:
     import sys
 
