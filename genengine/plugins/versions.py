@@ -29,6 +29,7 @@ __all__ = [
     "VersionStatus",
     "check_engine_version",
     "genengine_version",
+    "installed_surface",
     "installed_version",
     "recorded_surface",
 ]
@@ -122,6 +123,17 @@ def recorded_surface(package: str, version: str) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return data
+
+
+def installed_surface(package: str, verified: VerifiedRange) -> dict[str, Any]:
+    """The recorded surface of the installed engine release (its version read from metadata, the engine not
+    imported), else, when it is not installed or has none recorded, that of the newest verified release: what
+    a plugin reads where the engine cannot be imported (its settings' field names)."""
+    installed = installed_version(verified.distribution)
+    data = (recorded_surface(package, installed) if installed else None) or recorded_surface(package, verified.maximum)
+    if data is None:
+        raise RuntimeError(f"{package}/surfaces/{verified.maximum}.json is missing from the install")
     return data
 
 
