@@ -120,6 +120,10 @@ def test_bench_scripts_p1_arguments_and_cells(monkeypatch: pytest.MonkeyPatch) -
     for bad in ("9", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match="at least 10"):
             _p1.samples(bad)
+    assert _p1.at_least(0)("0") == 0
+    for bad in ("-1", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"^'{bad}': an integer >= 0$"):
+            _p1.at_least(0)(bad)
     row = {
         "samples": 3,
         "ours": summarize([99.0, 100.0, 101.0]),
@@ -209,3 +213,34 @@ def test_bench_scripts_p1_measure_starts_raw_then_ours_and_stops_both(tmp_path: 
     assert row["ours"]["n"] == row["raw"]["n"] == 10 and row["ratio"]["median"] > 1.0  # ours sleeps less
     assert sorted(stopped.read_text().splitlines()) == ["ours graphs=1 mem_util=0.6667", "raw graphs=1 mem_util=0.4000"]
     assert set(row["exit_codes"].values()) == {0}
+
+
+def test_bench_scripts_p1_measure_reports_a_failure_and_still_closes_the_child(tmp_path: Path) -> None:
+    """A failure once raw is up (here: ours' fraction) is the row's error, logged under the row's name, and raw
+    is still stopped and closed, its exit code in the row."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        import _p1
+    finally:
+        sys.path.remove(BENCHMARKS)
+    stopped = tmp_path / "stopped.txt"
+    script = tmp_path / "bench_fake.py"
+    script.write_text(FAKE_SCRIPT.format(benchmarks=BENCHMARKS, stopped=str(stopped)))
+    free = iter([100, 60])
+
+    def no_room(took: int, now: int) -> float:
+        raise RuntimeError(f"no room for ours ({now} free)")
+
+    logs: list[str] = []
+    row = _p1.measure(
+        str(script),
+        "/nonexistent-model",
+        graphs=False,
+        ours_mem_util=no_room,
+        free_bytes=lambda: next(free),
+        log=logs.append,
+    )
+    assert row["error"] == "RuntimeError: no room for ours (60 free)" and "ratio" not in row
+    assert logs[-1] == "P1 eager failed: RuntimeError: no room for ours (60 free)"
+    assert row["exit_codes"] == {"raw (eager)": 0} and row["raw_info"]["side"] == "raw"
+    assert stopped.read_text().splitlines() == ["raw graphs=0 mem_util=0.4000"]
