@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from genengine.cli.args import int_at_least
 from genengine.cli.bench.paired import SampleChild, run_paired
 
 P1_SAMPLES = 12
@@ -226,20 +227,5 @@ def modes(text: str) -> list[str]:
     return got
 
 
-def at_least(minimum: int, refusal: str = "{text!r}: an integer >= {minimum}") -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum``, else ``refusal`` (``{text!r}`` and ``{minimum}`` filled in)."""
-
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            n = minimum - 1
-        if n < minimum:
-            raise argparse.ArgumentTypeError(refusal.format(text=text, minimum=minimum))
-        return n
-
-    return parse
-
-
-samples = at_least(10, "--p1-samples {text!r}: at least 10 rounds (1 % needs them)")
+samples = int_at_least(10, "--p1-samples {text!r}: at least 10 rounds (1 % needs them)")
 """``--p1-samples``: paired rounds per P1 row."""

@@ -40,6 +40,8 @@ from typing import Any
 import _p1
 from _bench_7b import NEW_TOKENS, make_model_dir  # this folder is on sys.path when the script runs
 
+from genengine.cli.args import int_at_least
+
 T0 = time.time()
 
 
@@ -47,7 +49,7 @@ def log(msg: str) -> None:
     print(f"[profile-p1 {time.time() - T0:7.1f}s] {msg}", flush=True)
 
 
-_rounds = _p1.at_least(2, "--rounds {text!r}: an integer >= 2 (a median needs them)")
+_rounds = int_at_least(2, "--rounds {text!r}: an integer >= 2 (a median needs them)")
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:

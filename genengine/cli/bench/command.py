@@ -9,7 +9,13 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from genengine.cli.args import HelpFormatter, add_engine_arguments, add_parallel_arguments, check_engine_args
+from genengine.cli.args import (
+    HelpFormatter,
+    add_engine_arguments,
+    add_parallel_arguments,
+    check_engine_args,
+    int_at_least,
+)
 from genengine.errors import InvalidArgumentError
 
 
@@ -104,24 +110,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run)
 
 
-def _at_least_10(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 10:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 10 (a 1 % difference needs them)")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
-    return value
+_at_least_10 = int_at_least(10, "{text!r}: expected an integer >= 10 (a 1 % difference needs them)")
+_positive = int_at_least(1)
 
 
 @contextlib.contextmanager
@@ -171,14 +161,10 @@ def _run(args: argparse.Namespace) -> int:
     from genengine.cli.bench import BenchSettings, format_report, plot_report, run_bench
 
     settings = BenchSettings(
-        **_engine(args),
-        tp_size=args.tp_size,
-        batch_size=args.batch_size,
-        prompt_len=args.prompt_len,
+        **_engine(args, "tp_size", "batch_size", "prompt_len", "sleep_levels"),
         max_new_tokens=32 if args.max_new_tokens is None else args.max_new_tokens,
         repeats=3 if args.repeats is None else args.repeats,
         bucket_bytes=_bucket_bytes(args),
-        sleep_levels=args.sleep_levels,
         raw=not args.no_raw,
         pair_samples=args.p1_samples,
         per_parameter=not args.no_per_parameter,
@@ -195,13 +181,7 @@ def _run_async(args: argparse.Namespace) -> int:
 
     _one_engine(args, "bench --async measures one engine in this process")
     settings = AsyncBenchSettings(
-        **_engine(args),
-        batch_size=args.batch_size,
-        steps=args.steps,
-        oversample=args.oversample,
-        prompt_len=args.prompt_len,
-        median_new_tokens=args.median_new_tokens,
-        sigma=args.sigma,
+        **_engine(args, "batch_size", "steps", "oversample", "prompt_len", "median_new_tokens", "sigma"),
         max_new_tokens=256 if args.max_new_tokens is None else args.max_new_tokens,
     )
     report = run_async_bench(settings)
@@ -213,13 +193,9 @@ def _run_sync(args: argparse.Namespace) -> int:
 
     _one_engine(args, "bench --sync measures one engine in this process")
     settings = SyncBenchSettings(
-        **_engine(args),
-        syncs=args.syncs,
-        in_flight=args.in_flight,
-        prompt_len=args.prompt_len,
+        **_engine(args, "syncs", "in_flight", "prompt_len", "trainer_dtype"),
         max_new_tokens=64 if args.max_new_tokens is None else args.max_new_tokens,
         bucket_bytes=_bucket_bytes(args),
-        trainer_dtype=args.trainer_dtype,
     )
     report = run_sync_bench(settings)
     return _report(args, report, format_sync_report(report), lambda path: write_plot(report, path, print))
@@ -231,15 +207,9 @@ def _run_pool(args: argparse.Namespace) -> int:
 
     _one_engine(args, "bench --pool measures tp_size=1 replicas")
     settings = PoolBenchSettings(
-        **_engine(args),
-        pool_mem_util=args.pool_mem_util,
-        batch_size=args.batch_size,
-        prompt_len=args.prompt_len,
+        **_engine(args, "pool_mem_util", "batch_size", "prompt_len", "min_seconds", "syncs", "transport"),
         max_new_tokens=32 if args.max_new_tokens is None else args.max_new_tokens,
         repeats=5 if args.repeats is None else args.repeats,
-        min_seconds=args.min_seconds,
-        syncs=args.syncs,
-        transport=args.transport,
         bucket_bytes=_bucket_bytes(args),
     )
     report = run_pool_bench(settings)
@@ -255,15 +225,11 @@ def _one_engine(args: argparse.Namespace, why: str) -> None:
         raise InvalidArgumentError(f"--tp-size {args.tp_size}: {why}; allowed: 1")
 
 
-def _engine(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine every mode measures, as the command line names it (the settings' shared fields)."""
-    return {
-        "backend": args.backend,
-        "model": args.model,
-        "options": dict(args.option),
-        "dtype": args.dtype,
-        "mem_util": args.mem_util,
-    }
+def _engine(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """Settings' keywords: the engine every mode measures, as the command line names it, and the arguments
+    ``names`` as given (each a settings field of the same name)."""
+    given = {name: getattr(args, name) for name in ("backend", "model", "dtype", "mem_util", *names)}
+    return {**given, "options": dict(args.option)}
 
 
 def _bucket_bytes(args: argparse.Namespace) -> int | None:
