@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from genengine.cli.args import int_at_least
 from genengine.cli.bench.paired import SampleChild, run_paired
 
 P1_SAMPLES = 12
@@ -44,38 +45,6 @@ def child_argv(script: str, model: str, side: str, graphs: bool, mem_util: float
     ]
 
 
-def start_pair(
-    script: str,
-    model: str,
-    result: dict[str, Any],
-    children: list[SampleChild],
-    *,
-    graphs: bool,
-    ours_mem_util: Callable[[int, int], float],
-    free_bytes: Callable[[], int],
-    log: Callable[[str], None],
-    env: dict[str, str] | None = None,
-) -> tuple[SampleChild, SampleChild]:
-    """Start raw, then ours (``ours_mem_util(raw_took, free_now)`` gives its fraction): ``(ours, raw)``. Each
-    child is appended to ``children`` as soon as it exists (the caller closes them), its facts go in ``result``."""
-    label = "graphs" if graphs else "eager"
-    free0 = free_bytes()
-    raw = SampleChild(f"raw ({label})", child_argv(script, model, "raw", graphs, P1_RAW_SHARE), env=env)
-    children.append(raw)
-    result["raw_info"] = raw.wait_ready()
-    free1 = free_bytes()
-    took = free0 - free1
-    util = ours_mem_util(took, free1)
-    result["ours_mem_util"] = round(util, 4)
-    log(f"P1 {label}: raw up ({took / (1 << 30):.1f} GiB); ours at mem_util {util:.3f}")
-    ours = SampleChild(f"ours ({label})", child_argv(script, model, "ours", graphs, util), env=env)
-    children.append(ours)
-    result["ours_info"] = ours.wait_ready()
-    result["ours_took_gib"] = round((free1 - free_bytes()) / (1 << 30), 2)
-    result["raw_took_gib"] = round(took / (1 << 30), 2)
-    return ours, raw
-
-
 def measure(
     script: str,
     model: str,
@@ -89,23 +58,64 @@ def measure(
 ) -> dict[str, Any]:
     """One P1 row (graphs on or eager): start raw, then ours (``ours_mem_util(raw_took, free_now)`` gives
     its fraction), alternate ``samples`` rounds, stop both. Errors are reported in the row, not raised."""
-    label = "graphs" if graphs else "eager"
     result: dict[str, Any] = {"cuda_graphs": graphs, "raw_mem_util": P1_RAW_SHARE}
-    children: list[SampleChild] = []
     start = time.perf_counter()
+    with_pair(
+        script,
+        model,
+        result,
+        lambda ours, raw: result.update(run_paired(ours, raw, samples=samples, warmup=warmup, log=log)),
+        graphs=graphs,
+        ours_mem_util=ours_mem_util,
+        free_bytes=free_bytes,
+        log=log,
+        name=f"P1 {'graphs' if graphs else 'eager'}",
+    )
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def with_pair(
+    script: str,
+    model: str,
+    result: dict[str, Any],
+    body: Callable[[SampleChild, SampleChild], object],
+    *,
+    graphs: bool,
+    ours_mem_util: Callable[[int, int], float],
+    free_bytes: Callable[[], int],
+    log: Callable[[str], None],
+    env: dict[str, str] | None = None,
+    name: str = "",
+) -> None:
+    """Start raw, then ours (``ours_mem_util(raw_took, free_now)`` gives its fraction), each child's facts in
+    ``result``; run ``body(ours, raw)``; close both, their exit codes in ``result["exit_codes"]``: P1's rows and
+    benchmarks/profile_p1.py alike. An error, starting them or in ``body``, goes in ``result["error"]`` and the
+    log (``name`` before it), not raised: what the children answered so far stays in ``result``."""
+    label = "graphs" if graphs else "eager"
+    children: list[SampleChild] = []
     try:
-        ours, raw = start_pair(
-            script, model, result, children, graphs=graphs, ours_mem_util=ours_mem_util, free_bytes=free_bytes, log=log
-        )
-        result.update(run_paired(ours, raw, samples=samples, warmup=warmup, log=log))
+        free0 = free_bytes()
+        raw = SampleChild(f"raw ({label})", child_argv(script, model, "raw", graphs, P1_RAW_SHARE), env=env)
+        children.append(raw)
+        result["raw_info"] = raw.wait_ready()
+        free1 = free_bytes()
+        took = free0 - free1
+        util = ours_mem_util(took, free1)
+        result["ours_mem_util"] = round(util, 4)
+        log(f"P1 {label}: raw up ({took / (1 << 30):.1f} GiB); ours at mem_util {util:.3f}")
+        ours = SampleChild(f"ours ({label})", child_argv(script, model, "ours", graphs, util), env=env)
+        children.append(ours)
+        result["ours_info"] = ours.wait_ready()
+        result["ours_took_gib"] = round((free1 - free_bytes()) / (1 << 30), 2)
+        result["raw_took_gib"] = round(took / (1 << 30), 2)
+        body(ours, raw)
     except Exception as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"
-        log(f"P1 {label} failed: {result['error']}")
+        log(f"{name} failed: {result['error']}" if name else f"failed: {result['error']}")
     finally:
         for child in reversed(children):
             result.setdefault("exit_codes", {})[child.name] = child.close()
-    result["seconds"] = round(time.perf_counter() - start, 1)
-    return result
 
 
 PROFILE_ENV = "GENENGINE_P1_PROFILE"
@@ -217,11 +227,5 @@ def modes(text: str) -> list[str]:
     return got
 
 
-def samples(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 10:
-        raise argparse.ArgumentTypeError(f"--p1-samples {text!r}: at least 10 rounds (1 % needs them)")
-    return n
+samples = int_at_least(10, "--p1-samples {text!r}: at least 10 rounds (1 % needs them)")
+"""``--p1-samples``: paired rounds per P1 row."""

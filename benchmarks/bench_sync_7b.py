@@ -30,26 +30,19 @@ from typing import Any
 
 from _bench_7b import MEM_UTIL, make_model_dir  # this folder is on sys.path when the script runs
 
+from genengine.cli.args import int_at_least
 
-def _count(low: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            n = low - 1
-        if n < low:
-            raise argparse.ArgumentTypeError(f"{text!r}: an integer >= {low}")
-        return n
-
-    return parse
+COUNT = "{text!r}: an integer >= {minimum}"
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("engine", choices=("sglang", "vllm"))
     ap.add_argument("--model", default=None, help="the 7B-shaped folder (default: the bench script's)")
-    ap.add_argument("--syncs", type=_count(1), default=5, help="timed syncs after one warm-up (default 5)")
-    ap.add_argument("--in-flight", type=_count(0), default=4, help="requests generating during each sync (default 4)")
+    ap.add_argument("--syncs", type=int_at_least(1, COUNT), default=5, help="timed syncs after one warm-up (default 5)")
+    ap.add_argument(
+        "--in-flight", type=int_at_least(0, COUNT), default=4, help="requests generating during each sync (default 4)"
+    )
     ap.add_argument("--json", default=None, help="the report (default: $OUT/bench_sync_ENGINE.json)")
     ap.add_argument("--plot", default=None, help="the PNG (default: $OUT/bench_sync_ENGINE.png)")
     a = ap.parse_args(argv)

@@ -40,6 +40,8 @@ from typing import Any
 import _p1
 from _bench_7b import NEW_TOKENS, make_model_dir  # this folder is on sys.path when the script runs
 
+from genengine.cli.args import int_at_least
+
 T0 = time.time()
 
 
@@ -47,14 +49,7 @@ def log(msg: str) -> None:
     print(f"[profile-p1 {time.time() - T0:7.1f}s] {msg}", flush=True)
 
 
-def _rounds(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 2:
-        raise argparse.ArgumentTypeError(f"--rounds {text!r}: an integer >= 2 (a median needs them)")
-    return n
+_rounds = int_at_least(2, "--rounds {text!r}: an integer >= 2 (a median needs them)")
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -207,28 +202,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = importlib.import_module(f"bench_{a.engine}")
     make_model_dir(a.model, tokenizer=a.engine == "sglang")
     report: dict[str, Any] = {"engine": a.engine, "cuda_graphs": not a.eager, "rounds": a.rounds, "model": a.model}
-    children: list[Any] = []
-    try:
-        ours, raw = _p1.start_pair(
-            os.path.abspath(bench.__file__),
-            a.model,
-            report,
-            children,
-            graphs=not a.eager,
-            ours_mem_util=bench.ours_mem_util,
-            free_bytes=bench.free_bytes,
-            log=log,
-            env={_p1.PROFILE_ENV: "1"},
-        )
+
+    def profile(ours: Any, raw: Any) -> None:
         samples = run_rounds(ours, raw, rounds=a.rounds, lengths=(a.short, NEW_TOKENS))
         report["samples"] = samples
         report["analysis"] = analyse(samples, a.short, NEW_TOKENS)
-    except Exception as exc:
-        report["error"] = f"{type(exc).__name__}: {exc}"
-        log(f"failed: {report['error']}")
-    finally:
-        for child in reversed(children):
-            report.setdefault("exit_codes", {})[child.name] = child.close()
+
+    _p1.with_pair(
+        os.path.abspath(bench.__file__),
+        a.model,
+        report,
+        profile,
+        graphs=not a.eager,
+        ours_mem_util=bench.ours_mem_util,
+        free_bytes=bench.free_bytes,
+        log=log,
+        env={_p1.PROFILE_ENV: "1"},
+    )
     report["elapsed_s"] = round(time.time() - T0, 1)
     text = summary(report)
     print(text, flush=True)

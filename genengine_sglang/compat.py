@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.metadata
 import inspect
-import json
 from collections.abc import Iterable, Mapping, Sequence
-from importlib import resources
 from typing import Any
 
 from genengine.backend import VerifiedRange
-from genengine.plugins.versions import VersionStatus, check_engine_version
+from genengine.plugins.versions import VersionStatus, check_engine_version, installed_surface, recorded_surface
 
 __all__ = [
     "BRANCHES",
@@ -89,24 +86,14 @@ def check_installed(options: Mapping[str, Any], environ: Mapping[str, str] | Non
 
 def surface(version: str) -> dict[str, Any] | None:
     """The recorded surface of ``version`` (``surfaces/VERSION.json``), or None when none was recorded."""
-    path = resources.files("genengine_sglang").joinpath("surfaces", f"{version}.json")
-    if not path.is_file():
-        return None
-    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    return data
+    return recorded_surface("genengine_sglang", version)
 
 
 @functools.cache
 def recorded_server_args() -> tuple[str, ...]:
     """``ServerArgs``' field names where SGLang cannot be imported: the installed release's recorded ones
     (read from its metadata, SGLang not imported), else those of the newest verified release."""
-    try:
-        installed: str | None = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        installed = None
-    data = (surface(installed) if installed else None) or surface(VERIFIED.maximum)
-    if data is None:
-        raise RuntimeError(f"genengine_sglang/surfaces/{VERIFIED.maximum}.json is missing from the install")
+    data = installed_surface("genengine_sglang", VERIFIED)
     return tuple(data["fields"]["sglang.srt.server_args:ServerArgs"])
 
 

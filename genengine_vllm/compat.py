@@ -13,14 +13,11 @@ that list exact). 0.24.0 - 0.26.0 need none: every name, member and keyword the 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import json
 from collections.abc import Mapping
-from importlib import resources
 from typing import Any
 
 from genengine.backend import VerifiedRange
-from genengine.plugins.versions import VersionStatus, check_engine_version
+from genengine.plugins.versions import VersionStatus, check_engine_version, installed_surface, recorded_surface
 
 __all__ = ["BRANCHES", "SUPPORTED", "VERIFIED", "check_installed", "recorded_engine_args", "surface"]
 
@@ -41,22 +38,12 @@ def check_installed(options: Mapping[str, Any], environ: Mapping[str, str] | Non
 
 def surface(version: str) -> dict[str, Any] | None:
     """The recorded surface of ``version`` (``surfaces/VERSION.json``), or None when none was recorded."""
-    path = resources.files("genengine_vllm").joinpath("surfaces", f"{version}.json")
-    if not path.is_file():
-        return None
-    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-    return data
+    return recorded_surface("genengine_vllm", version)
 
 
 @functools.cache
 def recorded_engine_args() -> frozenset[str]:
     """``EngineArgs``' public field names where vLLM cannot be imported: the installed release's recorded
     ones (read from its metadata, vLLM not imported), else those of the newest verified release."""
-    try:
-        installed: str | None = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        installed = None
-    data = (surface(installed) if installed else None) or surface(VERIFIED.maximum)
-    if data is None:
-        raise RuntimeError(f"genengine_vllm/surfaces/{VERIFIED.maximum}.json is missing from the install")
+    data = installed_surface("genengine_vllm", VERIFIED)
     return frozenset(f for f in data["fields"]["vllm.engine.arg_utils:EngineArgs"] if not f.startswith("_"))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "add_parallel_arguments",
     "check_engine_args",
     "engine_kwargs",
+    "int_at_least",
     "parallel_kwargs",
     "parse_option",
     "report_error",
@@ -47,6 +49,22 @@ def parse_option(text: str) -> tuple[str, Any]:
         return key, yaml.safe_load(value)
     except yaml.YAMLError:
         return key, value
+
+
+def int_at_least(minimum: int, refusal: str = "{text!r}: expected an integer >= {minimum}") -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, else a usage error, ``refusal`` with ``{text!r}`` (what was
+    given) and ``{minimum}`` filled in. The CLI's and the benchmark scripts' counts share it."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(refusal.format(text=text, minimum=minimum))
+        return value
+
+    return parse
 
 
 DTYPE_HELP = "engine dtype: auto, bfloat16, float16, float32 (default: auto for transformers, else bfloat16)"

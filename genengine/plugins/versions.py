@@ -11,10 +11,12 @@ WARNING instead. The installed version is read from the distribution's metadata;
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 from genengine.config import option_bool
@@ -27,7 +29,9 @@ __all__ = [
     "VersionStatus",
     "check_engine_version",
     "genengine_version",
+    "installed_surface",
     "installed_version",
+    "recorded_surface",
 ]
 
 ALLOW_UNVERIFIED_OPTION = "allow_unverified_version"
@@ -110,6 +114,27 @@ def installed_version(distribution: str) -> str | None:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def recorded_surface(package: str, version: str) -> dict[str, Any] | None:
+    """The API surface of an engine release recorded in a plugin (``PACKAGE/surfaces/VERSION.json``, made by
+    ``tools/engine_surface.py``), or None when none was recorded: one reader for every plugin's ``compat``."""
+    path = resources.files(package).joinpath("surfaces", f"{version}.json")
+    if not path.is_file():
+        return None
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return data
+
+
+def installed_surface(package: str, verified: VerifiedRange) -> dict[str, Any]:
+    """The recorded surface of the installed engine release (its version read from metadata, the engine not
+    imported), else, when it is not installed or has none recorded, that of the newest verified release: what
+    a plugin reads where the engine cannot be imported (its settings' field names)."""
+    installed = installed_version(verified.distribution)
+    data = (recorded_surface(package, installed) if installed else None) or recorded_surface(package, verified.maximum)
+    if data is None:
+        raise RuntimeError(f"{package}/surfaces/{verified.maximum}.json is missing from the install")
+    return data
 
 
 def check_engine_version(

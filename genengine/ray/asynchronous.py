@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from genengine.engine.aio import PauseMode, normalize_async_request
+from genengine.engine.aio import PauseMode, normalize_async_request, normalize_request_ids
 from genengine.errors import InvalidArgumentError
 from genengine.protocol import GenerationResult
 from genengine.ray.dispatch import Dispatch
@@ -119,15 +119,10 @@ class AsyncPoolCalls:
         """Abort requests (every one in flight when None) on the replicas serving them; returns the ids aborted."""
         fleet = self._fleet
         fleet.check_open()
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
-        elif request_ids is not None and not isinstance(request_ids, Sequence):
-            raise InvalidArgumentError(f"request_ids={request_ids!r}: allowed are None, an id, or a list of ids")
-        targets: Mapping[int, list[str] | None]
-        if request_ids is None:
-            targets = {r.index: None for r in fleet.active()}
-        else:
-            targets = self._streams.by_replica([str(rid) for rid in request_ids])
+        ids = normalize_request_ids(request_ids)
+        targets: Mapping[int, list[str] | None] = (
+            {r.index: None for r in fleet.active()} if ids is None else self._streams.by_replica(ids)
+        )
         replicas = [fleet.replicas[i] for i in targets if i in fleet.replicas]
         if not replicas:
             return []

@@ -228,3 +228,33 @@ def test_profile_p1_main_with_a_stand_in_bench_script(
     gap = report["analysis"]["gap"]
     assert gap["inside_long_ours_minus_raw"]["llm_generate_ms"] > 10.0  # the 20 ms ours adds, seen inside
     assert (tmp_path / "profile_p1_vllm.txt").read_text().startswith("profile_p1 vllm (CUDA graphs)")
+
+
+def test_profile_p1_main_reports_a_failure_and_still_closes_the_child(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], profile_p1
+) -> None:  # type: ignore[no-untyped-def]
+    """A failure once raw is up (ours' fraction here): exit status 1, the error in the JSON, the summary and
+    the log, and raw closed all the same (its exit code in the JSON)."""
+    import json
+    import types
+
+    script = tmp_path / "bench_vllm.py"
+    script.write_text(FAKE_BENCH.format(benchmarks=BENCHMARKS))
+    fake = types.ModuleType("bench_vllm")
+    fake.__file__ = str(script)
+    free = iter([100, 60])
+    fake.free_bytes = lambda: next(free)  # type: ignore[attr-defined]
+
+    def no_room(took: int, now: int) -> float:
+        raise RuntimeError("no room for ours")
+
+    fake.ours_mem_util = no_room  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "bench_vllm", fake)
+    monkeypatch.setattr(profile_p1, "make_model_dir", lambda path, tokenizer: path)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert profile_p1.main(["vllm", "--rounds", "2"]) == 1
+    report = json.loads((tmp_path / "profile_p1_vllm.json").read_text())
+    assert report["error"] == "RuntimeError: no room for ours" and "samples" not in report
+    assert report["exit_codes"] == {"raw (graphs)": 0} and report["raw_info"]["side"] == "raw"
+    assert (tmp_path / "profile_p1_vllm.txt").read_text() == "profile_p1 vllm: failed: RuntimeError: no room for ours\n"
+    assert "] failed: RuntimeError: no room for ours" in capsys.readouterr().out

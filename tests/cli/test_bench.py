@@ -268,6 +268,7 @@ def test_async_bench_collects_the_samples_with_partial_rollouts(capsys: pytest.C
         (["--steps", "0"], "steps=0 must be an integer >= 1"),
         (["--backend", "nope"], "unknown backend 'nope'"),
         (["--model", "/nonexistent/model"], "is not a local model folder"),
+        (["--tp-size", "2"], "--tp-size 2: bench --async measures one engine in this process; allowed: 1"),
     ],
 )
 def test_async_bench_bad_arguments_fail_before_any_work(
@@ -328,3 +329,25 @@ def test_pool_bench_refuses_unknown_cuda_ipc_handles(handles: tuple[str, ...]) -
 
     with pytest.raises(InvalidArgumentError, match=r"allowed are 'driver' and 'torch', at least one"):
         PoolBenchSettings(handles=handles).check()
+
+
+@pytest.mark.parametrize("phases", [True, False])
+def test_pool_bench_plots_the_sync_phases_when_the_report_has_them(
+    phases: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--pool --plot`` draws the pool's sync phases (as ``--sync`` draws its own), and nothing when the run
+    measured none; the table and the JSON come first either way. The pool itself is stood in for."""
+    pytest.importorskip("matplotlib")  # --plot is refused without it, before any work
+    import genengine.cli.bench.pool as pool
+    import genengine.cli.bench.sync as sync
+
+    report: dict[str, Any] = {"sync": {"phases": {"pause": 1.0}} if phases else {}}
+    drawn: list[tuple[Any, str]] = []
+    monkeypatch.setattr(pool, "run_pool_bench", lambda settings: report)
+    monkeypatch.setattr(pool, "format_pool_report", lambda r: "the pool table")
+    monkeypatch.setattr(pool, "pool_sync_phases", lambda r: ("phases of", r))
+    monkeypatch.setattr(sync, "write_plot", lambda r, path, say: drawn.append((r, path)))
+    png, out = str(tmp_path / "p.png"), tmp_path / "p.json"
+    assert main(["bench", "--pool", "--quiet", "--json", str(out), "--plot", png]) == 0
+    assert "the pool table" in capsys.readouterr().out and json.loads(out.read_text()) == report
+    assert drawn == ([(("phases of", report), png)] if phases else [])

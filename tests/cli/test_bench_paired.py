@@ -7,6 +7,7 @@ import argparse
 import sys
 import textwrap
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -180,9 +181,8 @@ FAKE_SCRIPT = textwrap.dedent(
 )
 
 
-def test_bench_scripts_p1_measure_starts_raw_then_ours_and_stops_both(tmp_path: Path) -> None:
-    """_p1.measure with a stand-in bench script: raw starts first, ours gets the fraction measure computes from
-    what raw took, both are sampled in turn and stopped (their engines' stop called) at the end."""
+def _p1_with_stand_in(tmp_path: Path) -> tuple[ModuleType, Path, Path]:
+    """benchmarks/_p1.py, a stand-in bench script (FAKE_SCRIPT) and the file its engines' stops write to."""
     sys.path.insert(0, BENCHMARKS)
     try:
         import _p1
@@ -191,6 +191,13 @@ def test_bench_scripts_p1_measure_starts_raw_then_ours_and_stops_both(tmp_path: 
     stopped = tmp_path / "stopped.txt"
     script = tmp_path / "bench_fake.py"
     script.write_text(FAKE_SCRIPT.format(benchmarks=BENCHMARKS, stopped=str(stopped)))
+    return _p1, script, stopped
+
+
+def test_bench_scripts_p1_measure_starts_raw_then_ours_and_stops_both(tmp_path: Path) -> None:
+    """_p1.measure with a stand-in bench script: raw starts first, ours gets the fraction measure computes from
+    what raw took, both are sampled in turn and stopped (their engines' stop called) at the end."""
+    _p1, script, stopped = _p1_with_stand_in(tmp_path)
     free = iter([100, 60, 20])  # before raw, after raw (took 40), after ours
     logs: list[str] = []
     row = _p1.measure(
@@ -209,3 +216,27 @@ def test_bench_scripts_p1_measure_starts_raw_then_ours_and_stops_both(tmp_path: 
     assert row["ours"]["n"] == row["raw"]["n"] == 10 and row["ratio"]["median"] > 1.0  # ours sleeps less
     assert sorted(stopped.read_text().splitlines()) == ["ours graphs=1 mem_util=0.6667", "raw graphs=1 mem_util=0.4000"]
     assert set(row["exit_codes"].values()) == {0}
+
+
+def test_bench_scripts_p1_measure_reports_a_failure_and_still_closes_the_child(tmp_path: Path) -> None:
+    """A failure once raw is up (here: ours' fraction) is the row's error, logged under the row's name, and raw
+    is still stopped and closed, its exit code in the row."""
+    _p1, script, stopped = _p1_with_stand_in(tmp_path)
+    free = iter([100, 60])
+
+    def no_room(took: int, now: int) -> float:
+        raise RuntimeError(f"no room for ours ({now} free)")
+
+    logs: list[str] = []
+    row = _p1.measure(
+        str(script),
+        "/nonexistent-model",
+        graphs=False,
+        ours_mem_util=no_room,
+        free_bytes=lambda: next(free),
+        log=logs.append,
+    )
+    assert row["error"] == "RuntimeError: no room for ours (60 free)" and "ratio" not in row
+    assert logs[-1] == "P1 eager failed: RuntimeError: no room for ours (60 free)"
+    assert row["exit_codes"] == {"raw (eager)": 0} and row["raw_info"]["side"] == "raw"
+    assert stopped.read_text().splitlines() == ["raw graphs=0 mem_util=0.4000"]

@@ -115,6 +115,11 @@ def test_cli_refuses_sync_with_pool(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--sync is its own measurement" in capsys.readouterr().err
 
 
+def test_cli_refuses_sync_under_tensor_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--sync", "--tp-size", "2"]) == 2
+    assert "--tp-size 2: bench --sync measures one engine in this process; allowed: 1" in capsys.readouterr().err
+
+
 def test_sync_bench_on_the_embedded_backend(tmp_path: Path) -> None:
     """The real run: the tiny model on CPU, requests in flight, a trainer in bfloat16 (gather casts)."""
     buf = io.StringIO()

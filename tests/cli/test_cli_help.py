@@ -224,3 +224,16 @@ def test_bench_threads_must_be_positive(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit) as info:
         main(["bench", "--threads", "0"])
     assert info.value.code == 2 and "--threads" in capsys.readouterr().err
+
+
+def test_int_at_least_takes_whole_numbers_from_the_minimum_up() -> None:
+    """The one integer argument type of the CLI and the benchmark scripts: the minimum and above pass; below
+    it, or not a whole number, the usage error names the text (and the minimum, or the caller's words)."""
+    from genengine.cli.args import int_at_least
+
+    assert int_at_least(0)("0") == 0 and int_at_least(2)("7") == 7
+    for bad in ("-1", "1.5", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"^{re.escape(repr(bad))}: expected an integer >= 0$"):
+            int_at_least(0)(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"^--rounds '1': 2 at least \(a median\)$"):
+        int_at_least(2, "--rounds {text!r}: {minimum} at least (a median)")("1")

@@ -75,3 +75,15 @@ def test_wake_refuses_non_tags_by_name(engine: TransformersEngine, tags: object,
         assert engine.state.released_tags == {TAG_WEIGHTS, TAG_KV_CACHE}, "nothing was woken"
     finally:
         engine.wake()
+
+
+def test_abort_ids_are_none_an_id_or_a_list_of_ids() -> None:
+    """``abort``'s argument, read once for an engine and a pool (the conformance suite calls both)."""
+    from genengine.engine.aio import normalize_request_ids
+
+    assert normalize_request_ids(None) is None
+    assert normalize_request_ids("r-1") == ["r-1"]  # one id, not its characters
+    assert normalize_request_ids(["a", 7]) == ["a", "7"] and normalize_request_ids(()) == []
+    for bad in (7, {"a"}, 2.5):
+        with pytest.raises(InvalidArgumentError, match=r"^request_ids=.*: allowed are None, an id, or a list of ids$"):
+            normalize_request_ids(bad)  # type: ignore[arg-type]

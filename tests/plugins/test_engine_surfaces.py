@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 from pathlib import Path
@@ -152,6 +153,39 @@ def test_recorded_fields_stand_in_where_the_engine_is_not_installed(engine: str)
     assert set(recorded) == {f for f in newest if not f.startswith("_")}
     oldest = _surface(engine, compat.SUPPORTED[0])["fields"][key]
     assert set(oldest) != set(newest)
+
+
+@pytest.mark.parametrize("engine", sorted(PLUGINS))
+def test_compat_reads_its_own_recorded_surfaces(engine: str) -> None:
+    """Each plugin's ``compat.surface`` reads its own package's file (one reader, genengine.plugins.versions);
+    a release without one is None."""
+    _, compat = _plugin(engine)
+    for version in (compat.SUPPORTED[0], compat.VERIFIED.maximum):
+        assert compat.surface(version) == _surface(engine, version)
+    assert compat.surface("0.0.0") is None
+
+
+@pytest.mark.parametrize("engine", sorted(PLUGINS))
+def test_the_installed_release_surface_else_the_newest_verified(engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What compat's recorded field lists read: the installed release's surface (by metadata, local label and
+    all), else (not installed, or a release with none recorded) the newest verified release's."""
+    from genengine.plugins.versions import installed_surface
+
+    _, compat = _plugin(engine)
+    installed: dict[str, str] = {}
+
+    def version(name: str) -> str:
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    newest = _surface(engine, compat.VERIFIED.maximum)
+    assert installed_surface(PLUGINS[engine], compat.VERIFIED) == newest
+    installed[engine] = compat.SUPPORTED[0]
+    assert installed_surface(PLUGINS[engine], compat.VERIFIED) == _surface(engine, compat.SUPPORTED[0]) != newest
+    installed[engine] = "0.0.1"
+    assert installed_surface(PLUGINS[engine], compat.VERIFIED) == newest
 
 
 def _fake(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: Any) -> None:

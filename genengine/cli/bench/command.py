@@ -6,9 +6,16 @@ import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from genengine.cli.args import HelpFormatter, add_engine_arguments, add_parallel_arguments, check_engine_args
+from genengine.cli.args import (
+    HelpFormatter,
+    add_engine_arguments,
+    add_parallel_arguments,
+    check_engine_args,
+    int_at_least,
+)
 from genengine.errors import InvalidArgumentError
 
 
@@ -103,24 +110,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.set_defaults(func=run)
 
 
-def _at_least_10(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 10:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 10 (a 1 % difference needs them)")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 1")
-    return value
+_at_least_10 = int_at_least(10, "{text!r}: expected an integer >= 10 (a 1 % difference needs them)")
+_positive = int_at_least(1)
 
 
 @contextlib.contextmanager
@@ -170,18 +161,10 @@ def _run(args: argparse.Namespace) -> int:
     from genengine.cli.bench import BenchSettings, format_report, plot_report, run_bench
 
     settings = BenchSettings(
-        backend=args.backend,
-        model=args.model,
-        tp_size=args.tp_size,
-        options=dict(args.option),
-        dtype=args.dtype,
-        mem_util=args.mem_util,
-        batch_size=args.batch_size,
-        prompt_len=args.prompt_len,
+        **_engine(args, "tp_size", "batch_size", "prompt_len", "sleep_levels"),
         max_new_tokens=32 if args.max_new_tokens is None else args.max_new_tokens,
         repeats=3 if args.repeats is None else args.repeats,
-        bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20)),
-        sleep_levels=args.sleep_levels,
+        bucket_bytes=_bucket_bytes(args),
         raw=not args.no_raw,
         pair_samples=args.p1_samples,
         per_parameter=not args.no_per_parameter,
@@ -190,93 +173,75 @@ def _run(args: argparse.Namespace) -> int:
     report = run_bench(settings)
     if report["rank"] != 0:  # under torchrun: every rank measured, rank 0 reports
         return 0
-    _write(args, report, format_report(report))
-    if args.plot:
-        print(f"wrote {plot_report(report, args.plot)}")
-    return 0
+    return _report(args, report, format_report(report), lambda path: print(f"wrote {plot_report(report, path)}"))
 
 
 def _run_async(args: argparse.Namespace) -> int:
     from genengine.cli.bench.asynchronous import AsyncBenchSettings, format_async_report, run_async_bench
 
-    if args.tp_size != 1:  # refused as every other bad setting is (report_error, exit status 2)
-        raise InvalidArgumentError(
-            f"--tp-size {args.tp_size}: bench --async measures one engine in this process; allowed: 1"
-        )
+    _one_engine(args, "bench --async measures one engine in this process")
     settings = AsyncBenchSettings(
-        backend=args.backend,
-        model=args.model,
-        options=dict(args.option),
-        dtype=args.dtype,
-        mem_util=args.mem_util,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        oversample=args.oversample,
-        prompt_len=args.prompt_len,
-        median_new_tokens=args.median_new_tokens,
-        sigma=args.sigma,
+        **_engine(args, "batch_size", "steps", "oversample", "prompt_len", "median_new_tokens", "sigma"),
         max_new_tokens=256 if args.max_new_tokens is None else args.max_new_tokens,
     )
     report = run_async_bench(settings)
-    _write(args, report, format_async_report(report))
-    return 0
+    return _report(args, report, format_async_report(report), None)
 
 
 def _run_sync(args: argparse.Namespace) -> int:
     from genengine.cli.bench.sync import SyncBenchSettings, format_sync_report, run_sync_bench, write_plot
 
-    if args.tp_size != 1:
-        raise InvalidArgumentError(
-            f"--tp-size {args.tp_size}: bench --sync measures one engine in this process; allowed: 1"
-        )
+    _one_engine(args, "bench --sync measures one engine in this process")
     settings = SyncBenchSettings(
-        backend=args.backend,
-        model=args.model,
-        options=dict(args.option),
-        dtype=args.dtype,
-        mem_util=args.mem_util,
-        syncs=args.syncs,
-        in_flight=args.in_flight,
-        prompt_len=args.prompt_len,
+        **_engine(args, "syncs", "in_flight", "prompt_len", "trainer_dtype"),
         max_new_tokens=64 if args.max_new_tokens is None else args.max_new_tokens,
-        bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20)),
-        trainer_dtype=args.trainer_dtype,
+        bucket_bytes=_bucket_bytes(args),
     )
     report = run_sync_bench(settings)
-    _write(args, report, format_sync_report(report))
-    if args.plot:
-        write_plot(report, args.plot, print)
-    return 0
+    return _report(args, report, format_sync_report(report), lambda path: write_plot(report, path, print))
 
 
 def _run_pool(args: argparse.Namespace) -> int:
-    from genengine.cli.bench.pool import PoolBenchSettings, format_pool_report, run_pool_bench
+    from genengine.cli.bench.pool import PoolBenchSettings, format_pool_report, pool_sync_phases, run_pool_bench
+    from genengine.cli.bench.sync import write_plot
 
-    if args.tp_size != 1:
-        raise InvalidArgumentError(f"--tp-size {args.tp_size}: bench --pool measures tp_size=1 replicas; allowed: 1")
+    _one_engine(args, "bench --pool measures tp_size=1 replicas")
     settings = PoolBenchSettings(
-        backend=args.backend,
-        model=args.model,
-        options=dict(args.option),
-        dtype=args.dtype,
-        mem_util=args.mem_util,
-        pool_mem_util=args.pool_mem_util,
-        batch_size=args.batch_size,
-        prompt_len=args.prompt_len,
+        **_engine(args, "pool_mem_util", "batch_size", "prompt_len", "min_seconds", "syncs", "transport"),
         max_new_tokens=32 if args.max_new_tokens is None else args.max_new_tokens,
         repeats=5 if args.repeats is None else args.repeats,
-        min_seconds=args.min_seconds,
-        syncs=args.syncs,
-        transport=args.transport,
-        bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20)),
+        bucket_bytes=_bucket_bytes(args),
     )
     report = run_pool_bench(settings)
-    _write(args, report, format_pool_report(report))
-    if args.plot and "phases" in report.get("sync", {}):
-        from genengine.cli.bench.pool import pool_sync_phases
-        from genengine.cli.bench.sync import write_plot
+    has_phases = "phases" in report.get("sync", {})
+    draw = (lambda path: write_plot(pool_sync_phases(report), path, print)) if has_phases else None
+    return _report(args, report, format_pool_report(report), draw)
 
-        write_plot(pool_sync_phases(report), args.plot, print)
+
+def _one_engine(args: argparse.Namespace, why: str) -> None:
+    """Refuse ``--tp-size`` other than 1 for a mode that measures one engine here (``why`` says so), as every
+    other bad setting is (report_error, exit status 2)."""
+    if args.tp_size != 1:
+        raise InvalidArgumentError(f"--tp-size {args.tp_size}: {why}; allowed: 1")
+
+
+def _engine(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """Settings' keywords: the engine every mode measures, as the command line names it, and the arguments
+    ``names`` as given (each a settings field of the same name)."""
+    given = {name: getattr(args, name) for name in ("backend", "model", "dtype", "mem_util", *names)}
+    return {**given, "options": dict(args.option)}
+
+
+def _bucket_bytes(args: argparse.Namespace) -> int | None:
+    return None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20))
+
+
+def _report(args: argparse.Namespace, report: dict[str, Any], table: str, draw: Callable[[str], object] | None) -> int:
+    """Print or write the report (``_write``), then, with ``--plot``, ``draw(path)`` the mode's figures (None:
+    this mode or this run has none)."""
+    _write(args, report, table)
+    if args.plot and draw is not None:
+        draw(args.plot)
     return 0
 
 

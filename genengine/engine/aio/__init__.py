@@ -8,7 +8,7 @@ driver thread shares with callers; the contract's types (``StreamChunk``, ``Paus
 
 from genengine.engine.aio.engine import AsyncEngineBase, RequestStream
 from genengine.engine.aio.lock import DriverLock
-from genengine.engine.aio.request import AsyncRequest, normalize_async_request
+from genengine.engine.aio.request import AsyncRequest, normalize_async_request, normalize_request_ids
 from genengine.protocol import PAUSE_MODES, PauseMode, StreamChunk
 
 __all__ = [
@@ -20,4 +20,5 @@ __all__ = [
     "RequestStream",
     "StreamChunk",
     "normalize_async_request",
+    "normalize_request_ids",
 ]

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from genengine.engine.aio.request import AsyncRequest, normalize_async_request
+from genengine.engine.aio.request import AsyncRequest, normalize_async_request, normalize_request_ids
 from genengine.engine.aio.stream import StreamBase
 from genengine.engine.base import EngineBase
 from genengine.errors import EngineStateError, InvalidArgumentError
@@ -124,13 +124,10 @@ class AsyncEngineBase(EngineBase):
         """
         self._check_open()
         self._check_async_available()
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
-        elif request_ids is not None and not isinstance(request_ids, Sequence):
-            raise InvalidArgumentError(f"request_ids={request_ids!r}: allowed are None, an id, or a list of ids")
+        ids = normalize_request_ids(request_ids)
         state = self._async_state()
         with state.lock:
-            wanted = None if request_ids is None else {str(r) for r in request_ids}
+            wanted = None if ids is None else set(ids)
             queued = [r for r in state.queued if wanted is None or r.request_id in wanted]
             state.queued = [r for r in state.queued if wanted is not None and r.request_id not in wanted]
             running = [r for rid, r in state.live.items() if (wanted is None or rid in wanted) and not r.done]

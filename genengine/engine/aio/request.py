@@ -20,7 +20,7 @@ from genengine.errors import InvalidArgumentError
 from genengine.protocol import FinishReason, GenerationOutput, GenerationResult, SamplingParams, StreamChunk
 from genengine.requests import Request, normalize_requests
 
-__all__ = ["AsyncRequest", "normalize_async_request"]
+__all__ = ["AsyncRequest", "normalize_async_request", "normalize_request_ids"]
 
 
 @dataclass
@@ -198,6 +198,18 @@ def normalize_async_request(
     elif not isinstance(request_id, str) or not request_id:
         raise InvalidArgumentError(f"request_id={request_id!r} must be a non-empty string or None")
     return request, request_id
+
+
+def normalize_request_ids(request_ids: str | Sequence[str] | None) -> list[str] | None:
+    """``abort``'s argument (an engine's and a pool's alike): None (every request) or the ids as strings, one id
+    given alone counting as a list of it; anything else is refused, naming what is allowed."""
+    if request_ids is None:
+        return None
+    if isinstance(request_ids, str):
+        return [request_ids]
+    if not isinstance(request_ids, Sequence):
+        raise InvalidArgumentError(f"request_ids={request_ids!r}: allowed are None, an id, or a list of ids")
+    return [str(rid) for rid in request_ids]
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

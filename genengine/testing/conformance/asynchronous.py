@@ -589,6 +589,9 @@ class AsyncTests(ConformanceBase):
                 await async_engine.generate_async(["a", "b"])
             with pytest.raises(InvalidArgumentError, match="request_id"):
                 await async_engine.generate_async("a", request_id=5)
+            for bad in (5, {"id"}):  # not None, an id, nor a list of ids: refused, naming what is allowed
+                with pytest.raises(InvalidArgumentError, match=r"request_ids=.*allowed are None, an id, or a list"):
+                    await async_engine.abort(bad)
             stream = async_engine.stream(PROMPTS[0], _LONG, request_id="twice")
             with pytest.raises(InvalidArgumentError, match="already in flight"):
                 async_engine.stream(PROMPTS[0], request_id="twice")
