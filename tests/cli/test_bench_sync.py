@@ -103,16 +103,44 @@ def test_split_traced_takes_the_receivers_write_as_load(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value", "match"),
-    [("syncs", 0, "syncs=0"), ("in_flight", -1, "in_flight=-1"), ("trainer_dtype", "int8", "allowed are")],
+    [
+        ("syncs", 0, "syncs=0"),
+        ("in_flight", -1, "in_flight=-1"),
+        ("trainer_dtype", "int8", "allowed are"),
+        ("replicas", 0, "replicas=0"),
+        ("transport", "tcp", "transport='tcp': allowed are gloo, nccl, cuda_ipc"),
+    ],
 )
 def test_bad_settings_are_refused(field: str, value: Any, match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
         SyncBenchSettings(**{field: value}).check()
 
 
-def test_cli_refuses_sync_with_pool(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--sync", "--pool"]) == 2
-    assert "--sync is its own measurement" in capsys.readouterr().err
+def test_cli_refuses_sync_with_async(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--sync", "--async"]) == 2
+    assert "--sync and --async are two different measurements" in capsys.readouterr().err
+
+
+def test_a_pool_sync_is_split_by_both_ends_traces() -> None:
+    """The call (``load``) of one pool sync, split by its traces: the pool's row takes the slowest replica's
+    own load; the trainer's side its waits for the replicas; what no trace covers is ``untraced``."""
+    from genengine.cli.bench.pool_sync import split_pool_sync
+    from genengine.errors import ConfigError
+
+    times = {"pause": 0.01, "gather": 0.002, "transfer": None, "load": 0.1, "resume": 0.005, "whole": 0.118}
+    sender = {"totals": {"plan": 0.01, "pack": 0.02, "broadcast": 0.01, "status_wait": 0.04}}
+    slow = {"totals": {"metadata": 0.02, "receive_wait": 0.01, "session": 0.005, "write": 0.03, "commit": 0.01}}
+    fast = {"totals": {"metadata": 0.02, "receive_wait": 0.03, "write": 0.01}}
+    got = split_pool_sync(times, [sender], [fast, slow])
+    row, trainer, replica = got["row"], got["sides"]["trainer"], got["sides"]["replica"]
+    assert row["load"] == pytest.approx(0.045) and row["transfer"] == pytest.approx(0.055) and row["call"] == 0.1
+    assert (row["pause"], row["gather"], row["resume"], row["whole"]) == (0.01, 0.002, 0.005, 0.118)
+    assert trainer["load"] == pytest.approx(0.04) and trainer["transfer"] == pytest.approx(0.06)
+    assert trainer["trace"]["untraced"] == pytest.approx(0.02) and trainer["pause"] == 0.01
+    assert (replica["pause"], replica["gather"], replica["resume"]) == (None, None, None)
+    assert replica["trace"]["untraced"] == pytest.approx(0.025) and replica["whole"] == 0.1
+    with pytest.raises(ConfigError, match="0 receiver trace"):
+        split_pool_sync(times, [sender], [])
 
 
 def test_sync_bench_on_the_embedded_backend(tmp_path: Path) -> None:

@@ -250,11 +250,16 @@ def _run_sync(args: argparse.Namespace) -> int:
         max_new_tokens=64 if args.max_new_tokens is None else args.max_new_tokens,
         bucket_bytes=None if args.bucket_mb is None else int(args.bucket_mb * (1 << 20)),
         trainer_dtype=args.trainer_dtype,
-        replicas=args.replicas if args.pool else 0,
+        replicas=args.replicas,
         transport=args.transport,
         pool_mem_util=args.pool_mem_util,
     )
-    report = run_sync_bench(settings)
+    if args.pool:
+        from genengine.cli.bench.pool_sync import run_pool_sync_bench
+
+        report = run_pool_sync_bench(settings)
+    else:
+        report = run_sync_bench(settings)
     _write(args, report, format_sync_report(report))
     if args.plot:
         write_plot(report, args.plot, print)

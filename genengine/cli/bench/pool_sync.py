@@ -34,17 +34,30 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from genengine.cli.bench.sync import (
+    LOAD_PHASES,
+    PHASES,
+    SyncBenchSettings,
+    one_sync,
+    run_sync_bench,
+    spread,
+    summarize_phases,
+)
 from genengine.errors import ConfigError
 
-__all__ = ["SENDER_LOAD_PHASES", "measure_pool", "split_pool_sync"]
+__all__ = ["SENDER_LOAD_PHASES", "measure_pool", "run_pool_sync_bench", "split_pool_sync"]
 
 SENDER_LOAD_PHASES = frozenset({"ack_wait", "status_wait"})
 """The sender's trace phases spent waiting for the replicas to load (and acknowledge) what they received."""
 
 
-def _load_of(totals: Mapping[str, float], side: str) -> float:
-    from genengine.cli.bench.sync import LOAD_PHASES
+def run_pool_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
+    """``run_sync_bench`` with the pool's row: the in-process engine's syncs, then the same syncs through a
+    pool of ``settings.replicas`` replicas (``report["targets"]["pool"]``, details in ``report["pool"]``)."""
+    return run_sync_bench(settings, then=measure_pool)
 
+
+def _load_of(totals: Mapping[str, float], side: str) -> float:
     phases = LOAD_PHASES if side == "receiver" else SENDER_LOAD_PHASES
     return float(sum(v for k, v in totals.items() if k in phases))
 
@@ -110,22 +123,28 @@ def _ray_started(ray: Any, gpu: bool, replicas: int) -> bool:
 
 
 def measure_pool(
-    settings: Any, fields: Mapping[str, Any], trainer: Mapping[str, Any], dtype: Any, prompts: Sequence[Sequence[int]]
-) -> tuple[dict[str, Any], dict[str, Any]]:
+    settings: SyncBenchSettings,
+    fields: dict[str, Any],
+    trainer: Mapping[str, Any],
+    dtype: Any,
+    prompts: list[list[int]],
+) -> dict[str, Any]:
     """``settings.syncs`` syncs of ``trainer`` through a pool of ``settings.replicas`` replicas of the engine
-    ``fields`` describe (``EngineConfig`` fields), after one untimed one: the pool's row (as
-    ``summarize_phases`` gives it) and the details (transport, mapping, sides)."""
+    ``fields`` describe (``EngineConfig`` fields; each replica at ``settings.pool_mem_util`` when set), after
+    one untimed one: ``{"targets": {"pool": row}, "pool": details}`` (the row as ``summarize_phases`` gives
+    it; the details: transport, the trace phases' mapping, both sides)."""
     try:
         import ray
     except ImportError as exc:
         raise ConfigError(f"bench --sync --pool needs Ray (pip install 'genengine[ray]'): {exc}") from exc
     import torch
 
-    from genengine.cli.bench.sync import PHASES, one_sync, spread, summarize_phases
     from genengine.engine.environ import scoped_environ
     from genengine.ray import EnginePool
     from genengine.transport import TRACE_ENV
 
+    if settings.pool_mem_util is not None:
+        fields = {**fields, "mem_util": settings.pool_mem_util}
     gpu = torch.cuda.is_available()
     transport = settings.transport or ("cuda_ipc" if gpu else "gloo")
     with contextlib.ExitStack() as stack:
@@ -180,7 +199,7 @@ def measure_pool(
         }
         for who, side, load in (
             ("trainer", "sender", SENDER_LOAD_PHASES),
-            ("replica", "receiver", _receiver_load()),
+            ("replica", "receiver", LOAD_PHASES),
         )
     }
     details = {
@@ -191,10 +210,4 @@ def measure_pool(
         "trace_phase_map": mapping,
         "sides": sides,
     }
-    return summary, details
-
-
-def _receiver_load() -> frozenset[str]:
-    from genengine.cli.bench.sync import LOAD_PHASES
-
-    return LOAD_PHASES
+    return {"targets": {"pool": summary}, "pool": details}

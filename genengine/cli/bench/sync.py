@@ -10,8 +10,8 @@ weights, synchronized on a GPU) and ``resume`` (``resume_generation``). The requ
 weights.
 
 :func:`one_sync` times one sync of any target (an engine or an ``EnginePool``); :func:`split_traced` splits a
-pool's call by the trace files of its two ends; :func:`run_sync_bench` runs the in-process measurement and,
-with ``replicas``, the same syncs through an ``EnginePool`` (:mod:`genengine.cli.bench.pool_sync`);
+pool's call by the trace files of its two ends; :func:`run_sync_bench` runs the in-process measurement (and
+``then`` the same syncs through an ``EnginePool``: :mod:`genengine.cli.bench.pool_sync`);
 :func:`format_sync_report` and :func:`plot_sync_report` render a report (the pool benchmark's
 ``sync_phases`` too).
 """
@@ -68,9 +68,9 @@ class SyncBenchSettings:
     trainer_dtype: str | None = None
     """The trainer's parameters' dtype (default: the engine's). Another one makes ``gather`` cast."""
     seed: int = 0
-    replicas: int = 0
-    """Replicas of an ``EnginePool`` on a local Ray cluster synced the same way after the in-process engine
-    (0: no pool row)."""
+    replicas: int = 2
+    """``run_pool_sync_bench``: the ``EnginePool``'s replicas on a local Ray cluster, synced the same way after
+    the in-process engine."""
     transport: str | None = None
     """The pool's weight transport (default: ``cuda_ipc`` on a GPU, ``gloo`` on the CPU)."""
     pool_mem_util: float | None = None
@@ -91,8 +91,8 @@ class SyncBenchSettings:
             raise InvalidArgumentError(f"trainer_dtype={self.trainer_dtype!r}: allowed are {', '.join(allowed)}")
         if self.model is not None and not os.path.isdir(self.model):
             raise ConfigError(f"model={self.model!r} is not a local model folder")
-        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
-            raise InvalidArgumentError(f"replicas={self.replicas!r} must be an integer >= 0 (0: no pool row)")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise InvalidArgumentError(f"replicas={self.replicas!r} must be an integer >= 1")
         transports = ("gloo", "nccl", "cuda_ipc")
         if self.transport is not None and self.transport not in transports:
             raise InvalidArgumentError(
@@ -207,9 +207,16 @@ def split_traced(
 
 
 # ---- the in-process run ----------------------------------------------------------------------------------------
-def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
+Then = Callable[[SyncBenchSettings, dict[str, Any], Mapping[str, Any], Any, list[list[int]]], dict[str, Any]]
+"""What measures more targets after the in-process engine is shut down: called with the settings, the engine's
+``EngineConfig`` fields (its ``options`` among them), the trainer's weights, the engine's torch dtype and the
+prompts in flight; returns the report's entries to add (``genengine.cli.bench.pool_sync``: the pool's)."""
+
+
+def run_sync_bench(settings: SyncBenchSettings, then: Then | None = None) -> dict[str, Any]:
     """Create the engine in this process and time ``settings.syncs`` syncs (after a warm-up one) with
-    ``settings.in_flight`` requests generating; returns the report (plain JSON-able data)."""
+    ``settings.in_flight`` requests generating; then ``then`` with the same trainer and prompts (the pool's
+    row). Returns the report (plain JSON-able data)."""
     settings.check()
     from genengine.cli.bench.measure import resolve_backend
 
@@ -283,20 +290,23 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
             },
             "targets": {"in_process": summarize_phases(rows)},
         }
-        if settings.replicas:
-            from genengine.cli.bench.pool_sync import measure_pool
-
-            fields["options"] = dict(settings.options)
-            if settings.pool_mem_util is not None:
-                fields["mem_util"] = settings.pool_mem_util
-            report["targets"]["pool"], report["pool"] = measure_pool(settings, fields, trainer, engine_dtype, prompts)
+        if then is not None:
+            more = then(settings, {**fields, "options": dict(settings.options)}, trainer, engine_dtype, prompts)
+            report["targets"].update(more.pop("targets", {}))
+            report.update(more)
         return report
 
 
 def spread(values: Sequence[float]) -> dict[str, Any]:
     """Every value, their median, min, max and ``spread`` (max - min)."""
     got = [float(v) for v in values]
-    return {"all": got, "median": statistics.median(got), "min": min(got), "max": max(got), "spread": max(got) - min(got)}
+    return {
+        "all": got,
+        "median": statistics.median(got),
+        "min": min(got),
+        "max": max(got),
+        "spread": max(got) - min(got),
+    }
 
 
 def summarize_phases(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -340,7 +350,7 @@ def _cell(phase: Mapping[str, Any] | None) -> str:
 def format_sync_report(report: Mapping[str, Any]) -> str:
     """A table: one row per phase, one column per target (medians), the total and the slowest phase; a
     pool's two sides (from their own traces) as columns of their own."""
-    targets: Mapping[str, Any] = dict(report["targets"])
+    targets: dict[str, Any] = dict(report["targets"])
     for side, phases in (report.get("pool") or {}).get("sides", {}).items():
         targets[f"pool: {side}"] = phases
     names = list(targets)
@@ -381,9 +391,7 @@ def plot_sync_report(report: Mapping[str, Any], path: str | os.PathLike[str]) ->
         low = [v - g.get("min", g.get("median") or 0.0) * 1000 for v, g in zip(values, got, strict=True)]
         high = [g.get("max", g.get("median") or 0.0) * 1000 - v for v, g in zip(values, got, strict=True)]
         xs = [j + (i - (len(targets) - 1) / 2) * width for j in range(len(PHASES))]
-        bars = ax.bar(
-            xs, values, width=width, label=name, color=colors[i % len(colors)], yerr=[low, high], capsize=3
-        )
+        bars = ax.bar(xs, values, width=width, label=name, color=colors[i % len(colors)], yerr=[low, high], capsize=3)
         ax.bar_label(bars, labels=[_ms((t["phases"][p] or {}).get("median")) for p in PHASES], fontsize=8, rotation=0)
     ax.set_xticks(range(len(PHASES)), list(PHASES))
     ax.set_ylabel("ms (median; bars: min-max)")
