@@ -213,7 +213,9 @@ def test_bench_sync_7b_writes_the_json_and_verify_reads_it(tmp_path: Path, monke
     monkeypatch.setattr(
         bench_sync_7b,
         "settings",
-        lambda engine, model, syncs, in_flight: SyncBenchSettings(syncs=syncs, in_flight=in_flight, max_new_tokens=4),
+        lambda engine, model, syncs, in_flight, replicas: SyncBenchSettings(
+            syncs=syncs, in_flight=in_flight, max_new_tokens=4
+        ),
     )
     with contextlib.redirect_stdout(io.StringIO()):
         assert bench_sync_7b.main(["vllm", "--syncs", "1", "--in-flight", "1"]) == 0
@@ -229,3 +231,53 @@ def test_bench_sync_7b_writes_the_json_and_verify_reads_it(tmp_path: Path, monke
         check=True,
     ).stdout
     assert "medians (ms): pause" in row and "requests finished 1/1" in row, row
+
+
+def test_bench_sync_7b_pool_row_reaches_the_json_and_verify_prints_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``bench_sync_7b.py --pool``: the pool's settings (replicas over cuda_ipc, each with the GPU-sharing options)
+    go to ``run_pool_sync_bench`` (stood in for here: the real run is tests/cli/test_ray_bench_sync.py), its row
+    lands in the JSON beside the in-process one, and verify.sh's summary prints it."""
+    import subprocess
+    import sys
+
+    import genengine.cli.bench.pool_sync as pool_sync
+
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    import bench_sync_7b
+
+    seen: list[SyncBenchSettings] = []
+
+    def fake(settings: SyncBenchSettings) -> dict[str, Any]:
+        seen.append(settings)
+        row = {"pause": 0.01, "gather": 0.001, "transfer": 0.02, "load": 0.03, "resume": 0.002, "whole": 0.063}
+        return {
+            "backend": "vllm",
+            "num_tensors": 3,
+            "num_bytes": 10,
+            "targets": {"in_process": summarize_phases([row]), "pool": summarize_phases([row, row])},
+            "pool": {"replicas": settings.replicas, "transport": settings.transport},
+        }
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_sync_7b, "make_model_dir", lambda path, tokenizer: path)
+    monkeypatch.setattr(pool_sync, "run_pool_sync_bench", fake)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench_sync_7b.main(["vllm", "--pool", "--replicas", "3"]) == 0
+    (chosen,) = seen
+    assert (chosen.replicas, chosen.transport, chosen.syncs) == (3, "cuda_ipc", 10)
+    assert chosen.pool_options == {"kv_cache_memory_bytes": 4 << 30} and chosen.pool_mem_util == 0.3
+    report = json.loads((tmp_path / "bench_sync_vllm.json").read_text())
+    assert set(report["targets"]) == {"in_process", "pool"}
+    verify = (Path(__file__).resolve().parents[2] / "tools/gpu/verify.sh").read_text()
+    snippet = verify.split('    sync) what=$(python3 - "$WORK/bench_sync_$ENGINE.json"', 1)[1]
+    snippet = snippet.split("<<'EOF' 2>/dev/null || echo \"no report\"\n", 1)[1].split("\nEOF\n", 1)[0]
+    row = subprocess.run(
+        [sys.executable, "-c", snippet, str(tmp_path / "bench_sync_vllm.json"), str(tmp_path / "none.png")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "pool (3 replicas over cuda_ipc), medians (ms): pause 10.0 (spread 0.0)" in row, row

@@ -143,8 +143,9 @@ def measure_pool(
     from genengine.ray import EnginePool
     from genengine.transport import TRACE_ENV
 
+    fields = {**fields, "options": {**fields.get("options", {}), **settings.pool_options}}
     if settings.pool_mem_util is not None:
-        fields = {**fields, "mem_util": settings.pool_mem_util}
+        fields["mem_util"] = settings.pool_mem_util
     gpu = torch.cuda.is_available()
     transport = settings.transport or ("cuda_ipc" if gpu else "gloo")
     with contextlib.ExitStack() as stack:

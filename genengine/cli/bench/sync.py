@@ -75,6 +75,8 @@ class SyncBenchSettings:
     """The pool's weight transport (default: ``cuda_ipc`` on a GPU, ``gloo`` on the CPU)."""
     pool_mem_util: float | None = None
     """Each replica's ``mem_util`` (default: ``mem_util``)."""
+    pool_options: Mapping[str, Any] = field(default_factory=dict)
+    """Engine options each replica takes on top of ``options`` (several on one GPU: a capped KV cache)."""
 
     def check(self) -> None:
         """Refuse bad values before a model is built or an engine started."""
