@@ -105,7 +105,7 @@ def _new_traces(folder: str, seen: set[str]) -> tuple[list[dict[str, Any]], list
     return [x for x in found if x["side"] == "sender"], [x for x in found if x["side"] == "receiver"]
 
 
-def _ray_started(ray: Any, gpu: bool, replicas: int) -> bool:
+def _ray_started(ray: Any, replicas: int) -> bool:
     """Join the running cluster, or start a local one (False: it was running)."""
     if ray.is_initialized():
         return False
@@ -150,7 +150,7 @@ def measure_pool(
     transport = settings.transport or ("cuda_ipc" if gpu else "gloo")
     with contextlib.ExitStack() as stack:
         folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="genengine-sync-trace-"))
-        if _ray_started(ray, gpu, settings.replicas):
+        if _ray_started(ray, settings.replicas):
             stack.callback(ray.shutdown)
         env = {TRACE_ENV: folder}
         if not gpu:
@@ -175,10 +175,8 @@ def measure_pool(
         seen: set[str] = set()
 
         def sync(version: int) -> dict[str, Any]:
-            times = one_sync(
-                pool, trainer.items(), dtype=dtype, prompts=prompts, max_new_tokens=settings.max_new_tokens,
-                version=version,
-            )  # fmt: skip
+            new = settings.max_new_tokens
+            times = one_sync(pool, trainer.items(), dtype=dtype, prompts=prompts, max_new_tokens=new, version=version)
             return split_pool_sync(times, *_new_traces(folder, seen))
 
         sync(1)  # the group forms; first-touch allocations
