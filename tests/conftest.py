@@ -30,6 +30,7 @@ _LONG_FILES = (
     "test_ray_pool_sync.py",
     "test_ray_pool.py",
     "test_ray_colocated.py",
+    "test_ray_bench_sync.py",  # tests/cli: bench --sync --pool, on the same cluster
     "test_ray_trl_async.py",
     "test_verl.py",  # verl's own client on the plugin: shares the Ray files' cluster
     "test_template_plugin.py",

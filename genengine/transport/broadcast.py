@@ -21,6 +21,7 @@ from genengine.errors import InvalidArgumentError
 from genengine.protocol import LoadReport, SupportsLoadSessions, WeightLoadSession
 from genengine.transport import _layout as layout
 from genengine.transport._group import Group
+from genengine.transport._trace import Trace
 from genengine.transport.errors import ChecksumError, TransportError
 from genengine.transport.spec import SyncReport, TransportSpec
 
@@ -335,18 +336,23 @@ class BroadcastSender(SenderBase):
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> SyncReport:
         g = self.group
+        trace = Trace("sender")
         plan, start = self._plan(named_tensors, version)
+        trace.mark("plan")
         receivers = list(range(1, g.spec.world_size))
         g.broadcast_bytes(plan.metadata(seq=self._seq), "sending the sync's metadata")
         bufs = self._buffers.get(plan.buffer_bytes)
         stream = side_stream(self._device)
+        trace.mark("metadata")
         pending: deque[tuple[int, Work]] = deque()
         error: BaseException | None = None
         try:
             for k, bucket in enumerate(plan.buckets):
+                trace.next_bucket()
                 if len(pending) == 2:  # the buffer about to be packed is still in flight
                     done = pending[0][0]
                     g.wait(pending.popleft()[1], f"broadcasting {plan.buckets[done].describe(done)}", receivers)
+                trace.mark("buffer_wait")
                 buf = bufs[k % 2][: bucket.nbytes + layout.TRAILER]
                 with on_stream(stream):
                     try:
@@ -354,9 +360,12 @@ class BroadcastSender(SenderBase):
                     except Exception as exc:  # e.g. a DTensor gather failing: stop every rank here, in step
                         error = exc
                         layout.mark_aborted(buf, bucket)
+                    trace.mark("pack")
                     pending.append((k, g.broadcast(buf, data=True)))
+                trace.mark("broadcast")
                 if error is not None:
                     break
+            trace.next_bucket()
             while pending:
                 done = pending[0][0]
                 g.wait(pending.popleft()[1], f"broadcasting {plan.buckets[done].describe(done)}", receivers)
@@ -365,11 +374,15 @@ class BroadcastSender(SenderBase):
             raise
         if stream is not None:
             stream.synchronize()
+        trace.mark("drain")
         statuses = g.gather_status(STATUS_WIDTH, "waiting for every replica to load the sync")
+        trace.mark("status_wait")
         if error is not None:
             raise error
         raise_for_status(g, plan, statuses, self._seq)
-        return SyncReport(version, plan.num_tensors, plan.num_bytes, len(plan.buckets), time.perf_counter() - start)
+        report = SyncReport(version, plan.num_tensors, plan.num_bytes, len(plan.buckets), time.perf_counter() - start)
+        trace.write(self._seq, report)
+        return report
 
 
 class BroadcastReceiver(Endpoint):
@@ -379,6 +392,7 @@ class BroadcastReceiver(Endpoint):
         g = self.group
         g.check_usable()
         start = time.perf_counter()
+        trace = Trace("receiver")
         meta = read_metadata(g)
         version: int = meta["version"]
         buckets: list[layout.Bucket] = meta["buckets"]
@@ -387,11 +401,15 @@ class BroadcastReceiver(Endpoint):
         works: dict[int, Work] = {}
         if buckets:
             works[0] = g.broadcast(slices[0], data=True)
+        trace.mark("metadata")
         tensors = nbytes = loaded = 0
         session, failure = open_session(engine, version, check_finite)
+        trace.mark("session")
         try:
             for k, bucket in enumerate(buckets):
+                trace.next_bucket()
                 g.wait(works.pop(k), f"receiving {bucket.describe(k)} of {len(buckets)}", [0])
+                trace.mark("receive_wait")
                 flag, expected = layout.read_trailer(slices[k], bucket)
                 if flag == layout.FLAG_ABORT:
                     failure = failure or (ABORTED, k, aborted_error(g, version, bucket, k, written(session, loaded)))
@@ -402,6 +420,7 @@ class BroadcastReceiver(Endpoint):
                     continue  # drain the sync, in step with the sender, but load nothing more
                 if meta["checksum"]:
                     actual = int(layout.checksum_of(slices[k], bucket.nbytes).item())
+                    trace.mark("checksum")
                     if actual != expected:
                         failure = (CHECKSUM, k, checksum_error(g, version, bucket, k, written(session, loaded)))
                         continue
@@ -410,19 +429,25 @@ class BroadcastReceiver(Endpoint):
                 except Exception as exc:
                     failure = (LOAD_FAILED, k, exc)
                     continue
+                trace.mark("write")
                 loaded += 1
                 tensors += len(bucket.entries)
                 nbytes += sum(e.nbytes for e in bucket.entries)
+            trace.next_bucket()
             failure = finish_load(session, failure, len(buckets))
+            trace.mark("commit")
         except BaseException as exc:  # the group failed mid-sync (a dead peer, a timeout): the load ends with it
             if session is not None:
                 session.abort(exc)
             raise
         code, at = (failure[0], failure[1]) if failure else (OK, -1)
         g.send_status([code, at, int(meta["seq"])], "reporting the sync's outcome to the sender")
+        trace.mark("status")
         if failure is not None:
             raise_failure(failure, written(session, loaded))  # after the commit: a held sync reached it there
-        return SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
+        report = SyncReport(version, tensors, nbytes, loaded, time.perf_counter() - start)
+        trace.write(int(meta["seq"]), report)
+        return report
 
 
 class _BroadcastTransport:

@@ -103,16 +103,44 @@ def test_split_traced_takes_the_receivers_write_as_load(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("field", "value", "match"),
-    [("syncs", 0, "syncs=0"), ("in_flight", -1, "in_flight=-1"), ("trainer_dtype", "int8", "allowed are")],
+    [
+        ("syncs", 0, "syncs=0"),
+        ("in_flight", -1, "in_flight=-1"),
+        ("trainer_dtype", "int8", "allowed are"),
+        ("replicas", 0, "replicas=0"),
+        ("transport", "tcp", "transport='tcp': allowed are gloo, nccl, cuda_ipc"),
+    ],
 )
 def test_bad_settings_are_refused(field: str, value: Any, match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
         SyncBenchSettings(**{field: value}).check()
 
 
-def test_cli_refuses_sync_with_pool(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "--sync", "--pool"]) == 2
-    assert "--sync is its own measurement" in capsys.readouterr().err
+def test_cli_refuses_sync_with_async(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--sync", "--async"]) == 2
+    assert "--sync and --async are two different measurements" in capsys.readouterr().err
+
+
+def test_a_pool_sync_is_split_by_both_ends_traces() -> None:
+    """The call (``load``) of one pool sync, split by its traces: the pool's row takes the slowest replica's
+    own load; the trainer's side its waits for the replicas; what no trace covers is ``untraced``."""
+    from genengine.cli.bench.pool_sync import split_pool_sync
+    from genengine.errors import ConfigError
+
+    times = {"pause": 0.01, "gather": 0.002, "transfer": None, "load": 0.1, "resume": 0.005, "whole": 0.118}
+    sender = {"totals": {"plan": 0.01, "pack": 0.02, "broadcast": 0.01, "status_wait": 0.04}}
+    slow = {"totals": {"metadata": 0.02, "receive_wait": 0.01, "session": 0.005, "write": 0.03, "commit": 0.01}}
+    fast = {"totals": {"metadata": 0.02, "receive_wait": 0.03, "write": 0.01}}
+    got = split_pool_sync(times, [sender], [fast, slow])
+    row, trainer, replica = got["row"], got["sides"]["trainer"], got["sides"]["replica"]
+    assert row["load"] == pytest.approx(0.045) and row["transfer"] == pytest.approx(0.055) and row["call"] == 0.1
+    assert (row["pause"], row["gather"], row["resume"], row["whole"]) == (0.01, 0.002, 0.005, 0.118)
+    assert trainer["load"] == pytest.approx(0.04) and trainer["transfer"] == pytest.approx(0.06)
+    assert trainer["trace"]["untraced"] == pytest.approx(0.02) and trainer["pause"] == 0.01
+    assert (replica["pause"], replica["gather"], replica["resume"]) == (None, None, None)
+    assert replica["trace"]["untraced"] == pytest.approx(0.025) and replica["whole"] == 0.1
+    with pytest.raises(ConfigError, match="0 receiver trace"):
+        split_pool_sync(times, [sender], [])
 
 
 def test_cli_refuses_sync_under_tensor_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
@@ -190,7 +218,9 @@ def test_bench_sync_7b_writes_the_json_and_verify_reads_it(tmp_path: Path, monke
     monkeypatch.setattr(
         bench_sync_7b,
         "settings",
-        lambda engine, model, syncs, in_flight: SyncBenchSettings(syncs=syncs, in_flight=in_flight, max_new_tokens=4),
+        lambda engine, model, syncs, in_flight, replicas: SyncBenchSettings(
+            syncs=syncs, in_flight=in_flight, max_new_tokens=4
+        ),
     )
     with contextlib.redirect_stdout(io.StringIO()):
         assert bench_sync_7b.main(["vllm", "--syncs", "1", "--in-flight", "1"]) == 0
@@ -206,3 +236,53 @@ def test_bench_sync_7b_writes_the_json_and_verify_reads_it(tmp_path: Path, monke
         check=True,
     ).stdout
     assert "medians (ms): pause" in row and "requests finished 1/1" in row, row
+
+
+def test_bench_sync_7b_pool_row_reaches_the_json_and_verify_prints_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``bench_sync_7b.py --pool``: the pool's settings (replicas over cuda_ipc, each with the GPU-sharing options)
+    go to ``run_pool_sync_bench`` (stood in for here: the real run is tests/cli/test_ray_bench_sync.py), its row
+    lands in the JSON beside the in-process one, and verify.sh's summary prints it."""
+    import subprocess
+    import sys
+
+    import genengine.cli.bench.pool_sync as pool_sync
+
+    benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
+    monkeypatch.syspath_prepend(str(benchmarks))
+    import bench_sync_7b
+
+    seen: list[SyncBenchSettings] = []
+
+    def fake(settings: SyncBenchSettings) -> dict[str, Any]:
+        seen.append(settings)
+        row = {"pause": 0.01, "gather": 0.001, "transfer": 0.02, "load": 0.03, "resume": 0.002, "whole": 0.063}
+        return {
+            "backend": "vllm",
+            "num_tensors": 3,
+            "num_bytes": 10,
+            "targets": {"in_process": summarize_phases([row]), "pool": summarize_phases([row, row])},
+            "pool": {"replicas": settings.replicas, "transport": settings.transport},
+        }
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(bench_sync_7b, "make_model_dir", lambda path, tokenizer: path)
+    monkeypatch.setattr(pool_sync, "run_pool_sync_bench", fake)
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert bench_sync_7b.main(["vllm", "--pool", "--replicas", "3"]) == 0
+    (chosen,) = seen
+    assert (chosen.replicas, chosen.transport, chosen.syncs) == (3, "cuda_ipc", 10)
+    assert chosen.pool_options == {"kv_cache_memory_bytes": 4 << 30} and chosen.pool_mem_util == 0.3
+    report = json.loads((tmp_path / "bench_sync_vllm.json").read_text())
+    assert set(report["targets"]) == {"in_process", "pool"}
+    verify = (Path(__file__).resolve().parents[2] / "tools/gpu/verify.sh").read_text()
+    snippet = verify.split('    sync) what=$(python3 - "$WORK/bench_sync_$ENGINE.json"', 1)[1]
+    snippet = snippet.split("<<'EOF' 2>/dev/null || echo \"no report\"\n", 1)[1].split("\nEOF\n", 1)[0]
+    row = subprocess.run(
+        [sys.executable, "-c", snippet, str(tmp_path / "bench_sync_vllm.json"), str(tmp_path / "none.png")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "pool (3 replicas over cuda_ipc), medians (ms): pause 10.0 (spread 0.0)" in row, row

@@ -48,8 +48,8 @@ def test_pool_bench_compares_a_colocated_replica_with_the_same_engine_in_process
     assert report["paired_ratio"] == pytest.approx(report["ratio"])
     assert report["tokens_per_s"]["spread"] == {"in_process": 0.0, "pool": 0.0}
     assert "pool / in-process" in format_pool_report(report)
-    # The same syncs by phase (genengine bench --sync's): both sides paused, loaded and resumed; gloo traces no
-    # transfer, so the pool's load is its whole call.
+    # The same syncs by phase (genengine bench --sync's): both sides paused, loaded and resumed; with no
+    # $GENENGINE_SYNC_TRACE folder nothing splits the pool's call, so its load is the whole call.
     for side in ("in_process", "pool"):
         phases = report["sync"]["phases"][side]["phases"]
         assert all(phases[p]["median"] >= 0 for p in ("pause", "gather", "load", "resume")), phases

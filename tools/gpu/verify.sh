@@ -216,6 +216,11 @@ print(f"{r['num_tensors']} tensors {r['num_bytes'] / 1e9:.1f} GB, medians (ms): 
       + ", ".join(f"{p} {ms((v or {}).get('median'))}" for p, v in t["phases"].items())
       + f"; total {ms(t['total_median'])}; slowest {t['slowest']}; requests finished {t.get('requests_finished')}; "
       + ("PNG written" if os.path.exists(sys.argv[2]) else "no PNG (no matplotlib: draw it from the JSON)"))
+p = r["targets"].get("pool")  # bench_sync_7b.py --pool
+if p:
+    print(f"; pool ({r['pool']['replicas']} replicas over {r['pool']['transport']}), medians (ms): "
+          + ", ".join(f"{k} {ms((v or {}).get('median'))} (spread {ms((v or {}).get('spread'))})" for k, v in p["phases"].items())
+          + f"; whole {ms(p['whole']['median'])}; slowest {p['slowest']}; requests finished {p.get('requests_finished')}")
 EOF
 ) ;;
     profile) what=$(head -c 1500 "$WORK/profile_p1_$ENGINE.txt" 2>/dev/null | tr -s ' ' || echo "no report") ;;

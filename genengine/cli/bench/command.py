@@ -93,12 +93,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     pool.add_argument("--pool", action="store_true", help="run the pool comparison instead (needs genengine[ray])")
     pool.add_argument("--pool-mem-util", type=float, default=None, help="the replica's share (default: --mem-util)")
     pool.add_argument("--min-seconds", type=float, default=3.0, help="seconds of generation per repeat")
-    pool.add_argument("--syncs", type=int, default=3, help="weight syncs (a new version each)")
+    pool.add_argument(
+        "--syncs", type=int, default=None, help="weight syncs, a new version each (default 3; --sync --pool: 10)"
+    )
     pool.add_argument(
         "--transport", default=None, help="the pool's weight transport (default: cuda_ipc, or gloo on CPU)"
     )
-    sync = p.add_argument_group("--sync", "one weight sync split into pause, gather, transfer, load, resume")
+    sync = p.add_argument_group(
+        "--sync",
+        "one weight sync split into pause, gather, transfer, load, resume; with --pool, the same syncs through an "
+        "EnginePool of --replicas replicas on a local Ray cluster too (a second group of bars)",
+    )
     sync.add_argument("--sync", action="store_true", help="time the sync's phases instead (--syncs of them)")
+    sync.add_argument(
+        "--replicas", type=_positive, default=2, help="with --sync --pool: the pool's replicas (default 2)"
+    )
     sync.add_argument("--in-flight", type=int, default=4, help="requests generating during each sync")
     sync.add_argument("--trainer-dtype", default=None, help="the trainer's parameters' dtype (default: the engine's)")
     group = p.add_argument_group("--async", "partial rollouts against the synchronous generate")
@@ -133,8 +142,8 @@ def _threads(count: int | None) -> Iterator[None]:
 def run(args: argparse.Namespace) -> int:
     if args.async_ and args.pool:
         raise InvalidArgumentError("--async and --pool are two different comparisons: pass one of them")
-    if args.sync and (args.async_ or args.pool):
-        raise InvalidArgumentError("--sync is its own measurement (the pool's phases come with --pool): pass one")
+    if args.sync and args.async_:
+        raise InvalidArgumentError("--sync and --async are two different measurements: pass one of them")
     if args.plot:  # refused now, not after the measurements
         if args.async_:
             raise InvalidArgumentError(
@@ -193,11 +202,17 @@ def _run_sync(args: argparse.Namespace) -> int:
 
     _one_engine(args, "bench --sync measures one engine in this process")
     settings = SyncBenchSettings(
-        **_engine(args, "syncs", "in_flight", "prompt_len", "trainer_dtype"),
+        **_engine(args, "in_flight", "prompt_len", "trainer_dtype", "replicas", "transport", "pool_mem_util"),
+        syncs=(10 if args.pool else 3) if args.syncs is None else args.syncs,
         max_new_tokens=64 if args.max_new_tokens is None else args.max_new_tokens,
         bucket_bytes=_bucket_bytes(args),
     )
-    report = run_sync_bench(settings)
+    if args.pool:
+        from genengine.cli.bench.pool_sync import run_pool_sync_bench
+
+        report = run_pool_sync_bench(settings)
+    else:
+        report = run_sync_bench(settings)
     return _report(args, report, format_sync_report(report), lambda path: write_plot(report, path, print))
 
 
@@ -207,7 +222,8 @@ def _run_pool(args: argparse.Namespace) -> int:
 
     _one_engine(args, "bench --pool measures tp_size=1 replicas")
     settings = PoolBenchSettings(
-        **_engine(args, "pool_mem_util", "batch_size", "prompt_len", "min_seconds", "syncs", "transport"),
+        **_engine(args, "pool_mem_util", "batch_size", "prompt_len", "min_seconds", "transport"),
+        syncs=3 if args.syncs is None else args.syncs,
         max_new_tokens=32 if args.max_new_tokens is None else args.max_new_tokens,
         repeats=5 if args.repeats is None else args.repeats,
         bucket_bytes=_bucket_bytes(args),

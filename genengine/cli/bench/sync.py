@@ -10,7 +10,8 @@ weights, synchronized on a GPU) and ``resume`` (``resume_generation``). The requ
 weights.
 
 :func:`one_sync` times one sync of any target (an engine or an ``EnginePool``); :func:`split_traced` splits a
-pool's call by the trace files of its two ends; :func:`run_sync_bench` runs the in-process measurement,
+pool's call by the trace files of its two ends; :func:`run_sync_bench` runs the in-process measurement (and
+``then`` the same syncs through an ``EnginePool``: :mod:`genengine.cli.bench.pool_sync`);
 :func:`format_sync_report` and :func:`plot_sync_report` render a report (the pool benchmark's
 ``sync_phases`` too).
 """
@@ -43,8 +44,9 @@ __all__ = [
 ]
 
 PHASES = ("pause", "gather", "transfer", "load", "resume")
-LOAD_PHASES = frozenset({"write", "write_sync", "commit"})
-"""The receiver's trace phases that are the engine's own load (the rest moved or waited for the bytes)."""
+LOAD_PHASES = frozenset({"session", "write", "write_sync", "commit"})
+"""The receiver's trace phases that are the engine's own load (``begin_load``, the writes, the commit); the
+rest moved or waited for the bytes."""
 
 
 @dataclass
@@ -66,6 +68,15 @@ class SyncBenchSettings:
     trainer_dtype: str | None = None
     """The trainer's parameters' dtype (default: the engine's). Another one makes ``gather`` cast."""
     seed: int = 0
+    replicas: int = 2
+    """``run_pool_sync_bench``: the ``EnginePool``'s replicas on a local Ray cluster, synced the same way after
+    the in-process engine."""
+    transport: str | None = None
+    """The pool's weight transport (default: ``cuda_ipc`` on a GPU, ``gloo`` on the CPU)."""
+    pool_mem_util: float | None = None
+    """Each replica's ``mem_util`` (default: ``mem_util``)."""
+    pool_options: Mapping[str, Any] = field(default_factory=dict)
+    """Engine options each replica takes on top of ``options`` (several on one GPU: a capped KV cache)."""
 
     def check(self) -> None:
         """Refuse bad values before a model is built or an engine started."""
@@ -82,6 +93,14 @@ class SyncBenchSettings:
             raise InvalidArgumentError(f"trainer_dtype={self.trainer_dtype!r}: allowed are {', '.join(allowed)}")
         if self.model is not None and not os.path.isdir(self.model):
             raise ConfigError(f"model={self.model!r} is not a local model folder")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise InvalidArgumentError(f"replicas={self.replicas!r} must be an integer >= 1")
+        transports = ("gloo", "nccl", "cuda_ipc")
+        if self.transport is not None and self.transport not in transports:
+            raise InvalidArgumentError(
+                f"transport={self.transport!r}: allowed are {', '.join(transports)} (the ones that trace a sync's "
+                "phases; the object store does not)"
+            )
 
 
 # ---- one sync ------------------------------------------------------------------------------------------------
@@ -109,8 +128,10 @@ def one_sync(
 
     if is_async_engine(target):
         return asyncio.run(_one_sync_async(target, params, dtype, prompts, max_new_tokens, bucket_bytes, version))
+    start = time.perf_counter()
     times: dict[str, Any] = {"pause": None, "resume": None}
     times.update(_gather_load(target, params, dtype, bucket_bytes, version))
+    times["whole"] = time.perf_counter() - start
     return times
 
 
@@ -159,6 +180,7 @@ async def _one_sync_async(
     resume_start = time.perf_counter()
     await target.resume_generation()
     times["resume"] = time.perf_counter() - resume_start
+    times["whole"] = time.perf_counter() - start  # from the pause's start to the resume's end
     results = await asyncio.gather(*tasks)
     times["requests_finished"] = sum(
         1 for r in results for o in r.outputs if o.finish_reason in ("length", "stop") and o.token_ids
@@ -187,9 +209,16 @@ def split_traced(
 
 
 # ---- the in-process run ----------------------------------------------------------------------------------------
-def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
+Then = Callable[[SyncBenchSettings, dict[str, Any], Mapping[str, Any], Any, list[list[int]]], dict[str, Any]]
+"""What measures more targets after the in-process engine is shut down: called with the settings, the engine's
+``EngineConfig`` fields (its ``options`` among them), the trainer's weights, the engine's torch dtype and the
+prompts in flight; returns the report's entries to add (``genengine.cli.bench.pool_sync``: the pool's)."""
+
+
+def run_sync_bench(settings: SyncBenchSettings, then: Then | None = None) -> dict[str, Any]:
     """Create the engine in this process and time ``settings.syncs`` syncs (after a warm-up one) with
-    ``settings.in_flight`` requests generating; returns the report (plain JSON-able data)."""
+    ``settings.in_flight`` requests generating; then ``then`` with the same trainer and prompts (the pool's
+    row). Returns the report (plain JSON-able data)."""
     settings.check()
     from genengine.cli.bench.measure import resolve_backend
 
@@ -245,7 +274,8 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
 
         sync()  # warm-up: first-touch allocations, kernels
         rows = [sync() for _ in range(settings.syncs)]
-        return {
+        stack.close()  # the engine's memory back before a pool's replicas take theirs
+        report: dict[str, Any] = {
             "backend": str(settings.backend),
             "engine": type(engine).__name__,
             "device": device_name(device),
@@ -262,18 +292,35 @@ def run_sync_bench(settings: SyncBenchSettings) -> dict[str, Any]:
             },
             "targets": {"in_process": summarize_phases(rows)},
         }
+        if then is not None:
+            more = then(settings, {**fields, "options": dict(settings.options)}, trainer, engine_dtype, prompts)
+            report["targets"].update(more.pop("targets", {}))
+            report.update(more)
+        return report
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Every value, their median, min, max and ``spread`` (max - min)."""
+    got = [float(v) for v in values]
+    return {
+        "all": got,
+        "median": statistics.median(got),
+        "min": min(got),
+        "max": max(got),
+        "spread": max(got) - min(got),
+    }
 
 
 def summarize_phases(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Per phase: every sync's seconds and their median (None: not a phase of this target); the total's
-    median and the slowest phase."""
+    """Per phase: every sync's seconds, their median and spread (None: not a phase of this target); the
+    total's median (the phases summed), the whole sync's as measured end to end (``whole``) and the slowest
+    phase."""
     if not rows:
         raise InvalidArgumentError("summarize_phases: no syncs")
     phases: dict[str, Any] = {}
     for phase in PHASES:
-        values = [r.get(phase) for r in rows]
-        got = [float(v) for v in values if v is not None]
-        phases[phase] = {"all": got, "median": statistics.median(got)} if got else None
+        got = [float(v) for v in (r.get(phase) for r in rows) if v is not None]
+        phases[phase] = spread(got) if got else None
     totals = [sum(float(r[p]) for p in PHASES if r.get(p) is not None) for r in rows]
     measured = {p: v["median"] for p, v in phases.items() if v is not None}
     out: dict[str, Any] = {
@@ -281,6 +328,8 @@ def summarize_phases(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "total_median": statistics.median(totals),
         "slowest": max(measured, key=lambda p: measured[p]) if measured else None,
     }
+    if all(r.get("whole") is not None for r in rows):
+        out["whole"] = spread([r["whole"] for r in rows])
     if any("requests" in r for r in rows):
         out["requests_finished"] = f"{sum(r.get('requests_finished', 0) for r in rows)}/" + str(
             sum(r.get("requests", 0) for r in rows)
@@ -293,28 +342,42 @@ def _ms(s: float | None) -> str:
     return "n/a" if s is None else f"{s * 1000:.2f} ms" if s < 0.1 else f"{s * 1000:.0f} ms"
 
 
+def _cell(phase: Mapping[str, Any] | None) -> str:
+    if phase is None:
+        return "n/a"
+    half = phase.get("spread")
+    return _ms(phase["median"]) + ("" if half is None else f" ±{_ms(half / 2)}")
+
+
 def format_sync_report(report: Mapping[str, Any]) -> str:
-    """A table: one row per phase, one column per target (medians), the total and the slowest phase."""
-    targets: Mapping[str, Any] = report["targets"]
+    """A table: one row per phase, one column per target (medians), the total and the slowest phase; a
+    pool's two sides (from their own traces) as columns of their own."""
+    targets: dict[str, Any] = dict(report["targets"])
+    for side, phases in (report.get("pool") or {}).get("sides", {}).items():
+        targets[f"pool: {side}"] = phases
     names = list(targets)
     rows = [("phase", *names)]
     for phase in PHASES:
-        rows.append((phase, *[_ms((t["phases"][phase] or {}).get("median")) for t in targets.values()]))
+        rows.append((phase, *[_cell(t["phases"][phase]) for t in targets.values()]))
     rows.append(("total", *[_ms(t["total_median"]) for t in targets.values()]))
+    if any("whole" in t for t in targets.values()):  # end to end, beside the phases' sum
+        rows.append(("whole sync", *[_ms(t.get("whole", {}).get("median")) for t in targets.values()]))
     rows.append(("slowest", *[str(t["slowest"]) for t in targets.values()]))
     if any("requests_finished" in t for t in targets.values()):
         rows.append(("requests finished", *[t.get("requests_finished", "-") for t in targets.values()]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     head = (
         f"sync phases: {report.get('backend')} on {report.get('device')}, {report.get('num_tensors')} tensors, "
-        f"{report.get('num_bytes', 0) / 1e9:.3f} GB, medians of {report.get('settings', {}).get('syncs')} syncs"
+        f"{report.get('num_bytes', 0) / 1e9:.3f} GB, medians of {report.get('settings', {}).get('syncs')} syncs "
+        "(± half their min-max range)"
     )
     lines = [head] + ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     return "\n".join(lines)
 
 
 def plot_sync_report(report: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
-    """Bars of each phase's median per target (ms): the slowest phase is the tallest bar."""
+    """Bars of each phase's median per target (ms), one group of bars per target (in-process, pool), with the
+    min-max range of the syncs as error bars: the slowest phase is the tallest bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -325,12 +388,15 @@ def plot_sync_report(report: Mapping[str, Any], path: str | os.PathLike[str]) ->
     width = 0.8 / max(len(targets), 1)
     colors = ["#3b6fb6", "#e08a3c", "#6aa84f"]
     for i, (name, t) in enumerate(targets.items()):
-        values = [((t["phases"][p] or {}).get("median") or 0.0) * 1000 for p in PHASES]
+        got = [t["phases"][p] or {} for p in PHASES]
+        values = [(g.get("median") or 0.0) * 1000 for g in got]
+        low = [v - g.get("min", g.get("median") or 0.0) * 1000 for v, g in zip(values, got, strict=True)]
+        high = [g.get("max", g.get("median") or 0.0) * 1000 - v for v, g in zip(values, got, strict=True)]
         xs = [j + (i - (len(targets) - 1) / 2) * width for j in range(len(PHASES))]
-        bars = ax.bar(xs, values, width=width, label=name, color=colors[i % len(colors)])
+        bars = ax.bar(xs, values, width=width, label=name, color=colors[i % len(colors)], yerr=[low, high], capsize=3)
         ax.bar_label(bars, labels=[_ms((t["phases"][p] or {}).get("median")) for p in PHASES], fontsize=8, rotation=0)
     ax.set_xticks(range(len(PHASES)), list(PHASES))
-    ax.set_ylabel("ms (median)")
+    ax.set_ylabel("ms (median; bars: min-max)")
     ax.set_title(f"weight sync by phase: {report.get('backend')} on {report.get('device')}")
     ax.legend()
     ax.margins(y=0.15)
