@@ -15,7 +15,8 @@
 #      the driver's, per phase), "trl": where TRL is installed its two scripts, else one
 #      "skipped" row at no cost, "trl_grpo" or "trl_sync": one of them, "trl_step": benchmarks/bench_trl_step.py, only on request;
 #      "bench": bench_ENGINE.py without P1 (P2, P3, SGLang's level-2 memory per process; ~200 s),
-#      "sync": benchmarks/bench_sync_7b.py (genengine bench --sync at 7B, phases JSON + PNG; ~60 s),
+#      "sync": benchmarks/bench_sync_7b.py (genengine bench --sync at 7B, phases JSON + PNG; ~60 s), "sync_pool": the same
+#      with --pool (the pool's row too: two 7B replicas on the GPU; ~150-200 s),
 #      "adapters": tests/gpu/test_ENGINE_adapters_gpu.py, "trl_async": tests/gpu/test_trl_async_gpu.py, "verl":
 #      tests/gpu/test_verl_gpu.py (genengine's rollout only unless GENENGINE_VERL_BASELINE=1), "lora":
 #      benchmarks/bench_lora_sync.py at 7B (adapter sync against merge + full sync + unmerge),
@@ -206,7 +207,7 @@ out.append("verdicts " + ", ".join(f"{k} {v}" for k, v in (r.get("verdicts") or 
 print("; ".join(out))
 EOF
 ) ;;
-    sync) what=$(python3 - "$WORK/bench_sync_$ENGINE.json" "$WORK/bench_sync_$ENGINE.png" <<'EOF' 2>/dev/null || echo "no report"
+    sync|sync_pool) what=$(python3 - "$WORK/bench_sync_$ENGINE.json" "$WORK/bench_sync_$ENGINE.png" <<'EOF' 2>/dev/null || echo "no report"
 import json, os, sys
 r = json.load(open(sys.argv[1]))
 if "error" in r: print("error: " + r["error"][:200]); raise SystemExit
@@ -325,6 +326,7 @@ for part in $PARTS; do
     bench) run_part bench 330 bash tools/gpu/run_tests.sh "$ENGINE" --bench --p1-modes "''" --json "$WORK/bench_p2p3_$ENGINE.json" \
              $([ "$ENGINE" = sglang ] && echo --variants handles,flattened,per_param) ;;
     sync) run_part sync 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_sync_7b.py "$ENGINE" ;;
+    sync_pool) run_part sync_pool 300 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_sync_7b.py "$ENGINE" --pool ;;
     profile) run_part profile 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/profile_p1.py "$ENGINE" ;;
     adapters) run_part adapters 240 bash tools/gpu/run_tests.sh "$ENGINE" "tests/gpu/test_${ENGINE}_adapters_gpu.py" "$(PYTEST_J adapters)" ;;
     trl_async) run_part trl_async 240 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_trl_async_gpu.py "$(PYTEST_J trl_async)" ;;
@@ -334,7 +336,7 @@ for part in $PARTS; do
             --json "$WORK/bench_lora_sync_$ENGINE.json" ;;
     trl) trl_parts ;;
     trl_grpo|trl_sync|trl_step) trl_parts "$part" ;;
-    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool p1 profile bench sync exit transport async ipc adapters trl_async verl lora trl trl_grpo trl_sync trl_step) |") ;;
+    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool p1 profile bench sync exit transport async ipc adapters trl_async verl lora sync_pool trl trl_grpo trl_sync trl_step) |") ;;
   esac
 done
 
