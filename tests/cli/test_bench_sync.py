@@ -206,8 +206,6 @@ def test_a_config_only_folder_syncs_random_weights_under_the_models_names(
 def test_bench_sync_7b_writes_the_json_and_verify_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/bench_sync_7b.py (verify.sh's ``sync`` part) with the embedded backend standing in for the 7B
     engine: its JSON lands in $OUT under the name verify.sh's summary reads, and that summary reads it."""
-    import subprocess
-    import sys
 
     benchmarks = Path(__file__).resolve().parents[2] / "benchmarks"
     monkeypatch.syspath_prepend(str(benchmarks))
@@ -226,15 +224,7 @@ def test_bench_sync_7b_writes_the_json_and_verify_reads_it(tmp_path: Path, monke
         assert bench_sync_7b.main(["vllm", "--syncs", "1", "--in-flight", "1"]) == 0
     report = json.loads((tmp_path / "bench_sync_vllm.json").read_text())
     assert report["targets"]["in_process"]["requests_finished"] == "1/1"
-    verify = (Path(__file__).resolve().parents[2] / "tools/gpu/verify.sh").read_text()
-    snippet = verify.split('    sync) what=$(python3 - "$WORK/bench_sync_$ENGINE.json"', 1)[1]
-    snippet = snippet.split("<<'EOF' 2>/dev/null || echo \"no report\"\n", 1)[1].split("\nEOF\n", 1)[0]
-    row = subprocess.run(
-        [sys.executable, "-c", snippet, str(tmp_path / "bench_sync_vllm.json"), str(tmp_path / "bench_sync_vllm.png")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    row = _verify_sync_row(tmp_path / "bench_sync_vllm.json", tmp_path / "bench_sync_vllm.png")
     assert "medians (ms): pause" in row and "requests finished 1/1" in row, row
 
 
@@ -244,8 +234,6 @@ def test_bench_sync_7b_pool_row_reaches_the_json_and_verify_prints_it(
     """``bench_sync_7b.py --pool``: the pool's settings (replicas over cuda_ipc, each with the GPU-sharing options)
     go to ``run_pool_sync_bench`` (stood in for here: the real run is tests/cli/test_ray_bench_sync.py), its row
     lands in the JSON beside the in-process one, and verify.sh's summary prints it."""
-    import subprocess
-    import sys
 
     import genengine.cli.bench.pool_sync as pool_sync
 
@@ -276,13 +264,18 @@ def test_bench_sync_7b_pool_row_reaches_the_json_and_verify_prints_it(
     assert chosen.pool_options == {"kv_cache_memory_bytes": 4 << 30} and chosen.pool_mem_util == 0.3
     report = json.loads((tmp_path / "bench_sync_vllm.json").read_text())
     assert set(report["targets"]) == {"in_process", "pool"}
-    verify = (Path(__file__).resolve().parents[2] / "tools/gpu/verify.sh").read_text()
-    snippet = verify.split('    sync) what=$(python3 - "$WORK/bench_sync_$ENGINE.json"', 1)[1]
-    snippet = snippet.split("<<'EOF' 2>/dev/null || echo \"no report\"\n", 1)[1].split("\nEOF\n", 1)[0]
-    row = subprocess.run(
-        [sys.executable, "-c", snippet, str(tmp_path / "bench_sync_vllm.json"), str(tmp_path / "none.png")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    row = _verify_sync_row(tmp_path / "bench_sync_vllm.json", tmp_path / "none.png")
     assert "pool (3 replicas over cuda_ipc), medians (ms): pause 10.0 (spread 0.0)" in row, row
+
+
+def _verify_sync_row(report: Path, png: Path) -> str:
+    """verify.sh's summary row of the sync and sync_pool parts, from its own embedded script."""
+    import subprocess
+    import sys
+
+    verify = (Path(__file__).resolve().parents[2] / "tools/gpu/verify.sh").read_text()
+    snippet = verify.split('    sync|sync_pool) what=$(python3 - "$WORK/bench_sync_$ENGINE.json"', 1)[1]
+    snippet = snippet.split("<<'EOF' 2>/dev/null || echo \"no report\"\n", 1)[1].split("\nEOF\n", 1)[0]
+    return subprocess.run(
+        [sys.executable, "-c", snippet, str(report), str(png)], capture_output=True, text=True, check=True
+    ).stdout
