@@ -197,9 +197,9 @@ class AdapterTests(ConformanceBase):
         its name, resume. The request finishes under the adapter it started with (its tokens those of that adapter
         alone, its version that one's, its KV recomputed with it); one submitted during the pause starts after
         the resume, under the new one (async engines)."""
-        engine = adapter_engine
-        if not is_async_engine(engine):
+        if not is_async_engine(adapter_engine):
             pytest.skip("the engine does not declare supports_async")
+        engine: Any = adapter_engine  # both protocols' calls
         first = random_adapter(original_weights, self.adapter_targets, r=self.adapter_rank, seed=7)
         second = random_adapter(original_weights, self.adapter_targets, r=self.adapter_rank, seed=8)
         params = dataclasses.replace(GREEDY, adapter="conf-p", max_new_tokens=48, ignore_eos=True)
