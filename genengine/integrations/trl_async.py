@@ -12,9 +12,12 @@ module gives both over genengine's async protocol (docs/async.md):
   ``max_staleness`` are dropped before they are queued, and at most ``max_inflight_tasks`` completions are in
   flight, as TRL's worker. ``check_health`` raises if the loop failed (a crashed or closed engine) or if
   requests are in flight and no token came for ``heartbeat_stale_after_s`` (a stuck engine).
-- :class:`GenEngineWeightTransfer` pauses the engine with ``keep`` (in-flight samples wait, then go on with
-  the new weights, their KV recomputed), writes the trainer's ``(name, tensor)`` stream in one bucketed
-  ``load_weights`` labelled with the trainer's next ``model_version``, and resumes.
+- :class:`GenEngineWeightTransfer` (:mod:`~genengine.integrations.trl_async_transfer`) pauses the engine with
+  ``keep`` (in-flight samples wait, then go on with the new weights, their KV recomputed), writes the trainer's
+  ``(name, tensor)`` stream in one bucketed ``load_weights`` labelled with the trainer's next ``model_version``,
+  and resumes. Passed as a trainer callback too, it syncs a PEFT policy adapter-only where the engine serves
+  adapters: the base once, then one ``load_adapter`` per sync; the worker's requests name the adapter, and one in
+  flight across a sync finishes under the adapter it started with.
 
 TRL's trainers take ``model`` as a path and the two objects as arguments (no ``genengine=``), so the user
 builds them with :func:`make_async_backend` and passes them; docs/trl.md has the recipe.

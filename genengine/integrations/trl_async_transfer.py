@@ -153,15 +153,14 @@ class GenEngineWeightTransfer(TrainerCallback):
         allow it, else merged; logged. The callback hooks call it; idempotent for the same policy."""
         if model is None or model is self._policy:
             return
-        self._policy = model
         if not is_peft_policy(model):
-            self.sync_mode = "full"
+            self._policy, self.sync_mode = model, "full"
             return
         dtensor = any(type(p).__name__ == "DTensor" for p in model.parameters())
         self.sync_mode, self._adapter_config, why = choose_lora_sync(
             model, self.engine, self.lora_sync, sharded="adapter-only sync of an FSDP policy" if dtensor else ""
         )
-        self._base_synced = False
+        self._policy, self._base_synced = model, False
         if self._worker is not None:
             self._worker.use_adapter(ADAPTER_NAME if self.sync_mode == "adapter" else None)
         log_choice(_log, "AsyncGRPOTrainer", self.sync_mode, why)
