@@ -27,6 +27,19 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trl_grpo import PROMPTS, _versions, engine_config, pick_target_token, target_share
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""What ``--lora`` adapts: the attention and MLP projections."""
+
+
+def lora_options(backend: str, rank: int, max_staleness: int) -> dict[str, Any]:
+    """The engine options that make it serve the adapter (the engines' own arguments; the embedded one needs none)."""
+    if backend == "sglang":
+        return {"enable_lora": True, "max_lora_rank": rank, "lora_target_modules": LORA_TARGETS}
+    if backend == "vllm":
+        # The adapter a held request still uses beside the new one, per version a sample may lag (as TRL sizes it).
+        return {"enable_lora": True, "max_lora_rank": rank, "max_loras": max_staleness + 2, "max_cpu_loras": 8}
+    return {}
+
 
 def step_rows(log_history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per optimizer step from TRL's logs: what the lead's table needs."""
@@ -92,6 +105,14 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> list[dict[str, Any]
     dataset = Dataset.from_dict({"prompt": PROMPTS})
     reward = target_share(target)
     engine = engine_config(args.backend, args.mem_util if on_gpu else None)
+    peft_config = None
+    if args.lora:
+        from peft import LoraConfig
+
+        engine["options"] = {**engine.get("options", {}), **lora_options(args.backend, args.lora, args.max_staleness)}
+        peft_config = LoraConfig(
+            r=args.lora, lora_alpha=2 * args.lora, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM"
+        )
     t0 = time.perf_counter()
     worker, transfer = make_async_backend(
         engine,
@@ -110,19 +131,32 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> list[dict[str, Any]
             args=config,
             train_dataset=dataset,
             processing_class=tokenizer,
+            peft_config=peft_config,
             rollout_worker=worker,
             weight_transfer=transfer,
+            callbacks=[transfer],  # the transfer sees a PEFT policy: adapter-only sync where the engine serves it
         )
         trainer.remove_callback(PrinterCallback)
         start = time.perf_counter()
         trainer.train()
         report["train_s"] = round(time.perf_counter() - start, 1)
-        report["engine_weight_version"] = worker.engine.weight_version
+        # The policy version the engine serves: its weights', or under adapter-only sync its adapter's.
+        adapter_sync = transfer.sync_mode == "adapter"
+        served = worker.engine.adapters["policy"].version if adapter_sync else worker.engine.weight_version
+        report["engine_weight_version"] = served
         report["trainer_model_version"] = trainer.model_version
         report["syncs"] = len(transfer.versions)
+        report["sync_mode"] = transfer.sync_mode
         load = transfer.last_load
-        if load is not None:
+        if load is not None:  # under adapter-only sync: the base weights, sent once
             report["last_sync"] = {"tensors": load.num_tensors, "bytes": load.num_bytes, "seconds": load.seconds}
+        adapter = transfer.last_adapter
+        if adapter is not None:
+            report["last_adapter"] = {
+                "tensors": adapter.num_tensors,
+                "bytes": adapter.num_bytes,
+                "seconds": adapter.seconds,
+            }
     finally:
         worker.shutdown()
     report["steps_log"] = rows = step_rows(trainer.state.log_history)
@@ -156,14 +190,25 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         default="torch",
         help="TRL's tree attention: fa3 fetches a kernel from the Hub (the GPU machines cannot); torch runs anywhere",
     )
+    parser.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="train a LoRA adapter of this rank on the attention and MLP projections (peft_config=), synced "
+        "adapter-only (the engine started with LoRA enabled); 0: the whole model",
+    )
     parser.add_argument("--json", help="write the per-step numbers to this file")
     parser.add_argument("--out-dir", default="out/trl_async_grpo")
     args = parser.parse_args(argv)
     out = args.json or (
-        os.path.join(os.environ["OUT"], f"trl_async_grpo_{args.backend}.json") if os.environ.get("OUT") else None
+        os.path.join(os.environ["OUT"], f"trl_async_grpo_{args.backend}{'_lora' if args.lora else ''}.json")
+        if os.environ.get("OUT")
+        else None
     )
     report: dict[str, Any] = {"backend": args.backend, "steps": args.steps, "seed": args.seed, "lr": args.lr}
-    report["versions"] = _versions(["trl", "transformers", "accelerate", "torch", args.backend])
+    report["lora_rank"] = args.lora
+    report["versions"] = _versions(["trl", "transformers", "accelerate", "torch", "peft", args.backend])
     t0 = time.perf_counter()
     try:
         return run(args, report)

@@ -44,6 +44,7 @@ _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<part>[AB])(?:\.(?P<adapter>[^
 _UNSUPPORTED = {
     "use_dora": "DoRA adapters are not served",
     "use_rslora": "rank-stabilised scaling is not served (train with use_rslora=False)",
+    "target_parameters": "LoRA on parameters (target_parameters, fused MoE experts) is not served",
 }
 _HEADS = ("lm_head", "embed_out", "output")
 

@@ -179,6 +179,17 @@ class AdapterHost:
             bound.append(request)
         return bound
 
+    def _rebind_adapter(self, request: Request) -> Request:
+        """A request as the engine starts it: bound to the adapter loaded under its name now (one queued during a
+        pause was bound when submitted, and a sync may have replaced it since). Once started it keeps that one; a
+        name unloaded meanwhile keeps the adapter it was submitted under."""
+        if request.lora is None:
+            return request
+        current = self._adapter_registry.get(request.lora.name)
+        if current is None or current is request.lora:
+            return request
+        return dataclasses.replace(request, lora=current)
+
     @staticmethod
     def _version_of(request: Request, base: int) -> int:
         """The ``weight_versions`` label of a request's tokens: its adapter's version, or the base weights'."""

@@ -23,9 +23,9 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from types import ModuleType, SimpleNamespace
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
-from genengine.adapters import AdapterConfig, AdapterInfo, supports_adapters
+from genengine.adapters import AdapterConfig, AdapterInfo
 from genengine.config import EngineConfig
 from genengine.errors import ConfigError, GenEngineError, InvalidArgumentError
 from genengine.integrations.trl_config import (
@@ -36,6 +36,17 @@ from genengine.integrations.trl_config import (
     engine_config_source,
     no_images,
     resolve_engine_config,
+)
+from genengine.integrations.trl_lora import (
+    ADAPTER_NAME,
+    LORA_SYNC_MODES,
+    LoraSync,
+    SyncMode,
+    check_lora_sync,
+    choose_lora_sync,
+    log_choice,
+    peft_adapter_weights,
+    peft_base_weights,
 )
 from genengine.plugins.registry import create_engine
 from genengine.protocol import TAG_KV_CACHE, TAG_WEIGHTS, LoadReport
@@ -99,20 +110,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-LoraSync = Literal["auto", "adapter", "merge"]
-LORA_SYNC_MODES: tuple[LoraSync, ...] = ("auto", "adapter", "merge")
-"""How a PEFT (LoRA) policy reaches the engine: ``"adapter"`` sends only the adapter (``load_adapter``), ``"merge"``
-merges it into the base weights, sends the whole model and unmerges (TRL's way), ``"auto"`` the adapter where the
-backend serves adapters and the adapter can be served, else the merge; each says what it chose in the log."""
-ADAPTER_NAME = "policy"
-"""The name the policy's adapter is served under (``SamplingParams(adapter=...)`` of the rollouts)."""
-
-
-def check_lora_sync(value: object) -> LoraSync:
-    if value not in LORA_SYNC_MODES:
-        raise ConfigError(f"lora_sync={value!r}: allowed are {', '.join(map(repr, LORA_SYNC_MODES))}")
-    return value  # type: ignore[return-value]
-
 
 class GenEngineGeneration(_vllm_generation.VLLMGeneration):
     """``VLLMGeneration`` with a genengine engine in place of ``vllm.LLM``: same constructor, same
@@ -123,7 +120,7 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
     """
 
     lora_sync: LoraSync = "auto"
-    sync_mode: Literal["full", "merge", "adapter"] = "full"
+    sync_mode: SyncMode = "full"
     """What each sync sends: the whole model (``"full"``), the PEFT policy merged (``"merge"``), or only its adapter
     (``"adapter"``, after one sync of the base weights)."""
     last_adapter: AdapterInfo | None = None
@@ -195,32 +192,13 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
         """Adapter-only sync for a PEFT policy where the backend serves adapters (``lora_sync``), logged."""
         if not (isinstance(self.model, torch.nn.Module) and is_peft_model(self.model)):
             return
-        self.sync_mode = "merge"
-        why = "lora_sync='merge'"
-        if self.lora_sync != "merge":
-            why, adapter_config = "", None
-            policy: Any = self.model
-            peft_config = policy.peft_config[policy.active_adapter]
-            try:
-                adapter_config = AdapterConfig.coerce(peft_config)
-            except InvalidArgumentError as exc:
-                why = f"its adapter cannot be served ({exc})"
-            if not supports_adapters(engine):
-                why = f"backend {type(engine).__name__} does not serve adapters"
-            elif self._dist.is_zero3 or self._dist.is_fsdp:
-                why = "adapter-only sync of a ZeRO-3 or FSDP policy is not written yet"
-            elif adapter_config is not None and adapter_config.r > engine.max_lora_rank:
-                why = f"the adapter's rank {adapter_config.r} is over the engine's max_lora_rank {engine.max_lora_rank}"
-            if not why:
-                self.sync_mode, self._adapter_config = "adapter", adapter_config
-                self._sampling = dataclasses.replace(self._sampling, adapter=ADAPTER_NAME)
-            elif self.lora_sync == "adapter":
-                raise ConfigError(f"lora_sync='adapter' but {why}; allowed: lora_sync='auto' or 'merge'")
-        _log.info(
-            "PEFT policy: each sync sends %s%s",
-            "only the adapter (load_adapter; the base once)" if self.sync_mode == "adapter" else "the merged model",
-            f" ({why})" if why else "",
+        sharded = "adapter-only sync of a ZeRO-3 or FSDP policy is not written yet"
+        self.sync_mode, self._adapter_config, why = choose_lora_sync(
+            self.model, engine, self.lora_sync, sharded=sharded if self._dist.is_zero3 or self._dist.is_fsdp else ""
         )
+        if self.sync_mode == "adapter":
+            self._sampling = dataclasses.replace(self._sampling, adapter=ADAPTER_NAME)
+        log_choice(_log, type(self).__name__, self.sync_mode, why)
 
     @property
     def _sleep_level(self) -> int:
@@ -278,22 +256,13 @@ class GenEngineGeneration(_vllm_generation.VLLMGeneration):
     def _sync_adapter(self, engine: Any) -> None:
         """Only the adapter's tensors (PEFT's names), under ``ADAPTER_NAME`` with the step as its version; the first
         time also the base weights (the engine's checkpoint may not be the policy's base), unmerged."""
-        from peft import get_peft_model_state_dict
-
         version = self._next_version()
-        policy: Any = self.model
         with torch.no_grad():
             if not self._base_synced:
-                base = (
-                    (name.removeprefix("base_model.model.").replace(".base_layer", ""), param.detach())
-                    for name, param in policy.named_parameters()
-                    if policy.prefix not in name
-                )
-                self.last_load = engine.load_weights(list(base), version=version)
+                self.last_load = engine.load_weights(list(peft_base_weights(self.model)), version=version)
                 self._base_synced = True
-            tensors = get_peft_model_state_dict(policy, adapter_name=policy.active_adapter)
-            named = [(name, tensor.detach().clone()) for name, tensor in tensors.items()]
-            self.last_adapter = engine.load_adapter(ADAPTER_NAME, named, self._adapter_config, version=version)
+            tensors = peft_adapter_weights(self.model)
+            self.last_adapter = engine.load_adapter(ADAPTER_NAME, tensors, self._adapter_config, version=version)
 
     # ---- generation --------------------------------------------------------------------------------------------
     def _image_data(self, images: list[list[Any] | None] | None, count: int) -> list[Any] | None:

@@ -12,9 +12,12 @@ module gives both over genengine's async protocol (docs/async.md):
   ``max_staleness`` are dropped before they are queued, and at most ``max_inflight_tasks`` completions are in
   flight, as TRL's worker. ``check_health`` raises if the loop failed (a crashed or closed engine) or if
   requests are in flight and no token came for ``heartbeat_stale_after_s`` (a stuck engine).
-- :class:`GenEngineWeightTransfer` pauses the engine with ``keep`` (in-flight samples wait, then go on with
-  the new weights, their KV recomputed), writes the trainer's ``(name, tensor)`` stream in one bucketed
-  ``load_weights`` labelled with the trainer's next ``model_version``, and resumes.
+- :class:`GenEngineWeightTransfer` (:mod:`~genengine.integrations.trl_async_transfer`) pauses the engine with
+  ``keep`` (in-flight samples wait, then go on with the new weights, their KV recomputed), writes the trainer's
+  ``(name, tensor)`` stream in one bucketed ``load_weights`` labelled with the trainer's next ``model_version``,
+  and resumes. Passed as a trainer callback too, it syncs a PEFT policy adapter-only where the engine serves
+  adapters: the base once, then one ``load_adapter`` per sync; the worker's requests name the adapter, and one in
+  flight across a sync finishes under the adapter it started with.
 
 TRL's trainers take ``model`` as a path and the two objects as arguments (no ``genengine=``), so the user
 builds them with :func:`make_async_backend` and passes them; docs/trl.md has the recipe.
@@ -31,7 +34,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -43,14 +46,16 @@ from genengine.integrations.trl_async_patches import (
     tree_attention_needs_torch,
     use_torch_tree_attention,
 )
+from genengine.integrations.trl_async_transfer import PAUSE_MODES, GenEngineWeightTransfer, LoopThread
 from genengine.integrations.trl_config import (
     check_engine_config,
     check_trl_settings,
     engine_config_source,
     resolve_engine_config,
 )
+from genengine.integrations.trl_lora import LoraSync, check_lora_sync
 from genengine.plugins.registry import create_engine
-from genengine.protocol import LoadReport, PauseMode, SamplingParams, is_async_engine
+from genengine.protocol import SamplingParams, is_async_engine
 
 check_trl_version()
 
@@ -61,51 +66,7 @@ __all__ = ["PAUSE_MODES", "GenEngineRolloutWorker", "GenEngineWeightTransfer", "
 
 _log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("keep", "wait")
-"""How the transfer pauses the engine for a sync: ``keep`` holds in-flight samples and carries them over to the
-new weights; ``wait`` lets them finish first. (``abort`` would throw away work the worker then has to redo.)"""
 TREE_ATTENTION = ("auto", "torch", "fa3")
-
-
-class _LoopThread:
-    """One asyncio loop on a daemon thread: the worker's rollouts and the transfer's pause/resume run on it, so
-    the engine's streams and its pauses share one loop whichever thread the trainer calls from."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-
-    def _started(self) -> asyncio.AbstractEventLoop:
-        with self._lock:
-            if self._loop is None or self._thread is None or not self._thread.is_alive():
-                loop = asyncio.new_event_loop()
-                self._thread = threading.Thread(target=loop.run_forever, name=self._name, daemon=True)
-                self._thread.start()
-                self._loop = loop
-            return self._loop
-
-    def submit(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self._started())
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout_s: float, what: str) -> Any:
-        future = self.submit(coro)
-        try:
-            return future.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise EngineStateError(f"{what} did not return within {timeout_s:.0f}s (is the engine stuck?)") from None
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        with self._lock:
-            loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
-        if loop is None or thread is None:
-            return
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=timeout_s)
-        if not thread.is_alive():
-            loop.close()
 
 
 class GenEngineRolloutWorker:
@@ -147,7 +108,7 @@ class GenEngineRolloutWorker:
         self._template_kwargs = dict(chat_template_kwargs or {})
         self._seed = seed
         self._owns_engine = owns_engine
-        self._runner = _LoopThread("genengine-trl-rollouts")
+        self._runner = LoopThread("genengine-trl-rollouts")
         self._future: concurrent.futures.Future[Any] | None = None
         self._stopping = threading.Event()
         self._error: BaseException | None = None
@@ -186,6 +147,11 @@ class GenEngineRolloutWorker:
     def update_model_version(self, model_version: int) -> None:
         """The trainer's policy version is now ``model_version``: older rollouts count as stale against it."""
         self.model_version = int(model_version)
+
+    def use_adapter(self, name: str | None) -> None:
+        """Requests from now on are generated with the adapter ``name`` (None: the base weights): the transfer
+        sets it for adapter-only sync."""
+        self._sampling = replace(self._sampling, adapter=name)
 
     def check_health(self, stale_after_s: float) -> None:
         """Raise if the rollout loop failed (a crashed or closed engine), stopped, or if requests are in flight
@@ -382,68 +348,6 @@ class GenEngineRolloutWorker:
             self.metrics_queue.put_nowait(values)
 
 
-class GenEngineWeightTransfer:
-    """TRL's ``WeightTransferProtocol`` over a genengine engine or ``EnginePool``: pause, one bucketed
-    ``load_weights`` per sync labelled with the trainer's next ``model_version``, resume.
-
-    With ``worker`` (the :class:`GenEngineRolloutWorker` of the same engine) the label is ``worker.model_version
-    + 1`` (TRL bumps its version by one right after each sync) and the pause runs on the worker's loop; without
-    it the syncs are counted from 1. ``send_weights`` is the one place weights reach the engine: an adapter-only
-    transfer can replace it (the trainer's stream, or the policy's adapter tensors) without touching the rest.
-    """
-
-    def __init__(
-        self,
-        engine: Any,
-        *,
-        worker: GenEngineRolloutWorker | None = None,
-        pause_mode: PauseMode = "keep",
-        clear_cache: bool = True,
-        control_timeout_s: float = 300.0,
-    ) -> None:
-        if pause_mode not in PAUSE_MODES:
-            raise InvalidArgumentError(f"pause_mode={pause_mode!r} is not one of {', '.join(map(repr, PAUSE_MODES))}")
-        if not is_async_engine(engine):
-            raise ConfigError(f"{type(engine).__name__} does not serve the async calls (supports_async is not True)")
-        if worker is not None and worker.engine is not engine:
-            raise InvalidArgumentError("worker rolls out on another engine than this transfer's")
-        self.engine = engine
-        self.pause_mode: PauseMode = pause_mode
-        self.clear_cache = bool(clear_cache)
-        self.control_timeout_s = float(control_timeout_s)
-        self.last_load: LoadReport | None = None
-        self.versions: list[int] = []
-        """The version of each sync, in order (what ``engine.weight_version`` became)."""
-        self._worker = worker
-        self._runner = worker._runner if worker is not None else _LoopThread("genengine-trl-transfer")
-
-    def init_weight_transfer(self) -> None:
-        """Check the engine is up; nothing to set up (weights reach the engine through ``load_weights``)."""
-        if getattr(self.engine.state, "closed", False):
-            raise EngineStateError("the engine is shut down: build a new backend with make_async_backend")
-
-    def pause(self) -> None:
-        """Hold generation for the sync (``keep``: in-flight samples wait and go on with the new weights)."""
-        coro = self.engine.pause_generation(self.pause_mode, clear_cache=self.clear_cache)
-        self._runner.run(coro, self.control_timeout_s, f"engine.pause_generation({self.pause_mode!r})")
-
-    def send_weights(self, iterator: Iterable[tuple[str, Any]]) -> None:
-        """Write the trainer's ``(name, tensor)`` stream in one ``load_weights`` (it checks every name and shape,
-        writes in buckets and flushes the prefix cache), labelled with the trainer's next version."""
-        version = (self._worker.model_version if self._worker is not None else len(self.versions)) + 1
-        self.last_load = self.engine.load_weights(iterator, version=version)
-        self.versions.append(version)
-
-    def resume(self) -> None:
-        """Let the held and queued requests go on, with the new weights."""
-        self._runner.run(self.engine.resume_generation(), self.control_timeout_s, "engine.resume_generation()")
-
-    def destroy(self) -> None:
-        """Nothing to release: the engine belongs to the worker (``worker.shutdown()``) or to the caller."""
-        if self._worker is None:
-            self._runner.stop()
-
-
 def _world_size() -> int:
     return max(1, int(os.environ.get("WORLD_SIZE", "1")))
 
@@ -476,6 +380,7 @@ def make_async_backend(
     reward_funcs: Any,
     processing_class: Any = None,
     tree_attention: str = "auto",
+    lora_sync: LoraSync = "auto",
 ) -> tuple[GenEngineRolloutWorker, GenEngineWeightTransfer]:
     """The ``rollout_worker`` and ``weight_transfer`` to pass to ``AsyncGRPOTrainer`` for a genengine engine.
 
@@ -486,13 +391,16 @@ def make_async_backend(
     ``queue_maxsize`` come from it; an unset ``token_budget`` (TRL would ask vLLM's server) is set to the model's
     ``max_position_embeddings``. ``tree_attention``: ``"auto"`` runs TRL's tree attention on torch
     (:mod:`~genengine.integrations.trl_async_patches`) where its FA3 kernel cannot run, ``"torch"`` always,
-    ``"fa3"`` never. Every check runs before an engine starts.
+    ``"fa3"`` never. ``lora_sync`` (``"auto"``, ``"adapter"``, ``"merge"``): how a PEFT policy (the trainer's
+    ``peft_config=``) is synced, once the transfer is among the trainer's ``callbacks`` (it must see the policy).
+    Every check runs before an engine starts.
     """
     if not isinstance(args, AsyncGRPOConfig):
         raise InvalidArgumentError(f"args must be an AsyncGRPOConfig, got {type(args).__name__}")
     if tree_attention not in TREE_ATTENTION:
         allowed = ", ".join(map(repr, TREE_ATTENTION))
         raise InvalidArgumentError(f"tree_attention={tree_attention!r} is not one of {allowed}")
+    check_lora_sync(lora_sync)
     funcs = _check_rewards(reward_funcs)
     if train_dataset is None or len(train_dataset) == 0 or "prompt" not in train_dataset[0]:
         raise InvalidArgumentError("train_dataset must be a non-empty dataset with a 'prompt' column")
@@ -549,7 +457,7 @@ def make_async_backend(
             seed=int(args.seed),
             owns_engine=owns,
         )
-        transfer = GenEngineWeightTransfer(engine, worker=worker)
+        transfer = GenEngineWeightTransfer(engine, worker=worker, lora_sync=lora_sync)
     except BaseException:
         if owns:
             engine.shutdown()

@@ -75,6 +75,8 @@ def test_peft_config_is_coerced_and_unsupported_features_refused() -> None:
         (peft.LoraConfig(r=4, target_modules=["q_proj"], use_rslora=True), "use_rslora"),
         (peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]), "modules_to_save"),
         (peft.LoraConfig(r=4, target_modules=["q_proj"], rank_pattern={"q_proj": 8}), "rank_pattern"),
+        (peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.w"]), "target_parameters"),
+        ({"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "target_parameters": ["w"]}, "target_parameters"),
         (peft.LoraConfig(r=4, target_modules=r".*proj"), "regular expression"),
         ({"r": 0, "lora_alpha": 1, "target_modules": ["q_proj"]}, "r=0"),
         ("nope", "adapter config"),

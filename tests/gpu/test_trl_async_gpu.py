@@ -56,3 +56,28 @@ def test_async_grpo_trainer_on_the_gpu_engine(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["engine_weight_version"] == report["trainer_model_version"] == STEPS + 1
     assert report["syncs"] == STEPS + 1 and "error" not in report
+
+
+def test_async_grpo_trainer_with_a_lora_policy_on_the_gpu_engine(tmp_path: Path) -> None:
+    """The same run with a rank-16 LoRA policy (``--lora 16``: ``peft_config=``, the engine started with LoRA
+    enabled): every sync after the start-up one sends only the adapter, and no sample spans a sync (a request in
+    flight finishes under the adapter it started with). Lands in ``$OUT/trl_async_grpo_ENGINE_lora.json``."""
+    backend = installed_engine("GENENGINE_TRL_ASYNC_BACKEND")
+    if backend is None:
+        pytest.skip("neither sglang nor vllm is installed")
+    if importlib.util.find_spec("peft") is None:
+        pytest.skip("needs peft")
+    sys.path.insert(0, str(EXAMPLES))
+    import trl_async_grpo
+
+    out = Path(os.environ.get("OUT", str(tmp_path))) / f"trl_async_grpo_{backend}_lora.json"
+    argv = ["--backend", backend, "--steps", str(STEPS), "--lora", "16", "--json", str(out)]
+    model = os.environ.get("GENENGINE_TRL_ASYNC_MODEL")
+    rows = trl_async_grpo.main([*argv, "--out-dir", str(tmp_path / "run"), *(["--model", model] if model else [])])
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["samples"] == 16 and r["staleness_max"] <= 1 for r in rows), rows
+    assert all(r["mixed_version_samples"] == 0 for r in rows), rows
+    report = json.loads(out.read_text())
+    assert report["sync_mode"] == "adapter" and "error" not in report, report
+    assert report["engine_weight_version"] == report["trainer_model_version"] == STEPS + 1
+    assert report["syncs"] == STEPS + 1 and report["last_adapter"]["tensors"] > 0

@@ -215,6 +215,244 @@ def test_an_engine_that_dies_fails_the_training_with_its_error(setup: Setup, tmp
         worker.shutdown()
 
 
+# ---- a PEFT (LoRA) policy ----------------------------------------------------------------------------------------
+HAVE_PEFT = find_spec("peft") is not None
+needs_peft = pytest.mark.skipif(not HAVE_PEFT, reason="peft is not installed (the dev extra installs it)")
+
+
+def lora_config() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+def odd_share(completion_ids: list[list[int]], **_: Any) -> list[float]:
+    """A dense toy reward (the share of odd token ids): every group has a spread, so every step moves the adapter."""
+    return [sum(t % 2 for t in c) / max(1, len(c)) for c in completion_ids]
+
+
+@dataclass
+class Loads:
+    """What reached the engine: each ``load_weights`` (its version, its tensor names) and ``load_adapter``."""
+
+    weights: list[tuple[int, list[str]]]
+    adapters: list[tuple[int, list[str]]]
+
+
+def spy_loads(engine: Any) -> Loads:
+    loads = Loads([], [])
+    real_weights, real_adapter = engine.load_weights, engine.load_adapter
+
+    def load_weights(tensors: Any, **kw: Any) -> Any:
+        tensors = list(tensors)
+        loads.weights.append((kw["version"], [n for n, _ in tensors]))
+        return real_weights(tensors, **kw)
+
+    def load_adapter(name: str, tensors: Any, config: Any, **kw: Any) -> Any:
+        tensors = list(tensors)
+        loads.adapters.append((kw["version"], [n for n, _ in tensors]))
+        return real_adapter(name, tensors, config, **kw)
+
+    engine.load_weights, engine.load_adapter = load_weights, load_adapter
+    return loads
+
+
+def run_lora(
+    setup: Setup, tmp: Path, steps: int, *, lora_sync: str = "auto", engine_serves_adapters: bool = True
+) -> tuple[Any, Any, Any, Loads]:
+    """``steps`` of AsyncGRPOTrainer with ``peft_config=`` on the embedded engine, the transfer among its callbacks;
+    the caller shuts the worker down."""
+    from datasets import Dataset
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    from genengine.integrations.trl_async import make_async_backend
+
+    changes = {"per_device_train_batch_size": 8, "num_generations": 4, "max_completion_length": 8}
+    args = async_config(tmp, max_steps=steps, learning_rate=5e-2, **changes)
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    reward = odd_share
+    worker, transfer = make_async_backend(
+        ENGINE, model=setup.model_dir, args=args, train_dataset=dataset, reward_funcs=reward, lora_sync=lora_sync
+    )
+    if not engine_serves_adapters:
+        worker.engine.supports_adapters = False  # what an EnginePool, or SGLang/vLLM without LoRA, declare
+    loads = spy_loads(worker.engine)
+    try:
+        trainer = AsyncGRPOTrainer(
+            model=setup.model_dir,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=dataset,
+            processing_class=setup.tokenizer,
+            peft_config=lora_config(),
+            rollout_worker=worker,
+            weight_transfer=transfer,
+            callbacks=[transfer],
+        )
+        trainer.train()
+    except BaseException:
+        worker.shutdown()
+        raise
+    return trainer, worker, transfer, loads
+
+
+def peft_copy(setup: Setup, trainer: Any) -> tuple[Any, Any]:
+    """A plain PeftModel with the trained policy's weights, and the trained adapter merged into a plain HF copy."""
+    import torch
+    import transformers
+    from peft import get_peft_model
+
+    def base() -> Any:
+        return transformers.AutoModelForCausalLM.from_pretrained(setup.model_dir, dtype=torch.float32)
+
+    peft = get_peft_model(base(), lora_config())
+    peft.load_state_dict(trainer.model.state_dict())
+    return peft.eval(), get_peft_model(base(), lora_config()).eval()
+
+
+def engine_matches(engine: Any, model: Any, setup: Setup, adapter: str | None) -> float:
+    """The engine's greedy tokens with ``adapter`` are ``model``'s; returns the largest logprob gap."""
+    from genengine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_new_tokens=8, logprobs=True, ignore_eos=True, adapter=adapter)
+    probes = [setup.tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    gap = 0.0
+    for result, ids in zip(engine.generate(None, params, prompt_token_ids=probes), probes, strict=True):
+        tokens, lps = hf_greedy(model, ids, 8)
+        assert result.outputs[0].token_ids == tokens
+        gap = max([gap, *(abs(a - b) for a, b in zip(result.outputs[0].logprobs, lps, strict=True))])
+    return gap
+
+
+@needs_peft
+@pytest.mark.timeout(180)  # a rollout loop that starves the trainer fails, not hangs
+def test_a_peft_policy_syncs_only_its_adapter(setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """AsyncGRPOTrainer(peft_config=...) with the transfer among its callbacks: the start-up sync sends the base
+    weights once and the adapter, every later sync only the adapter (labelled with the trainer's next version);
+    TRL's merge around send_weights is skipped, so neither the trainer's nor the engine's base weights move; the
+    rollouts name the adapter (each request under one adapter version: none spans a sync); the engine with the
+    adapter samples what the trained PeftModel does."""
+    import logging
+
+    import torch
+
+    caplog.set_level(logging.INFO, logger="genengine.integrations.trl_async")
+    steps = 3
+    initial = {n: p.detach().clone() for n, p in policy_weights(setup).items()}
+    trainer, worker, transfer, loads = run_lora(setup, tmp_path, steps)
+    engine = worker.engine
+    try:
+        assert transfer.sync_mode == "adapter" and worker._sampling.adapter == "policy"
+        assert "each sync sends only the adapter" in caplog.text
+        versions = list(range(1, steps + 2))
+        assert [v for v, _ in loads.weights] == [1], "the base is sent once (the start-up sync), never again"
+        assert not any("lora_" in n for n in loads.weights[0][1])
+        assert [v for v, _ in loads.adapters] == versions == transfer.versions
+        assert all(names and all(".lora_A." in n or ".lora_B." in n for n in names) for _, names in loads.adapters)
+        assert engine.adapters["policy"].version == trainer.model_version == steps + 1
+        logs = [h for h in trainer.state.log_history if "reward" in h]
+        assert len(logs) == steps and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+        assert sum(h.get("rollout/mixed_version_samples_total", 0) for h in logs) == 0, "a request changed adapter"
+        assert all(h["sample/staleness_max"] <= 1 for h in logs)
+        named = dict(trainer.model.named_parameters())
+        moved = max(float(p.detach().abs().max()) for n, p in named.items() if "lora_B" in n)
+        assert moved > 1e-3, "training moved the adapter (PEFT starts lora_B at zero): the check below can fail"
+        base = {n.removeprefix("base_model.model.").replace(".base_layer", ""): p for n, p in named.items()}
+        served = dict(engine.model.named_parameters())
+        for name, tensor in initial.items():
+            assert torch.equal(base[name], tensor), f"the trainer's {name} moved: TRL's merge/unmerge ran"
+            assert torch.equal(served[name], tensor), f"the engine's {name} is not the base: a merged copy was sent"
+        peft, _ = peft_copy(setup, trainer)
+        assert engine_matches(engine, peft, setup, adapter="policy") < 1e-4
+    finally:
+        worker.shutdown()
+
+
+def policy_weights(setup: Setup) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(setup.model_dir, dtype=torch.float32)
+    return dict(model.named_parameters())
+
+
+@needs_peft
+@pytest.mark.timeout(180)  # a rollout loop that starves the trainer fails, not hangs
+def test_a_peft_policy_is_synced_merged_where_the_engine_serves_no_adapters(
+    setup: Setup, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The merge fallback, chosen because the engine declares no adapter support (logged with the reason): every
+    sync is one full load_weights of TRL's merged stream, no adapter is loaded, the rollouts name none, and the
+    engine without an adapter samples what the trained PeftModel does."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="genengine.integrations.trl_async")
+    trainer, worker, transfer, loads = run_lora(setup, tmp_path, 2, engine_serves_adapters=False)
+    try:
+        assert transfer.sync_mode == "merge" and worker._sampling.adapter is None
+        assert "each sync sends the merged model (backend TransformersEngine does not serve adapters)" in caplog.text
+        assert [v for v, _ in loads.weights] == [1, 2, 3] and loads.adapters == []
+        assert all(not any("lora_" in n for n in names) for _, names in loads.weights)
+        peft, _ = peft_copy(setup, trainer)
+        assert engine_matches(worker.engine, peft, setup, adapter=None) < 1e-4
+    finally:
+        worker.shutdown()
+
+
+@needs_peft
+@pytest.mark.timeout(180)  # a rollout loop that starves the trainer fails, not hangs
+def test_lora_sync_adapter_that_cannot_be_honoured_is_refused(setup: Setup, tmp_path: Path) -> None:
+    """``lora_sync='adapter'`` on an engine without adapters fails when the trainer is built (the transfer sees the
+    policy in on_init_end), before any weight is sent; without callbacks=[transfer] it fails at train's start."""
+    from datasets import Dataset
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    from genengine.errors import ConfigError
+    from genengine.integrations.trl_async import make_async_backend
+
+    args = async_config(tmp_path, max_steps=1, per_device_train_batch_size=8, num_generations=4)
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    with pytest.raises(ConfigError, match="lora_sync='sometimes'"):
+        make_async_backend(
+            ENGINE,
+            model=setup.model_dir,
+            args=args,
+            train_dataset=dataset,
+            reward_funcs=count_tokens,
+            lora_sync="sometimes",  # type: ignore[arg-type]
+        )
+    worker, transfer = make_async_backend(
+        ENGINE, model=setup.model_dir, args=args, train_dataset=dataset, reward_funcs=count_tokens, lora_sync="adapter"
+    )
+    loads = spy_loads(worker.engine)
+    kwargs: dict[str, Any] = {
+        "model": setup.model_dir,
+        "reward_funcs": count_tokens,
+        "args": args,
+        "train_dataset": dataset,
+        "processing_class": setup.tokenizer,
+        "peft_config": lora_config(),
+        "rollout_worker": worker,
+        "weight_transfer": transfer,
+    }
+    try:
+        trainer = AsyncGRPOTrainer(**kwargs)  # no callbacks=[transfer]: the policy is not seen
+        with pytest.raises(ConfigError, match=r"callbacks=\[transfer\]"):
+            trainer.train()
+        worker.engine.supports_adapters = False
+        with pytest.raises(ConfigError, match="lora_sync='adapter' but backend TransformersEngine does not serve"):
+            AsyncGRPOTrainer(**kwargs, callbacks=[adapter_transfer(worker)])
+        assert loads.weights == [] and loads.adapters == [], "nothing was sent"
+    finally:
+        worker.shutdown()
+
+
+def adapter_transfer(worker: Any) -> Any:
+    from genengine.integrations.trl_async import GenEngineWeightTransfer
+
+    return GenEngineWeightTransfer(worker.engine, worker=worker, lora_sync="adapter")
+
+
 # ---- the worker and the transfer alone -------------------------------------------------------------------------
 @pytest.fixture
 def engine(setup: Setup) -> Iterator[Any]:
@@ -520,4 +758,30 @@ def test_docs_async_recipe_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         torch.set_num_threads(threads)
     trainer, worker, transfer = namespace["trainer"], namespace["worker"], namespace["transfer"]
     assert trainer.state.global_step == 2 and transfer.versions == [1, 2, 3] and trainer.model_version == 3
+    assert worker.engine.state.closed, "the recipe's worker.shutdown() freed the engine"
+
+
+@needs_peft
+@pytest.mark.timeout(180)  # a rollout loop that starves the trainer fails, not hangs
+def test_docs_async_lora_recipe_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/trl.md's async LoRA recipe runs as written: two steps of AsyncGRPOTrainer with peft_config=, each sync
+    after the start-up one sending only the adapter."""
+    import re
+
+    import torch
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "trl.md").read_text()
+    start = text.index("\n## TRL's async trainer with a LoRA policy\n")
+    section = text[start : text.index("\n## ", start + 1)]
+    (recipe,) = re.findall(r"^```python\n(.*?)^```", section, re.M | re.S)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {"__name__": "docs_trl_async_lora"}
+    threads = torch.get_num_threads()
+    try:
+        exec(compile(recipe, "docs/trl.md async LoRA recipe", "exec"), namespace)
+    finally:
+        torch.set_num_threads(threads)
+    trainer, worker, transfer = namespace["trainer"], namespace["worker"], namespace["transfer"]
+    assert trainer.state.global_step == 2 and transfer.versions == [1, 2, 3] and transfer.sync_mode == "adapter"
+    assert transfer.last_adapter is not None and transfer.last_adapter.version == 3
     assert worker.engine.state.closed, "the recipe's worker.shutdown() freed the engine"

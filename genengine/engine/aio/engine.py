@@ -334,7 +334,8 @@ class AsyncEngineBase(EngineBase):
 
     def _admit(self, handle: AsyncRequest) -> None:
         # Its tokens come from the weights in force now: a request queued during a pause that started after a
-        # load (and the resume) is that load's version, not the one it was submitted under.
+        # load (and the resume) is that load's version, not the one it was submitted under; so is its adapter.
+        handle.request = self._rebind_adapter(handle.request)
         handle.new_version(self._version_of(handle.request, self.weight_version))
         state = self._async_state()
         with state.lock:

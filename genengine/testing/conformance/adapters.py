@@ -216,6 +216,39 @@ class AdapterTests(ConformanceBase):
         again = engine.generate(PROMPTS[:1], params)[0].outputs[0]
         assert again.token_ids == one.token_ids and again.weight_versions == ((0, 2),)
 
+    def test_an_adapter_replaced_during_a_pause(self, adapter_engine: Any, original_weights: dict[str, Any]) -> None:
+        """A trainer's adapter-only sync: pause("keep") with a request mid-generation, the adapter replaced under
+        its name, resume. The request finishes under the adapter it started with (its tokens those of that adapter
+        alone, its version that one's, its KV recomputed with it); one submitted during the pause starts after
+        the resume, under the new one (async engines)."""
+        if not is_async_engine(adapter_engine):
+            pytest.skip("the engine does not declare supports_async")
+        engine: Any = adapter_engine  # both protocols' calls
+        first = random_adapter(original_weights, self.adapter_targets, r=self.adapter_rank, seed=7)
+        second = random_adapter(original_weights, self.adapter_targets, r=self.adapter_rank, seed=8)
+        params = dataclasses.replace(GREEDY, adapter="conf-p", max_new_tokens=48, ignore_eos=True)
+        engine.load_adapter("conf-p", second, self._config(), version=2)
+        under_second = engine.generate(PROMPTS[1:2], params)[0].outputs[0]
+        engine.load_adapter("conf-p", first, self._config(), version=1)
+        under_first = engine.generate(PROMPTS[:1], params)[0].outputs[0]
+
+        async def synced_midway() -> tuple[Any, Any]:
+            started = engine.stream(PROMPTS[0], params)
+            assert (await asyncio.wait_for(started.__anext__(), 30)).token_ids
+            try:
+                await engine.pause_generation("keep", clear_cache=True)
+                queued = engine.stream(PROMPTS[1], params)
+                engine.load_adapter("conf-p", second, self._config(), version=2)
+            finally:
+                await engine.resume_generation()
+            return await asyncio.wait_for(started.collect(), 60), await asyncio.wait_for(queued.collect(), 60)
+
+        started, queued = (r.outputs[0] for r in asyncio.run(synced_midway()))
+        assert started.weight_versions == ((0, 1),), "a request in flight changed adapter at the sync"
+        assert started.token_ids == under_first.token_ids, "its tokens are not the first adapter's alone"
+        assert queued.weight_versions == ((0, 2),), "a request queued during the pause kept the replaced adapter"
+        assert queued.token_ids == under_second.token_ids
+
     def test_adapter_survives_sleep_and_is_refused_while_asleep(
         self, adapter_engine: Any, original_weights: dict[str, Any]
     ) -> None:
