@@ -65,7 +65,12 @@ def bare_engine(monkeypatch: pytest.MonkeyPatch) -> Any:
     engine = VLLMEngine.__new__(VLLMEngine)
     AsyncEngineBase.__init__(engine, sleep_enabled=True, bucket_bytes=64)  # 64 bytes: one 4x4 fp32 per bucket
     engine.settings = SimpleNamespace(
-        weight_sync_mode="bucketed", tp_size=1, skip_tokenizer_init=True, model="fake", model_config={"vocab_size": 64}
+        weight_sync_mode="bucketed",
+        tp_size=1,
+        skip_tokenizer_init=True,
+        model="fake",
+        model_config={"vocab_size": 64},
+        llm_options={},  # no enable_lora: the names load as given
     )
     if not HAS_VLLM:  # generate builds vllm.SamplingParams before it reaches the (fake) LLM.generate
         monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw)))
