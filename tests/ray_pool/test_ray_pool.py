@@ -330,10 +330,11 @@ def test_a_replica_restarted_while_paused_comes_back_paused(pool: EnginePool, ot
 
 
 def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> None:
-    """The flush waits behind a generate that holds each replica for seconds (sixteen 900-token rows a
-    replica) and gives up after 0.2 s. A flush that got to a replica before the generate did returns at once:
-    it is sent again until one waits behind it."""
-    long = SamplingParams(temperature=0, max_new_tokens=900, ignore_eos=True)
+    """The flush waits behind a generate that holds each replica for seconds (sixteen 300-token rows a
+    replica: ~3 s on an idle 2-core machine; 900 tokens made the test wait ~10 s more for no more checked) and
+    gives up after 0.2 s. A flush that got to a replica before the generate did returns at once: it is sent
+    again until one waits behind it."""
+    long = SamplingParams(temperature=0, max_new_tokens=300, ignore_eos=True)
     busy = threading.Thread(target=pool.generate, args=(PROMPTS * 8, long))
     busy.start()
     try:
