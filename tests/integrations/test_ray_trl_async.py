@@ -52,10 +52,11 @@ class Counted:
         self.ended = True
 
 
-def wait_for(worker: Any, what: Callable[[], Any], cap_s: float = 600.0) -> None:
+def wait_for(worker: Any, what: Callable[[], Any], cap_s: float = 180.0) -> None:
     """Until ``what()`` holds, failing at once if the worker's loop failed or its engine made no token for 60 s
     (``check_health``): no fixed time for the wait itself, which a loaded 2-core run stretched past 60 s while
-    the replicas were still generating. ``cap_s`` only bounds a wait that makes tokens and never gets there."""
+    the replicas were still generating. ``cap_s`` only bounds a wait that makes tokens and never gets there (each
+    wait here is for a few 48-token requests: seconds on an idle machine)."""
     deadline = time.monotonic() + cap_s
     while not what():
         worker.check_health(stale_after_s=60)
@@ -99,8 +100,15 @@ def test_a_sync_carries_pool_rollouts_over_to_the_new_weights(
         worker.start()
         # Rolling (a group queued), and a request mid-generation for the pause to hold: the two groups in flight
         # at first end together, and a pause that lands just after holds only requests with no token yet.
-        wait_for(worker, lambda: worker.rollout_buffer.qsize() >= 2 and mid_generation())
-        transfer.pause()
+        for _ in range(5):
+            wait_for(worker, lambda: worker.rollout_buffer.qsize() >= 2 and mid_generation())
+            transfer.pause()
+            time.sleep(0.2)  # a request that ended just before the pause has its end delivered
+            if mid_generation():
+                break
+            transfer.resume()  # it held only requests with no token yet: again
+        else:
+            raise AssertionError("five pauses in a row held no request mid-generation")
         assert pool.paused == "keep" and pool.in_flight > 0
         transfer.send_weights(iter(other_weights.items()))
         transfer.resume()
