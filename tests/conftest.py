@@ -20,19 +20,20 @@ for _key, _value in _ENV.items():
 
 # The files that take half a minute or more, the Ray files first, then longest first. Under pytest-xdist (`make test`
 # runs two workers, one file per worker at a time) they are handed out first, so that no worker is left running one
-# of them alone at the end. The Ray files go to one worker as one unit (pytest_xdist_make_scheduler below), one after
-# another, so that the suite starts one Ray cluster (support/ray_pool.py), not one per worker: a cluster's start
-# costs 7-8 s of CPU (seven Python and C++ daemons), and the suite is CPU-bound on the 2-core machine. Estimates
-# (2-core machine, both workers busy, 2026-12-02): the Ray files 80, 70, 55, 50 s; the template's fresh venv 70,
-# soak 68, demo 64, bench 56, the conformance suite 52, cleanup 47, fuzz 40, distributed 36 s.
+# of them alone at the end. The Ray files make two work units (pytest_xdist_make_scheduler below), one per worker at
+# the start, each unit's files one after another on its worker, sharing one Ray cluster (support/ray_pool.py). As one
+# unit (one cluster for the suite) they held one worker for about half the suite (315 s of 353; 780 s of a run on a
+# loaded machine), so any slowdown of the Ray files made the suite's end; a second cluster costs 4-8 s of CPU (seven
+# Python and C++ daemons). Times (2026-12-03, two workers, a loaded machine): the Ray files 75, 72, 43 and 89, 22,
+# 57 s; the template's fresh venv 45, soak 83, demo 62, bench 112 (before its smaller run), the conformance suite 57,
+# cleanup 55, fuzz 39, distributed 40 s.
+_RAY_UNITS = (
+    ("test_ray_conformance.py", "test_ray_pool_sync.py", "test_ray_colocated.py"),
+    # TRL async; verl's own client on the plugin; tests/cli's bench --sync --pool
+    ("test_ray_pool.py", "test_ray_trl_async.py", "test_verl.py", "test_ray_bench_sync.py"),
+)
 _LONG_FILES = (
-    "test_ray_conformance.py",
-    "test_ray_pool_sync.py",
-    "test_ray_pool.py",
-    "test_ray_colocated.py",
-    "test_ray_bench_sync.py",  # tests/cli: bench --sync --pool, on the same cluster
-    "test_ray_trl_async.py",
-    "test_verl.py",  # verl's own client on the plugin: shares the Ray files' cluster
+    *(name for unit in _RAY_UNITS for name in unit),
     "test_template_plugin.py",
     "test_soak.py",
     "test_demo.py",
@@ -42,7 +43,7 @@ _LONG_FILES = (
     "test_fuzz.py",
     "test_distributed.py",
 )
-_RAY_FILES = frozenset(name for name in _LONG_FILES if name.startswith(("test_ray_", "test_verl.py")))
+_RAY_UNIT_OF = {name: f"the Ray files ({i + 1})" for i, unit in enumerate(_RAY_UNITS) for name in unit}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -54,18 +55,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadfile`` with the Ray files as one work unit (one worker runs them all, in ``_LONG_FILES``
-    order); every other file is its own unit, as loadfile makes them."""
+    """``--dist loadfile`` with the Ray files as the two work units of ``_RAY_UNITS`` (a worker runs a unit's
+    files in ``_LONG_FILES`` order); every other file is its own unit, as loadfile makes them."""
     if config.getoption("dist", None) != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    class RayFilesTogether(LoadFileScheduling):
+    class RayFilesInTwo(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
-            return "the Ray files" if os.path.basename(scope) in _RAY_FILES else scope
+            return _RAY_UNIT_OF.get(os.path.basename(scope), scope)
 
-    return RayFilesTogether(config, log)
+    return RayFilesInTwo(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

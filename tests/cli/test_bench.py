@@ -49,14 +49,17 @@ def _spy_on_work(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, Path, float]:
-    """``genengine bench`` with no measuring arguments: builds its tiny model, runs the embedded backend."""
+    """``genengine bench`` with no model, backend or device argument: builds its tiny model, runs the embedded
+    backend. Only the run's size is set small (2 prompts of 8 tokens, 4 new ones, one repeat: the rounds and
+    every measurement stay; the defaults' 8 x 32 of 32 tokens, three repeats, cost ~18 s more of CPU)."""
     pytest.importorskip("matplotlib")
     out = tmp_path_factory.mktemp("bench")
     buf = io.StringIO()
     start = time.perf_counter()
+    small = ["--batch-size", "2", "--prompt-len", "8", "--max-new-tokens", "4", "--repeats", "1"]
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(buf):
         work = _spy_on_work(mp)
-        rc = main(["bench", "--json", str(out / "r.json"), "--plot", str(out / "r.png"), "--quiet"])
+        rc = main(["bench", *small, "--json", str(out / "r.json"), "--plot", str(out / "r.png"), "--quiet"])
     elapsed = time.perf_counter() - start
     assert rc == 0
     # The spies see the work when there is some (what makes their silence below mean something).
@@ -64,7 +67,7 @@ def default_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any
     return json.loads((out / "r.json").read_text()), buf.getvalue(), out / "r.png", elapsed
 
 
-def test_no_argument_run_finishes_quickly_and_writes_everything(default_run: Any) -> None:
+def test_a_run_without_a_model_finishes_quickly_and_writes_everything(default_run: Any) -> None:
     report, table, png, elapsed = default_run
     assert elapsed < 120
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
@@ -87,6 +90,7 @@ def test_report_holds_real_measurements(default_run: Any) -> None:
     report = default_run[0]
     g = report["generate"]
     s = report["settings"]
+    assert (s["batch_size"], s["prompt_len"], s["max_new_tokens"], s["repeats"]) == (2, 8, 4, 1)  # the options'
     assert g["tokens"] == s["batch_size"] * s["max_new_tokens"]  # greedy, ignore_eos: every token counted
     assert g["tokens_per_s"] > 0 and g["raw_tokens_per_s"] > 0
     runs = g["tokens_per_s_runs"]  # the spread beside the median: a 1 % difference needs a smaller one

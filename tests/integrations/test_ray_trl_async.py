@@ -33,13 +33,36 @@ def pool(cluster: Any, model: str) -> Iterator[EnginePool]:  # noqa: F811
     assert pool_leftovers(cluster) == ([], [])
 
 
-def wait_for(what: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if what():
-            return True
+class Counted:
+    """A pool stream whose chunks the test counts as the worker reads them: a request that has yielded tokens and
+    not ended is one a pause holds mid-generation."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.chunks = 0
+        self.ended = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+    async def __aiter__(self) -> Any:
+        async for chunk in self.stream:
+            self.chunks += 1
+            yield chunk
+        self.ended = True
+
+
+def wait_for(worker: Any, what: Callable[[], Any], cap_s: float = 180.0) -> None:
+    """Until ``what()`` holds, failing at once if the worker's loop failed or its engine made no token for 60 s
+    (``check_health``): no fixed time for the wait itself, which a loaded 2-core run stretched past 60 s while
+    the replicas were still generating. ``cap_s`` only bounds a wait that makes tokens and never gets there (each
+    wait here is for a few 48-token requests: seconds on an idle machine)."""
+    deadline = time.monotonic() + cap_s
+    while not what():
+        worker.check_health(stale_after_s=60)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still waiting after {cap_s}s (the engine making tokens) for {what}")
         time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def test_a_sync_carries_pool_rollouts_over_to_the_new_weights(
@@ -51,12 +74,15 @@ def test_a_sync_carries_pool_rollouts_over_to_the_new_weights(
 
     from genengine.integrations.trl_async import GenEngineRolloutWorker, GenEngineWeightTransfer
 
-    streams: dict[str, Any] = {}
+    streams: dict[str, Counted] = {}
     real_stream = pool.stream
 
     def stream(*args: Any, **kwargs: Any) -> Any:  # the pool's stream, kept to read its weight versions after
-        streams[kwargs["request_id"]] = real_stream(*args, **kwargs)
+        streams[kwargs["request_id"]] = Counted(real_stream(*args, **kwargs))
         return streams[kwargs["request_id"]]
+
+    def mid_generation() -> bool:  # a request with tokens of the old weights and more to come
+        return any(s.chunks and not s.ended for s in list(streams.values()))
 
     pool.stream = stream  # type: ignore[method-assign]
     worker = GenEngineRolloutWorker(
@@ -72,16 +98,25 @@ def test_a_sync_carries_pool_rollouts_over_to_the_new_weights(
     try:
         transfer.init_weight_transfer()
         worker.start()
-        wait_for(lambda: worker.rollout_buffer.qsize() >= 2)
-        transfer.pause()
+        # Rolling (a group queued), and a request mid-generation for the pause to hold: the two groups in flight
+        # at first end together, and a pause that lands just after holds only requests with no token yet.
+        for _ in range(5):
+            wait_for(worker, lambda: worker.rollout_buffer.qsize() >= 2 and mid_generation())
+            transfer.pause()
+            time.sleep(0.2)  # a request that ended just before the pause has its end delivered
+            if mid_generation():
+                break
+            transfer.resume()  # it held only requests with no token yet: again
+        else:
+            raise AssertionError("five pauses in a row held no request mid-generation")
         assert pool.paused == "keep" and pool.in_flight > 0
         transfer.send_weights(iter(other_weights.items()))
         transfer.resume()
         worker.update_model_version(1)
         assert pool.weight_version == 1 and transfer.versions == [1]
         mixed = "rollout/mixed_version_samples_total"
-        wait_for(lambda: any(m.get(mixed) for m in list(worker.metrics_queue.queue)))  # the held ones finished
-        wait_for(lambda: any(s.model_version == 1 for s in list(worker.rollout_buffer.queue)))
+        wait_for(worker, lambda: any(m.get(mixed) for m in list(worker.metrics_queue.queue)))  # the held finished
+        wait_for(worker, lambda: any(s.model_version == 1 for s in list(worker.rollout_buffer.queue)))
         worker.check_health(stale_after_s=30)
     finally:
         worker.stop()

@@ -261,7 +261,9 @@ def test_a_refused_load_that_wrote_nothing_leaves_every_replica_serving(pool: En
 
 
 # ---- health ----------------------------------------------------------------------------------------------------
-def test_a_killed_replica_comes_back_with_the_current_weights(pool: EnginePool, local: Any, faults: Path) -> None:
+def test_a_killed_replica_comes_back_with_the_current_weights(
+    pool: EnginePool, local: Any, faults: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The in-flight sync caller gets the retry it asked for (request_retries=1) when a replica's process dies
     inside ``generate`` (the fault switch: by construction during the call); a stream that already had tokens
     gets ReplicaDiedError when its replica is killed; each time the replica is restarted, refilled
@@ -270,11 +272,17 @@ def test_a_killed_replica_comes_back_with_the_current_weights(pool: EnginePool, 
     old = {r.pid: r.index for r in pool.replicas}
     earlier = set(faults.glob("claimed-die-in-generate-by-*"))  # the cluster's other files use the switch too
     (faults / "die-in-generate").write_text("")
-    got = pool.generate(PROMPTS, GREEDY)  # retried on the other replica
+    with caplog.at_level(logging.WARNING, logger="genengine.ray.pool"):
+        got = pool.generate(PROMPTS, GREEDY)  # retried on the other replica
     (claimed,) = set(faults.glob("claimed-die-in-generate-by-*")) - earlier
     died = old[int(claimed.name.rsplit("-", 1)[1])]
     assert tokens(got) == tokens(local.generate(PROMPTS, GREEDY))
-    assert pool.replicas[died].status == "stale"
+    # Marked stale (no traffic until restored). Ray may have restarted the actor before the retried generate
+    # returned, and the pool restored it then (seen on a 2-core run): stale, or healthy with the log saying so.
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"replica {died} (actor") and "it takes no traffic until it is restored" in m for m in said)
+    restored = any(m.startswith(f"replica {died} (actor") and " restored: " in m for m in said)
+    assert pool.replicas[died].status == ("healthy" if restored else "stale"), said
     pool.check_health()
     now = info(pool.replicas[died])
     assert now["pid"] not in old and now["weight_version"] == version and pool.replicas[died].status == "healthy"
@@ -330,10 +338,11 @@ def test_a_replica_restarted_while_paused_comes_back_paused(pool: EnginePool, ot
 
 
 def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> None:
-    """The flush waits behind a generate that holds each replica for seconds (sixteen 900-token rows a
-    replica) and gives up after 0.2 s. A flush that got to a replica before the generate did returns at once:
-    it is sent again until one waits behind it."""
-    long = SamplingParams(temperature=0, max_new_tokens=900, ignore_eos=True)
+    """The flush waits behind a generate that holds each replica for seconds (sixteen 300-token rows a
+    replica: ~3 s on an idle 2-core machine; 900 tokens made the test wait ~10 s more for no more checked) and
+    gives up after 0.2 s. A flush that got to a replica before the generate did returns at once: it is sent
+    again until one waits behind it."""
+    long = SamplingParams(temperature=0, max_new_tokens=300, ignore_eos=True)
     busy = threading.Thread(target=pool.generate, args=(PROMPTS * 8, long))
     busy.start()
     try:
