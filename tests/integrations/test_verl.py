@@ -289,7 +289,8 @@ def test_verl_v1_agent_loop_manager_tq_puts_the_plugins_outputs_into_transfer_qu
     initialised from verl's own ``transfer_queue`` config as TaskRunnerV1.run does, its ``AgentLoopManagerTQ``
     dispatching a batch the way the trainer submits one (prompts registered "pending" in TransferQueue), the
     agent-loop workers putting the plugin's outputs into TransferQueue, and verl's sync ``ReplayBuffer`` sampling
-    them with the weight version in the tags (the trainer reads min/max_global_steps as ints)."""
+    them with the weight version in the tags (the trainer reads min/max_global_steps as ints). About 20 s on two
+    cores: importing ``verl.trainer.ppo.v1`` imports verl's whole v1 trainer, here and in the agent-loop worker."""
     import numpy as np
     import transfer_queue as tq  # not skipped when missing: verl's default trainer needs it (make setup installs it)
     from omegaconf import OmegaConf
