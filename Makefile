@@ -9,6 +9,8 @@ BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 # verl for tests/integrations/test_verl.py, without its requirements (see pyproject's dev extra for why and what it needs).
 VERL_DEV ?= verl==0.9.1
+# TransferQueue for verl's default (v1) trainer, also without its requirements (it asks for ray[default]).
+TQ_DEV ?= TransferQueue==0.1.11
 # Two workers (pytest-xdist), one test file each at a time: the CI machine has two cores, and most of the suite
 # waits on subprocesses and process groups.
 PYTEST_WORKERS ?= 2
@@ -19,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e '.[dev]'
-	$(BIN)/python -m pip install -q --no-deps "$(VERL_DEV)"
+	$(BIN)/python -m pip install -q --no-deps "$(VERL_DEV)" "$(TQ_DEV)"
 	touch $@
 
 setup: $(VENV)/.installed

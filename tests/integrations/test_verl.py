@@ -282,6 +282,124 @@ def test_verl_agent_loop_manager_runs_on_the_plugin(rollout: Any) -> None:
     assert "rollout_log_probs" in out.batch
 
 
+def test_verl_v1_agent_loop_manager_tq_puts_the_plugins_outputs_into_transfer_queue(
+    rollout: Any, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verl 0.9.1's default trainer (``trainer.use_v1=True``: main_ppo's TaskRunnerV1) on the plugin: TransferQueue
+    initialised from verl's own ``transfer_queue`` config as TaskRunnerV1.run does, its ``AgentLoopManagerTQ``
+    dispatching a batch the way the trainer submits one (prompts registered "pending" in TransferQueue), the
+    agent-loop workers putting the plugin's outputs into TransferQueue, and verl's sync ``ReplayBuffer`` sampling
+    them with the weight version in the tags (the trainer reads min/max_global_steps as ints). About 20 s on two
+    cores: importing ``verl.trainer.ppo.v1`` imports verl's whole v1 trainer, here and in the agent-loop worker."""
+    import numpy as np
+    import transfer_queue as tq  # not skipped when missing: verl's default trainer needs it (make setup installs it)
+    from omegaconf import OmegaConf
+    from transfer_queue.controller import TransferQueueController
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+    from verl.trainer.ppo.v1 import AgentLoopManagerTQ
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+    from verl.utils import tensordict_utils as tu
+
+    # The local cluster has two CPUs; TransferQueue's controller and storage units each reserve one, and the agent
+    # loop worker needs one free to be placed. Nothing else changes.
+    monkeypatch.setitem(TransferQueueController._default_options, "num_cpus", 0)
+    monkeypatch.setitem(SimpleStorageUnit._default_options, "num_cpus", 0)
+    config = verl_config(
+        model, "actor_rollout_ref.rollout.n=2", "transfer_queue.backend.SimpleStorage.num_data_storage_units=1"
+    )
+    config.transfer_queue.enable = True  # what TaskRunnerV1.run sets
+    OmegaConf.resolve(config)
+    rollout.sync(model, 6)  # the trainer's naive sync before step 7 (PPOTrainerSync.on_init_end / on_step_end)
+    tq.init(config.transfer_queue)
+    workers: list[Any] = []
+    try:
+        manager = AgentLoopManagerTQ.create(config=config, llm_client=rollout.client())
+        workers = list(manager.agent_loop_workers)
+        raw = np.empty(2, dtype=object)
+        raw[0] = [{"role": "user", "content": "hello there"}]
+        raw[1] = [{"role": "user", "content": "one two three"}]
+        uids = np.array(["p0", "p1"], dtype=object)
+        batch = tu.get_tensordict({"raw_prompt": raw, "uid": uids, "index": np.array([0, 1], dtype=object)})
+        tu.assign_non_tensor_data(batch, "global_steps", 7)
+        tags = [{"is_prompt": True, "status": "pending", "global_steps": 7} for _ in uids]
+        tq.kv_batch_put(keys=list(uids), partition_id="train", tags=tags)  # PPOTrainer._submit_batch_to_rollout
+        manager.generate_sequences(batch)
+        sampler = config.trainer.v1.sampler
+        buffer = ReplayBuffer(
+            trainer_mode="sync",
+            trainer_config=config.trainer.v1.get("sync", {}),
+            max_off_policy_threshold=sampler.max_off_policy_threshold,
+            max_off_policy_strategy=sampler.max_off_policy_strategy,
+            sampler_kwargs=sampler.sampler_kwargs,
+            poll_interval=0.1,
+            train_batch_size=2,
+            gen_batch_size=2,
+        )
+        meta, _ = buffer.sample(global_steps=7, partition_id="train", batch_size=2)
+        assert sorted(meta.keys) == ["p0_0_0", "p0_1_0", "p1_0_0", "p1_1_0"]
+        data = tq.kv_batch_get(  # as the trainer's _compute_metrics reads them
+            keys=meta.keys, partition_id="train", select_fields=["responses", "response_mask", "rollout_log_probs"]
+        )
+        lengths = data["responses"].offsets().diff()
+        assert all(0 < int(n) <= 8 for n in lengths)  # response_length
+        assert all(t["status"] == "success" and t["global_steps"] == 7 for t in meta.tags)
+        # the trainer's _compute_metrics: np.array([...], dtype=int) over the weight versions of each trajectory
+        assert np.array([t["min_global_steps"] for t in meta.tags], dtype=int).tolist() == [6] * 4
+        assert np.array([t["max_global_steps"] for t in meta.tags], dtype=int).tolist() == [6] * 4
+    finally:
+        for worker in workers:
+            rollout.ray.kill(worker)
+        tq.close()
+
+
+class _ActorWorkerGroup:
+    """What verl's ``CheckpointEngineManager`` calls on the actor worker group in its naive (colocated) sync: the
+    trainer-worker stand-in's ``update_weights(global_steps, mode="naive")``, from ``checkpoint``."""
+
+    def __init__(self, trainer: Any, checkpoint: str) -> None:
+        self.trainer, self.checkpoint = trainer, checkpoint
+
+    def update_weights(self, global_steps: int, mode: str) -> list[Any]:
+        assert mode == "naive"
+        return [self.trainer.naive_sync.remote(self.checkpoint, global_steps)]
+
+
+def test_verl_v1_colocate_async_step_boundary_resumes_a_partial_rollout(rollout: Any, model: str) -> None:
+    """verl's v1 ``colocate_async`` trainer (PPOTrainerColocateAsync) at a step boundary, through verl's own
+    CheckpointEngineManager: a request from its FullyAsyncLLMServerClient is in flight; on_sample_end aborts the
+    replicas and sleeps them (the client's retry waits at the paused server meanwhile), on_step_end syncs the new
+    weights (naive: wake weights, update, wake KV) and resumes generation. The request completes its whole budget
+    across the two weight versions (min/max_global_steps) with a logprob per token."""
+    from verl.checkpoint_engine import CheckpointEngineManager
+    from verl.utils.config import omega_conf_to_dataclass
+
+    ce_config = omega_conf_to_dataclass(rollout.config.actor_rollout_ref.rollout.checkpoint_engine)
+    ce_config.backend = "naive"  # as PPOTrainer._setup sets it
+    manager = CheckpointEngineManager(
+        config=ce_config, actor_wg=_ActorWorkerGroup(rollout.trainer, model), replicas=[rollout.replica]
+    )
+    manager.sleep_replicas()
+    manager.update_weights(10)  # PPOTrainerColocateAsync.on_init_end
+    client = rollout.client(fully_async=True)
+    long = {**GREEDY, "max_tokens": 300, "ignore_eos": True}
+
+    async def scenario() -> Any:
+        task = asyncio.ensure_future(client.generate("ca", prompt_ids=PROMPT, sampling_params=dict(long)))
+        await rollout.running()
+        await manager.abort_replicas()  # on_sample_end
+        await asyncio.sleep(1.5)  # the client's retry (1 s after the aborted output) now waits at the server
+        await manager.sleep_replicas()
+        assert not task.done()
+        await manager.update_weights(11)  # on_step_end
+        await manager.resume_generation_replicas()
+        return await asyncio.wait_for(task, timeout=120)
+
+    out = asyncio.run(scenario())
+    assert len(out.token_ids) == 300 and len(out.log_probs) == 300
+    assert out.extra_fields["min_global_steps"] == 10
+    assert out.extra_fields["max_global_steps"] == 11 == out.extra_fields["global_steps"]
+
+
 # ---- bad configs: refused before anything starts ---------------------------------------------------------------
 
 

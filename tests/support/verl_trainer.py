@@ -52,3 +52,10 @@ class VerlTrainerStandIn:
         await self.rollout.update_weights(weights, peft_config=None, base_sync_done=True, global_steps=global_steps)
         report = self.rollout.last_report
         return None if report is None else (report.version, report.num_tensors)
+
+    async def naive_sync(self, checkpoint: str, global_steps: int) -> None:
+        """The worker's ``update_weights(global_steps, mode="naive")`` (what verl's CheckpointEngineManager calls
+        on the actor worker group for colocated training): resume(weights), update_weights, resume(kv_cache)."""
+        await self.resume(["weights"])
+        await self.update_weights(checkpoint, global_steps)
+        await self.resume(["kv_cache"])
