@@ -11,7 +11,8 @@
 # any extra Hydra overrides as arguments. Needs verl 0.9.1 (pip install 'genengine[verl]' or the GPU kit's
 # WITH_VERL=1), Ray and the engine. The two lines that select genengine are marked below; docs/verl.md says more.
 # The FSDP actor uses PyTorch's SDPA attention (no flash-attn needed). Prints verl's per-step metrics; the step
-# times are timing_s/gen, timing_s/update_weights and timing_s/step.
+# times are timing_s/gen, timing_s/update_weights and timing_s/step. TransferQueue (verl's default v1 trainer) keeps
+# 2 storage units instead of its 8: each reserves one of Ray's CPUs for the whole run, too many beside one GPU's workers.
 set -euo pipefail
 ROLLOUT=${ROLLOUT:-genengine}
 BACKEND=${BACKEND:-sglang}
@@ -116,4 +117,5 @@ fi
   trainer.total_epochs=100 \
   trainer.total_training_steps="$STEPS" \
   trainer.default_local_dir="$OUT/checkpoints" \
+  transfer_queue.backend.SimpleStorage.num_data_storage_units=2 \
   "$@"
