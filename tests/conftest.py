@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-# The Ray pool files' module-scoped fixtures (cluster, model, ...); per-file times with GENENGINE_FILE_TIMES set.
-pytest_plugins = ("support.ray_pool", "support.file_times")
+# The Ray pool files' module-scoped fixtures (cluster, model, ...); per-file times with GENENGINE_FILE_TIMES set;
+# full garbage collections that skip the imported modules (support/gc_freeze.py).
+pytest_plugins = ("support.ray_pool", "support.file_times", "support.gc_freeze")
 
 # OMP_NUM_THREADS=1, before anything imports torch, here and in every process a test starts (trainer children,
 # torchrun ranks, the Ray cluster's workers inherit it): the tiny models gain nothing from intra-op threads, and
