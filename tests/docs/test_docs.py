@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+from support.doc_recipes import python_blocks, run_recipe, section
 
 from genengine import errors, hookspecs
 from genengine.protocol import GenerationEngine
@@ -189,33 +190,16 @@ def test_guide_snippets_run(page: str, cwd: str, tmp_path: Path, monkeypatch: py
             raise AssertionError(f"docs/{page}, python block {i + 1} failed:\n{block}") from exc
 
 
-def _section(page: str, heading: str) -> str:
-    """The text of a page's ``## heading`` section, up to the next ``## ``."""
-    text = _text(page)
-    start = text.index(f"\n## {heading}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else len(text)]
-
-
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (the dev extra installs it)")
 def test_trl_cpu_recipe_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/trl.md's CPU recipe runs as written (a real two-step GRPO run on the embedded engine, a tiny model built
     in place); its GPU recipe, which needs a GPU and a model, at least compiles and names the engine."""
-    import torch
-
     monkeypatch.chdir(tmp_path)
-    (cpu,) = re.findall(
-        r"^```python\n(.*?)^```", _section("trl.md", "On a CPU: a recipe that runs as written"), re.M | re.S
-    )
-    (gpu,) = re.findall(r"^```python\n(.*?)^```", _section("trl.md", "On a GPU: the same two lines"), re.M | re.S)
+    (cpu,) = python_blocks(section("trl.md", "On a CPU: a recipe that runs as written"))
+    (gpu,) = python_blocks(section("trl.md", "On a GPU: the same two lines"))
     compile(gpu, "docs/trl.md GPU recipe", "exec")
     assert "genengine=" in gpu and "use_cpu" not in gpu
-    namespace: dict[str, Any] = {"__name__": "docs_trl"}
-    threads = torch.get_num_threads()
-    try:
-        exec(compile(cpu, "docs/trl.md CPU recipe", "exec"), namespace)
-    finally:
-        torch.set_num_threads(threads)
+    namespace = run_recipe(cpu, "docs/trl.md CPU recipe", "docs_trl")
     trainer = namespace["trainer"]
     assert trainer.state.global_step == 2 and trainer.vllm_generation.engine is None  # trained, then shut down
     key = "sampling/sampling_logp_difference/max"  # TRL's check of the rollouts' logprobs against the policy's
@@ -230,16 +214,9 @@ def test_trl_cpu_recipe_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 def test_trl_lora_recipe_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/trl.md's LoRA recipe runs as written: two GRPO steps of a PEFT policy, each sync sending only the
     adapter."""
-    import torch
-
     monkeypatch.chdir(tmp_path)
-    (block,) = re.findall(r"^```python\n(.*?)^```", _section("trl.md", "LoRA: adapter-only sync"), re.M | re.S)
-    namespace: dict[str, Any] = {"__name__": "docs_trl_lora"}
-    threads = torch.get_num_threads()
-    try:
-        exec(compile(block, "docs/trl.md LoRA recipe", "exec"), namespace)
-    finally:
-        torch.set_num_threads(threads)
+    (block,) = python_blocks(section("trl.md", "LoRA: adapter-only sync"))
+    namespace = run_recipe(block, "docs/trl.md LoRA recipe", "docs_trl_lora")
     generation = namespace["trainer"].vllm_generation
     assert generation.sync_mode == "adapter" and generation.last_adapter.version == 1
     assert generation.engine is None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.doc_recipes import python_blocks, run_recipe, section
 
 from genengine.cli.demos.sync import TRL_PROMPTS as PROMPTS
 from genengine.testing.tiny_model import tiny_model_dir
@@ -741,21 +742,9 @@ def test_torch_tree_attention_is_causal_attention_per_segment() -> None:
 
 def test_docs_async_recipe_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/trl.md's async recipe runs as written: two steps of TRL's AsyncGRPOTrainer on the embedded engine."""
-    import re
-
-    import torch
-
-    text = (Path(__file__).resolve().parents[2] / "docs" / "trl.md").read_text()
-    start = text.index("\n## TRL's async trainer\n")
-    section = text[start : text.index("\n## ", start + 1)]
-    recipe = re.findall(r"^```python\n(.*?)^```", section, re.M | re.S)[0]
+    recipe = python_blocks(section("trl.md", "TRL's async trainer"))[0]
     monkeypatch.chdir(tmp_path)
-    namespace: dict[str, Any] = {"__name__": "docs_trl_async"}
-    threads = torch.get_num_threads()
-    try:
-        exec(compile(recipe, "docs/trl.md async recipe", "exec"), namespace)
-    finally:
-        torch.set_num_threads(threads)
+    namespace = run_recipe(recipe, "docs/trl.md async recipe", "docs_trl_async")
     trainer, worker, transfer = namespace["trainer"], namespace["worker"], namespace["transfer"]
     assert trainer.state.global_step == 2 and transfer.versions == [1, 2, 3] and trainer.model_version == 3
     assert worker.engine.state.closed, "the recipe's worker.shutdown() freed the engine"
@@ -766,21 +755,9 @@ def test_docs_async_recipe_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 def test_docs_async_lora_recipe_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """docs/trl.md's async LoRA recipe runs as written: two steps of AsyncGRPOTrainer with peft_config=, each sync
     after the start-up one sending only the adapter."""
-    import re
-
-    import torch
-
-    text = (Path(__file__).resolve().parents[2] / "docs" / "trl.md").read_text()
-    start = text.index("\n## TRL's async trainer with a LoRA policy\n")
-    section = text[start : text.index("\n## ", start + 1)]
-    (recipe,) = re.findall(r"^```python\n(.*?)^```", section, re.M | re.S)
+    (recipe,) = python_blocks(section("trl.md", "TRL's async trainer with a LoRA policy"))
     monkeypatch.chdir(tmp_path)
-    namespace: dict[str, Any] = {"__name__": "docs_trl_async_lora"}
-    threads = torch.get_num_threads()
-    try:
-        exec(compile(recipe, "docs/trl.md async LoRA recipe", "exec"), namespace)
-    finally:
-        torch.set_num_threads(threads)
+    namespace = run_recipe(recipe, "docs/trl.md async LoRA recipe", "docs_trl_async_lora")
     trainer, worker, transfer = namespace["trainer"], namespace["worker"], namespace["transfer"]
     assert trainer.state.global_step == 2 and transfer.versions == [1, 2, 3] and transfer.sync_mode == "adapter"
     assert transfer.last_adapter is not None and transfer.last_adapter.version == 3
