@@ -26,6 +26,15 @@ class Request:
     lora: Adapter | None = None
     """The adapter ``params.adapter`` names, bound by the engine when it takes the request (None: the base)."""
 
+    @staticmethod
+    def adapter_handles(requests: Sequence[Request], indices: Sequence[int]) -> list[Any] | None:
+        """The engine's handle of the adapter bound to each entry (entry ``k`` belongs to the request of index
+        ``indices[k]``; None for the base), or None when no request has one: what an engine's batch call takes
+        (vLLM's ``lora_request`` list, SGLang's ``lora_path`` list)."""
+        by_index = {r.index: r for r in requests}
+        handles = [None if (lora := by_index[i].lora) is None else lora.handle for i in indices]
+        return handles if any(h is not None for h in handles) else None
+
 
 def _as_list(name: str, value: Any) -> list[Any]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):

@@ -11,11 +11,10 @@ once no request of ours still uses it (SGLang's unload would otherwise wait for 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from genengine.adapters import Adapter
-from genengine.backend import Request
 from genengine.errors import ConfigError, GenEngineError
 
 __all__ = [
@@ -23,7 +22,6 @@ __all__ = [
     "SGLangAdapters",
     "adapter_settings",
     "config_dict",
-    "lora_paths",
     "sglang_name",
     "sglang_tensors",
 ]
@@ -86,14 +84,6 @@ def sglang_tensors(adapter: Adapter) -> dict[str, Any]:
         tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().cpu().contiguous()
         tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().cpu().contiguous()
     return tensors
-
-
-def lora_paths(requests: Sequence[Request], samples: Sequence[int]) -> list[str | None] | None:
-    """``GenerateReqInput.lora_path`` for entries of ``requests`` (entry ``k`` is a sample of request index
-    ``samples[k]``); None when no request has an adapter (SGLang's default)."""
-    by_index = {r.index: r for r in requests}
-    names = [None if by_index[i].lora is None else by_index[i].lora.handle for i in samples]  # type: ignore[union-attr]
-    return names if any(n is not None for n in names) else None
 
 
 class SGLangAdapters:

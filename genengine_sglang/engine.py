@@ -42,7 +42,7 @@ from genengine.errors import (
 from genengine_sglang import _process, _weightsync
 from genengine_sglang._group import collective_timeout, make_group, on_leader
 from genengine_sglang._weightsync import LoadCall
-from genengine_sglang.adapters import SGLangAdapters, lora_paths
+from genengine_sglang.adapters import SGLangAdapters
 from genengine_sglang.compat import request_prompt_ids, with_prompt_ids
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.mapping import build_entries, results_from_sglang
@@ -243,7 +243,7 @@ class SGLangEngine(SGLangAdapters, AsyncEngineBase):  # type: ignore[misc,overri
                 kwargs["image_data"] = [by_index[e.request].image for e in entries]
             if any(e.use_filter for e in entries):
                 kwargs["custom_logit_processor"] = [self._processor if e.use_filter else None for e in entries]
-            key, paths = self._cache_key(), lora_paths(requests, [e.request for e in entries])
+            key, paths = self._cache_key(), Request.adapter_handles(requests, [e.request for e in entries])
             if key is not None:
                 kwargs["extra_key"] = key
             if paths is not None:

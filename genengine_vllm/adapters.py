@@ -21,10 +21,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from genengine.adapters import Adapter
-from genengine.backend import Request
 from genengine.errors import ConfigError, GenEngineError
 
-__all__ = ["VLLMAdapters", "adapter_settings", "lora_base_names", "lora_requests", "write_adapter_dir"]
+__all__ = ["VLLMAdapters", "adapter_settings", "lora_base_names", "write_adapter_dir"]
 
 _DEFAULT_RANK = 16  # vLLM's LoRAConfig.max_lora_rank default
 _SHM = "/dev/shm"
@@ -96,14 +95,6 @@ def lora_base_names(model: Any, items: list[tuple[str, Any]]) -> list[tuple[str,
                 name = f"{module}.base_layer.{leaf}"
         renamed.append((name, tensor))
     return renamed
-
-
-def lora_requests(requests: Sequence[Request], owners: Sequence[int]) -> list[Any] | None:
-    """``LLM.generate``'s ``lora_request`` list for prompts owned by ``owners`` (request indices); None when no
-    request has an adapter."""
-    by_index = {r.index: r for r in requests}
-    loras = [None if by_index[i].lora is None else by_index[i].lora.handle for i in owners]  # type: ignore[union-attr]
-    return loras if any(lora is not None for lora in loras) else None
 
 
 class VLLMAdapters:

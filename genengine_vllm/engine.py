@@ -25,6 +25,7 @@ from genengine.backend import (
     EngineConfig,
     GenerationResult,
     LoadReport,
+    Request,
 )
 from genengine.engine.checkpoint import vocab_size, weight_spec
 from genengine.engine.environ import scoped_environ
@@ -43,14 +44,14 @@ from genengine_vllm._process import (
     trainer_world,
     without_expandable_segments,
 )
-from genengine_vllm.adapters import VLLMAdapters, lora_base_names, lora_requests
+from genengine_vllm.adapters import VLLMAdapters, lora_base_names
 from genengine_vllm.mapping import convert_request_output, load_image, split_greedy_n, vllm_sampling_kwargs
 from genengine_vllm.settings import WEIGHT_SYNC_MODES, VLLMSettings, build_llm_kwargs, resolve_settings
 
 if TYPE_CHECKING:
     import torch
 
-    from genengine.backend import AsyncRequest, LoadSession, Request, WeightInfo
+    from genengine.backend import AsyncRequest, LoadSession, WeightInfo
     from genengine.distributed import EngineGroup, Topology
 
 __all__ = ["VLLMEngine"]
@@ -343,7 +344,7 @@ class VLLMEngine(VLLMAdapters, AsyncEngineBase):  # type: ignore[misc,override] 
             driver = self._driver
             if driver is not None:
                 driver.check_usable()
-            loras = lora_requests(requests, owners)  # the adapter of each prompt (LoRARequest), or None
+            loras = Request.adapter_handles(requests, owners)  # the adapter of each prompt (LoRARequest), or None
             batch = driver.submit_sync(prompts, params, loras) if driver is not None and driver.busy else None
             if batch is None:
                 # No request of the driver in vLLM: LLM.generate as always (it steps until every request vLLM

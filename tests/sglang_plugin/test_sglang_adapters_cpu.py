@@ -26,7 +26,6 @@ from genengine_sglang.adapters import (
     SGLangAdapters,
     adapter_settings,
     config_dict,
-    lora_paths,
     sglang_name,
     sglang_tensors,
 )
@@ -84,8 +83,8 @@ def test_lora_path_per_entry() -> None:
     adapter.handle = "policy@1"
     base = Request(0, SamplingParams(n=2), prompt_token_ids=(1,))
     tuned = Request(1, SamplingParams(adapter="policy"), prompt_token_ids=(2,), lora=adapter)
-    assert lora_paths([base], [0, 0]) is None
-    assert lora_paths([base, tuned], [0, 0, 1]) == [None, None, "policy@1"]
+    assert Request.adapter_handles([base], [0, 0]) is None
+    assert Request.adapter_handles([base, tuned], [0, 0, 1]) == [None, None, "policy@1"]
 
 
 @dataclass

@@ -24,7 +24,7 @@ from genengine.engine.aio.engine import AsyncEngineBase
 from genengine.errors import ConfigError, GenEngineError
 from genengine.protocol import SamplingParams
 from genengine.requests import Request
-from genengine_vllm.adapters import VLLMAdapters, adapter_settings, lora_base_names, lora_requests, write_adapter_dir
+from genengine_vllm.adapters import VLLMAdapters, adapter_settings, lora_base_names, write_adapter_dir
 
 CONFIG = AdapterConfig(r=2, lora_alpha=4, target_modules=("q_proj", "v_proj"))
 
@@ -60,8 +60,8 @@ def test_lora_request_per_prompt() -> None:
     adapter.handle = "LoRARequest"
     base = Request(0, SamplingParams(), prompt_token_ids=(1,))
     tuned = Request(1, SamplingParams(adapter="policy"), prompt_token_ids=(2,), lora=adapter)
-    assert lora_requests([base], [0]) is None
-    assert lora_requests([base, tuned], [0, 1, 1]) == [None, "LoRARequest", "LoRARequest"]
+    assert Request.adapter_handles([base], [0]) is None
+    assert Request.adapter_handles([base, tuned], [0, 1, 1]) == [None, "LoRARequest", "LoRARequest"]
 
 
 @dataclass
