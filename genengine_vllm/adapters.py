@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,17 @@ def write_adapter_dir(adapter: Adapter, parent: str | None = None) -> str:
     return path
 
 
+_LORA_LAYOUTS: weakref.WeakKeyDictionary[Any, tuple[set[str], set[str], dict[str, str]]] = weakref.WeakKeyDictionary()
+"""Per vLLM model: its LoRA-wrapped modules, their tails of four or more segments, and packed part -> whole."""
+
+
+def _lora_layout(model: Any) -> tuple[set[str], set[str], dict[str, str]]:
+    wrapped = {name for name, module in model.named_modules() if getattr(module, "base_layer", None) is not None}
+    tails = {".".join(parts[i:]) for parts in (w.split(".") for w in wrapped) for i in range(len(parts) - 3)}
+    packed: Mapping[str, Sequence[str]] = getattr(model, "packed_modules_mapping", None) or {}
+    return wrapped, tails, {part: whole for whole, parts in packed.items() for part in parts}
+
+
 def lora_base_names(model: Any, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     """``items`` renamed for a vLLM model served with ``enable_lora``.
 
@@ -78,12 +90,12 @@ def lora_base_names(model: Any, items: list[tuple[str, Any]]) -> list[tuple[str,
     gate/up, ``packed_modules_mapping``) is wrapped gets the ``base_layer`` segment; the rest pass unchanged. verl
     renames on the trainer's side (``replace_lora_wrapper``); here the engine's own modules decide.
     """
-    wrapped = {name for name, module in model.named_modules() if getattr(module, "base_layer", None) is not None}
+    layout = _LORA_LAYOUTS.get(model)
+    if layout is None:  # once per model: its modules do not change after vLLM wrapped them at start-up
+        layout = _LORA_LAYOUTS[model] = _lora_layout(model)
+    wrapped, tails, whole_of = layout
     if not wrapped:
         return items
-    tails = {".".join(parts[i:]) for parts in (w.split(".") for w in wrapped) for i in range(len(parts) - 3)}
-    packed: Mapping[str, Sequence[str]] = getattr(model, "packed_modules_mapping", None) or {}
-    whole_of = {part: whole for whole, parts in packed.items() for part in parts}
     renamed = []
     for name, tensor in items:
         module, _, leaf = name.rpartition(".")
