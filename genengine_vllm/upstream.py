@@ -69,6 +69,8 @@ USES: tuple[str, ...] = (
     "vllm.v1.core.kv_cache_manager:KVCacheManager.block_pool",
     "vllm.v1.core.kv_cache_manager:KVCacheManager.evict_blocks",
     "vllm.v1.core.block_pool:BlockPool.blocks",
+    "vllm.v1.core.block_pool:BlockPool.cached_block_hash_to_block",
+    "vllm.v1.core.block_pool:BlockHashToBlockMap._cache",
     "vllm.v1.core.kv_cache_utils:KVCacheBlock.block_id",
     "vllm.v1.core.kv_cache_utils:KVCacheBlock.block_hash",
     # mapping.py (vllm_sampling_kwargs), engine.py and raw.py: the SamplingParams keywords we pass
