@@ -22,6 +22,7 @@ import os
 import re
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,21 @@ def _overrides(engine: str, rollout: str) -> list[str]:
     return [f"+actor_rollout_ref.rollout.engine_kwargs.{key}.{k}={v}" for k, v in options.items()]
 
 
+HIDE_TRL = Path(__file__).resolve().parents[1] / "support" / "hide_trl"
+
+
+def _trl_breaks_verl() -> bool:
+    """Whether an installed TRL lacks what verl 0.9.1's FSDP worker imports from it whenever TRL is importable
+    (TRL 1.16, which the kit carries for the TRL parts; verl pins trl==0.27.0): then the run hides TRL."""
+    probe = "import trl, sys; sys.exit(0 if hasattr(trl, 'AutoModelForCausalLMWithValueHead') else 3)"
+    code = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=300).returncode
+    return code == 3
+
+
 def _run(rollout: str, engine: str, out: Path, extra: list[str]) -> tuple[int, list[dict[str, float]], str]:
     env = {**os.environ, "ROLLOUT": rollout, "BACKEND": engine, "STEPS": str(STEPS), "OUT": str(out)}
+    if _trl_breaks_verl():
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HIDE_TRL), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         ["bash", str(ROOT / "examples" / "verl_grpo.sh"), *extra],
         env=env,
