@@ -66,15 +66,19 @@ def _run(rollout: str, engine: str, out: Path, extra: list[str]) -> tuple[int, l
     env = {**os.environ, "ROLLOUT": rollout, "BACKEND": engine, "STEPS": str(STEPS), "OUT": str(out)}
     if _trl_breaks_verl():
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HIDE_TRL), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        ["bash", str(ROOT / "examples" / "verl_grpo.sh"), *extra],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    log = proc.stdout + proc.stderr
-    (out / "log.txt").write_text(log)
+    # Streamed to a file under $OUT (verify.sh's work folder, sent back even when the part times out): where a
+    # run that never ends got to.
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = Path(os.environ.get("OUT", out)) / f"verl_{rollout}_{engine}.log"
+    with log_path.open("w") as sink:
+        proc = subprocess.run(
+            ["bash", str(ROOT / "examples" / "verl_grpo.sh"), *extra],
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            timeout=1500,
+        )
+    log = log_path.read_text(errors="replace")
     steps: list[dict[str, float]] = []
     for match in _LINE.finditer(log):
         metrics: dict[str, float] = {}
