@@ -148,3 +148,27 @@ def test_a_failure_to_register_is_a_warning_naming_the_cause(
     assert record.levelno == logging.WARNING
     assert "rollout.name=genengine" in record.getMessage()
     assert "verl.workers.rollout.replica" in record.getMessage()
+
+
+def test_a_trl_that_breaks_verls_fsdp_workers_is_named_at_plugin_load(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """verl 0.9.1's FSDP workers import ``AutoModelForCausalLMWithValueHead`` from any importable TRL (it pins
+    0.27.0); TRL 1.16 (the dev environment's, and genengine[trl]'s) lacks it. The H200 run died of it at actor init
+    with an ImportError far from the cause: the plugin names it as verl starts, and says nothing without TRL."""
+    from importlib import metadata
+
+    pytest.importorskip("verl.workers.rollout.replica", reason="verl 0.9.1 is not installed (make setup installs it)")
+    plugin = importlib.import_module("genengine.integrations.verl.plugin")
+    trl = metadata.version("trl")
+    assert int(trl.split(".")[0]) >= 1, f"the check needs TRL 1.x installed, found {trl}"
+    with caplog.at_level(logging.WARNING, logger="genengine.integrations.verl"):
+        assert plugin.register() is True
+    [record] = [r for r in caplog.records if r.name == "genengine.integrations.verl"]
+    assert f"trl {trl}" in record.getMessage() and "trl==0.27.0" in record.getMessage()
+
+    def no_trl(name: str) -> Any:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "distribution", no_trl)
+    assert plugin.trl_conflict() is None
