@@ -138,3 +138,22 @@ def test_flush_skips_what_vllm_does_not_cache(bare_engine: Any) -> None:
     bare_engine._multimodal = True
     bare_engine.flush_cache()
     assert llm.calls == ["reset_prefix_cache", "reset_encoder_cache"]
+
+
+def test_a_load_under_a_clearing_pause_runs_no_second_reset(bare_engine: Any) -> None:
+    """pause(keep, clear_cache=True) already ran vLLM's reset (``EngineCore._reset_caches``) and the driver has
+    stepped nothing since: the load's flush would walk every KV block again. Under pause(keep) without it the
+    held requests keep their blocks and the driver evicts the cached ones; with no pause, vLLM's reset."""
+    llm = bare_engine._llm
+    evictions: list[int] = []
+    bare_engine._driver = SimpleNamespace(
+        held=True, kept_kv=False, sync=False, settle=lambda: None, evict_prefix_cache=lambda: evictions.append(1)
+    )
+    bare_engine.load_weights(_weights())
+    assert "reset_prefix_cache" not in llm.calls and not evictions, llm.calls
+    bare_engine._driver.kept_kv = True
+    bare_engine.load_weights(_weights())
+    assert evictions == [1] and "reset_prefix_cache" not in llm.calls, llm.calls
+    bare_engine._driver.held = bare_engine._driver.kept_kv = False
+    bare_engine.load_weights(_weights())
+    assert llm.calls.count("reset_prefix_cache") == 1 and evictions == [1], llm.calls
