@@ -14,7 +14,11 @@ layer. Each side is timed ``--reps`` times after a warm-up:
   merge     W += s·B@A on the trainer's copy (every targeted module), engine.load_weights(<the whole model>),
             W -= s·B@A (TRL's merge_adapter / sync / unmerge_adapter)
 
-and the GPU memory each needs: this process's allocator peak over the sync above what was allocated before it
+``adapter_phases`` splits the adapter side by step (the medians of ``AdapterInfo.phases``: ``check_s``, the
+backend's own steps, ``retire_s``; host-side seconds, so GPU work launched in one step may be paid in a later
+one); ``--adapter-sync`` picks the backend's way (vllm: ``memory``, ``folder``; sglang: ``flattened``,
+``tensors``; the default is the fast one, the other is the first way, kept to compare). And the GPU memory each
+needs: this process's allocator peak over the sync above what was allocated before it
 (the embedded engine and vLLM allocate here; SGLang's engine runs in its own process), and how much less of the
 device is free after the sync than before (``*_free_drop_gib``: SGLang's side too). Goal
 (issue 45): adapter sync <= 10 ms and no merged copy of the model. Prints one JSON object.
@@ -59,6 +63,12 @@ def _peak_over(device: str, call: Any) -> tuple[float, int, int]:
     return seconds, int(torch.cuda.max_memory_allocated() - before), int(free_before - torch.cuda.mem_get_info()[0])
 
 
+def phase_medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The median seconds of each step over the runs (a step missing from a run counts 0 there)."""
+    names = sorted({name for run in runs for name in run})
+    return {name: statistics.median(run.get(name, 0.0) for run in runs) for name in names}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (the default without CUDA)")
@@ -67,6 +77,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--backend", default="transformers", choices=("transformers", "sglang", "vllm"))
     parser.add_argument("--mem-util", type=float, default=0.5, help="the engine's share of the GPU (sglang, vllm)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--adapter-sync",
+        help="the backend's adapter_sync mode (vllm: memory|folder; sglang: "
+        "flattened|tensors); default: the backend's own",
+    )
     parser.add_argument("--model-dir", default="/tmp/genengine-bench-lora", help="where the base is written once")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
@@ -96,6 +111,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             backend=args.backend, model=str(path), dtype=dtype, mem_util=args.mem_util, options=lora
         )
     try:
+        if args.adapter_sync is not None:
+            if not hasattr(engine, "adapter_sync"):
+                parser.error(f"--adapter-sync: the {args.backend} backend has one way to load adapters")
+            engine.adapter_sync = args.adapter_sync  # type: ignore[attr-defined]
         from safetensors.torch import load_file
 
         trainer: dict[str, Any] = {}  # the trainer's own copy of the base, where it trains
@@ -115,8 +134,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         config = {"r": args.rank, "lora_alpha": 2 * args.rank, "target_modules": list(TARGETS)}
         scale = 2.0
 
+        phases: list[dict[str, float]] = []
+
         def adapter_sync(step: int) -> None:
-            engine.load_adapter("policy", adapter.items(), config, version=step)  # type: ignore[attr-defined]
+            info = engine.load_adapter("policy", adapter.items(), config, version=step)  # type: ignore[attr-defined]
+            if step > 0:  # not the warm-up
+                phases.append(dict(info.phases))
 
         def merge_sync(step: int) -> None:
             with torch.no_grad():
@@ -146,6 +169,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result[f"{side}_s"] = statistics.median(s for s, _, _ in runs)
             result[f"{side}_extra_gib"] = max(m for _, m, _ in runs) / (1 << 30)  # this process's allocator peak
             result[f"{side}_free_drop_gib"] = max(f for _, _, f in runs) / (1 << 30)  # the device, after the sync
+        result["adapter_sync_mode"] = getattr(engine, "adapter_sync", "peft")
+        result["adapter_phases"] = phase_medians(phases)
         probe = engine.generate(
             prompt_token_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 4, "adapter": "policy"}
         )

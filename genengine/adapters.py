@@ -153,6 +153,9 @@ class AdapterInfo:
     num_tensors: int
     num_bytes: int
     seconds: float = 0.0
+    phases: Mapping[str, float] = field(default_factory=dict, compare=False)
+    """Where ``seconds`` went, by step (``check_s``, the backend's own steps such as ``write_folder_s`` or
+    ``add_lora_s``, ``retire_s``): host-side seconds, GPU work may finish in a later step."""
 
 
 _serial = itertools.count(1)
@@ -171,6 +174,8 @@ class Adapter:
     uid: int = field(default_factory=lambda: next(_serial))
     handle: Any = None
     """What the backend made of it (device copies, the engine's own id); set by the backend's ``_add_adapter``."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of each step of its load (``AdapterInfo.phases``); the backend's ``_add_adapter`` adds its own."""
 
     def info(self, seconds: float = 0.0) -> AdapterInfo:
         tensors = [t for pair in self.pairs.values() for t in pair]
@@ -182,6 +187,7 @@ class Adapter:
             num_tensors=len(tensors),
             num_bytes=sum(int(t.numel()) * int(t.element_size()) for t in tensors),
             seconds=seconds,
+            phases=dict(self.phases),
         )
 
 

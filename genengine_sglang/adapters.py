@@ -7,6 +7,13 @@ options, ``enable_lora=True``, ``max_lora_rank`` and ``lora_target_modules`` (SG
 SGLang name (``<name>@<uid>``), so a replacement never changes a request in flight; the replaced one is unloaded
 once no request of ours still uses it (SGLang's unload would otherwise wait for them, and a request held by a
 ``keep`` pause resubmits under it).
+
+The tensors travel as one flattened bucket (``load_format="flattened_bucket"``, SGLang's ``FlattenedTensorBucket``)
+in one shared-memory buffer: SGLang's scheduler keeps adapters in host memory (``LoRAAdapter._process_weight``
+calls ``.cpu()`` on each tensor) and copies them to its GPU pool when a batch uses them, so host memory is where
+they go anyway. ``adapter_sync = "tensors"`` keeps the first way (one host tensor each, which torch's
+``ForkingPickler`` moves into its own shared-memory segment per tensor and hands over one file descriptor at a
+time: 2.35 s for 420 tensors at 7B rank 16; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -18,13 +25,17 @@ from genengine.adapters import Adapter
 from genengine.errors import ConfigError, GenEngineError
 
 __all__ = [
+    "ADAPTER_SYNC_MODES",
     "SGLANG_LORA_MODULES",
     "SGLangAdapters",
     "adapter_settings",
     "config_dict",
+    "flat_adapter",
     "sglang_name",
     "sglang_tensors",
 ]
+
+ADAPTER_SYNC_MODES = ("flattened", "tensors")
 
 SGLANG_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections SGLang 0.5.17 adapts on dense models (``sglang/srt/lora/utils.py``; qkv and gate/up are
@@ -86,9 +97,33 @@ def sglang_tensors(adapter: Adapter) -> dict[str, Any]:
     return tensors
 
 
+def flat_adapter(adapter: Adapter) -> tuple[Any, list[Any]]:
+    """The adapter's tensors (PEFT's names) as SGLang's flattened bucket, copied once into one shared-memory host
+    buffer: ``(flattened_tensor, metadata)``. One copy, so the caller may change its tensors once the load returns.
+    """
+    import torch
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    named: list[tuple[str, Any]] = []
+    device = None
+    for module, (a, b) in adapter.pairs.items():
+        for part, tensor in (("A", a), ("B", b)):
+            tensor = tensor.detach()
+            device = tensor.device if device is None else device
+            named.append((f"base_model.model.{module}.lora_{part}.weight", tensor.to(device)))
+    bucket = FlattenedTensorBucket(named_tensors=named)  # one torch.cat where the tensors are (the GPU)
+    flat = bucket.get_flattened_tensor()
+    shared = torch.empty(flat.numel(), dtype=torch.uint8).share_memory_()
+    shared.copy_(flat)
+    return shared, bucket.get_metadata()
+
+
 class SGLangAdapters:
     """``AdapterHost``'s hooks for ``SGLangEngine`` (a mixin before ``AsyncEngineBase`` in its bases)."""
 
+    adapter_sync: str = "flattened"
+    """How ``load_adapter`` hands an adapter to SGLang: ``"flattened"`` (one shared-memory bucket) or
+    ``"tensors"`` (one host tensor each: the first way, kept to compare against)."""
     _settings: Any  # SGLangSettings (settings.py imports this module: no arrow back)
     _engine: Any
     if TYPE_CHECKING:  # SGLangEngine's and AsyncEngineBase's (a stub here would shadow the latter)
@@ -115,6 +150,7 @@ class SGLangAdapters:
 
     def _add_adapter(self, adapter: Adapter, replaced: Adapter | None) -> None:
         import inspect
+        import time
 
         from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
 
@@ -124,17 +160,39 @@ class SGLangAdapters:
             raise GenEngineError(
                 "this SGLang release cannot load adapters from tensors as genengine sends them: 0.5.17 can"
             )
+        mode = self.adapter_sync
+        if mode not in ADAPTER_SYNC_MODES:
+            raise ConfigError(f"adapter_sync={mode!r} is not supported; allowed: {', '.join(ADAPTER_SYNC_MODES)}")
+        start = time.perf_counter()
         self._unload_idle_adapters(self._unload_adapter)
+        adapter.phases["unload_s"] = time.perf_counter() - start
         name = sglang_name(adapter)
 
         def run() -> None:
             engine = self._engine
-            payloads = serialize(sglang_tensors(adapter), None)
+            begin = time.perf_counter()
+            if mode == "flattened":
+                shared, metadata = flat_adapter(adapter)
+                copied = time.perf_counter()
+                adapter.phases["flatten_s"] = copied - begin
+                # One payload per TP rank (load_format None: serialize it as it is), each a handle of the buffer.
+                payloads = serialize({"flattened_tensor": shared, "metadata": metadata}, None)
+                load_format: str | None = "flattened_bucket"
+            else:
+                copied = begin
+                payloads = serialize(sglang_tensors(adapter), None)
+                load_format = None
+            serialized = time.perf_counter()
+            adapter.phases["serialize_s"] = serialized - copied
             request = LoadLoRAAdapterFromTensorsReqInput(
-                lora_name=name, config_dict=config_dict(adapter), serialized_named_tensors=payloads
+                lora_name=name,
+                config_dict=config_dict(adapter),
+                serialized_named_tensors=payloads,
+                load_format=load_format,
             )
             call = engine.tokenizer_manager.load_lora_adapter_from_tensors(request, None)
             result = self._sgl(lambda: engine.loop.run_until_complete(call), "SGLang's load_lora_adapter_from_tensors")
+            adapter.phases["scheduler_s"] = time.perf_counter() - serialized
             if not result.success:
                 raise GenEngineError(f"SGLang refused adapter {adapter.name!r}: {result.error_message}")
 

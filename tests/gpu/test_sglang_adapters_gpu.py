@@ -54,3 +54,9 @@ class TestSGLangAdapters(AdapterTests):
 
     def test_the_engine_declares_adapters(self, engine: GenerationEngine) -> None:
         assert supports_adapters(engine) and engine.max_lora_rank == self.adapter_rank  # type: ignore[attr-defined]
+
+    def test_the_fast_adapter_sync_serves_as_the_first_way(
+        self, adapter_engine: Any, original_weights: dict[str, Any]
+    ) -> None:
+        """adapter_sync='flattened' (the default) against 'tensors' (the first way): same tokens, and its own copy."""
+        self.check_sync_modes_agree(adapter_engine, original_weights, fast="flattened", slow="tensors")
