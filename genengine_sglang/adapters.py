@@ -104,13 +104,17 @@ def flat_adapter(adapter: Adapter) -> tuple[Any, list[Any]]:
     import torch
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
-    named: list[tuple[str, Any]] = []
-    device = None
-    for module, (a, b) in adapter.pairs.items():
-        for part, tensor in (("A", a), ("B", b)):
-            tensor = tensor.detach()
-            device = tensor.device if device is None else device
-            named.append((f"base_model.model.{module}.lora_{part}.weight", tensor.to(device)))
+    first = next(iter(adapter.pairs.values()))[0]
+    device, dtype = first.device, first.dtype
+    for a, b in adapter.pairs.values():
+        dtype = torch.promote_types(dtype, torch.promote_types(a.dtype, b.dtype))
+    # One dtype (mixed ones promoted, which loses nothing): SGLang views each tensor's bytes back as its dtype,
+    # which needs them aligned to its size.
+    named = [
+        (f"base_model.model.{module}.lora_{part}.weight", tensor.detach().to(device=device, dtype=dtype))
+        for module, (a, b) in adapter.pairs.items()
+        for part, tensor in (("A", a), ("B", b))
+    ]
     bucket = FlattenedTensorBucket(named_tensors=named)  # one torch.cat where the tensors are (the GPU)
     flat = bucket.get_flattened_tensor()
     shared = torch.empty(flat.numel(), dtype=torch.uint8).share_memory_()
