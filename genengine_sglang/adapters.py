@@ -32,6 +32,7 @@ __all__ = [
     "config_dict",
     "flat_adapter",
     "sglang_name",
+    "sglang_named_tensors",
     "sglang_tensors",
 ]
 
@@ -97,10 +98,41 @@ def sglang_tensors(adapter: Adapter) -> dict[str, Any]:
     return tensors
 
 
+_FUSED_B = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+"""SGLang's fused projections and their parts, in its order (``LoRAAdapter.normalize_qkv_proj``,
+``normalize_gate_up_proj``: a ``lora_B`` under the fused name is taken as already stacked)."""
+
+
+def sglang_named_tensors(adapter: Adapter) -> list[tuple[str, Any]]:
+    """PEFT's names, but each fused projection's ``lora_B`` already stacked (q/k/v, gate/up, where the adapter has
+    every part) under the fused name, which SGLang's scheduler would otherwise concatenate on its CPU
+    (``lora/lora.py:295``, ``:485``); their ``lora_A`` stay apart (SGLang stacks those itself, and would repeat a
+    fused one). Stacking is a ``torch.cat`` where the tensors are (the trainer's GPU)."""
+    import torch
+
+    pairs = adapter.pairs
+    stacked: dict[str, tuple[str, list[str]]] = {}  # first part -> (fused module, its parts)
+    for module in pairs:
+        head, _, last = module.rpartition(".")
+        for fused, parts in _FUSED_B:
+            if last == parts[0] and all(f"{head}.{p}" in pairs for p in parts):
+                stacked[module] = (f"{head}.{fused}", [f"{head}.{p}" for p in parts])
+    in_stack = {part for _, members in stacked.values() for part in members}
+    named: list[tuple[str, Any]] = []
+    for module, (a, b) in pairs.items():
+        named.append((f"base_model.model.{module}.lora_A.weight", a))
+        if module in stacked:
+            fused, members = stacked[module]
+            named.append((f"base_model.model.{fused}.lora_B.weight", torch.cat([pairs[m][1] for m in members])))
+        elif module not in in_stack:
+            named.append((f"base_model.model.{module}.lora_B.weight", b))
+    return named
+
+
 def flat_adapter(adapter: Adapter) -> tuple[Any, list[Any]]:
-    """The adapter's tensors (PEFT's names) as SGLang's flattened bucket, copied once into one shared-memory host
-    buffer: ``(flattened_tensor, metadata)``. One copy, so the caller may change its tensors once the load returns.
-    """
+    """The adapter's tensors (``sglang_named_tensors``) as SGLang's flattened bucket, copied once into one
+    shared-memory host buffer: ``(flattened_tensor, metadata)``. A copy: the caller may change its tensors once the
+    load returns."""
     import torch
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
@@ -110,11 +142,7 @@ def flat_adapter(adapter: Adapter) -> tuple[Any, list[Any]]:
         dtype = torch.promote_types(dtype, torch.promote_types(a.dtype, b.dtype))
     # One dtype (mixed ones promoted, which loses nothing): SGLang views each tensor's bytes back as its dtype,
     # which needs them aligned to its size.
-    named = [
-        (f"base_model.model.{module}.lora_{part}.weight", tensor.detach().to(device=device, dtype=dtype))
-        for module, (a, b) in adapter.pairs.items()
-        for part, tensor in (("A", a), ("B", b))
-    ]
+    named = [(name, t.detach().to(device=device, dtype=dtype)) for name, t in sglang_named_tensors(adapter)]
     bucket = FlattenedTensorBucket(named_tensors=named)  # one torch.cat where the tensors are (the GPU)
     flat = bucket.get_flattened_tensor()
     shared = torch.empty(flat.numel(), dtype=torch.uint8).share_memory_()

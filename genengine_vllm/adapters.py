@@ -124,6 +124,7 @@ class VLLMAdapters:
     ``"folder"`` (a PEFT folder in shared memory that vLLM reads back: the first way, kept to compare against)."""
     settings: Any  # VLLMSettings
     _llm: Any
+    _load_device: Any = None  # VLLMEngine's: this rank's GPU (a torch.device), None without CUDA
     _lock: Any  # VLLMEngine's DriverLock
     if TYPE_CHECKING:
         # AdapterHost's (EngineBase's bases)
@@ -185,6 +186,15 @@ class VLLMAdapters:
                     adapter.phases["add_lora_s"] = time.perf_counter() - staged
                 if not added:
                     raise GenEngineError(f"vLLM refused adapter {adapter.name!r} (add_lora returned False)")
+                # The copy from the caller's tensors and vLLM's copies into its slots run on this thread's
+                # stream: done before we return (the trainer may write its tensors at once, on any stream) and
+                # before the driver's next step (its own stream) reads the slots.
+                synced = time.perf_counter()
+                if self._load_device is not None:
+                    import torch
+
+                    torch.cuda.current_stream(self._load_device).synchronize()
+                adapter.phases["sync_s"] = time.perf_counter() - synced
         except BaseException as exc:
             with contextlib.suppress(Exception), self._lock():
                 self._llm.collective_rpc(_lora_memory.drop_lora, args=(adapter.uid,))

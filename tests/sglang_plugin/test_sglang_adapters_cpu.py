@@ -6,6 +6,7 @@ replaced adapter unloaded only once no request of ours uses it (SGLang's calls f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import threading
 import types
@@ -27,6 +28,7 @@ from genengine_sglang.adapters import (
     adapter_settings,
     config_dict,
     sglang_name,
+    sglang_named_tensors,
     sglang_tensors,
 )
 
@@ -268,3 +270,52 @@ def test_the_per_tensor_way_is_kept(io_struct: None) -> None:
     engine.adapter_sync = "fast"
     with pytest.raises(ConfigError, match="adapter_sync='fast' is not supported; allowed: flattened, tensors"):
         engine._add_adapter(_adapter(), adapter)
+
+
+def _sglang_normalize(weights: dict[str, Any]) -> dict[str, Any]:
+    """SGLang 0.5.17's ``LoRAAdapter.normalize_qkv_proj`` and ``normalize_gate_up_proj`` (lora/lora.py:264-316,
+    462-500), the dense branches as written there (substring tests included), on one layer's weights."""
+    weights = dict(weights)
+    names = list(weights)
+    targets = {m for m in ("q_proj", "k_proj", "v_proj", "qkv_proj") for n in names if m in n}
+    for name in names:
+        if "q_proj" in name:
+            k = weights[name.replace("q_proj", "k_proj")] if "k_proj" in targets else None
+            v = weights[name.replace("q_proj", "v_proj")]
+            k = torch.zeros_like(v) if k is None else k
+            weights[name.replace("q_proj", "qkv_proj")] = torch.cat((weights[name], k, v), 0)
+            for part in ("q_proj", "k_proj", "v_proj"):
+                weights.pop(name.replace("q_proj", part), None)
+        elif "qkv_proj" in name and "lora_A" in name:
+            weights[name] = weights[name].repeat(3, 1)
+    for name in list(weights):
+        if "gate_proj" in name:
+            up = name.replace("gate_proj", "up_proj")
+            weights[name.replace("gate_proj", "gate_up_proj")] = torch.cat((weights.pop(name), weights.pop(up)), 0)
+        elif "gate_up_proj" in name and "lora_A" in name:
+            weights[name] = weights[name].repeat(2, 1)
+    return weights
+
+
+def test_fused_lora_b_arrive_stacked_as_sglang_would_stack_them() -> None:
+    """q/k/v's and gate/up's lora_B go stacked under SGLang's fused names (its scheduler would concatenate them on
+    its CPU); SGLang's normalization then ends with the same tensors as from PEFT's names. A group missing a part
+    (v without k here) goes as PEFT names it."""
+    torch.manual_seed(0)
+    shapes = {"self_attn.q_proj": (8, 4), "self_attn.k_proj": (2, 4), "self_attn.v_proj": (2, 4)}
+    shapes |= {"self_attn.o_proj": (4, 8), "mlp.gate_proj": (6, 4), "mlp.up_proj": (6, 4), "mlp.down_proj": (4, 6)}
+    pairs = {f"model.layers.0.{m}": (torch.randn(2, i), torch.randn(o, 2)) for m, (o, i) in shapes.items()}
+    config = AdapterConfig(r=2, lora_alpha=4, target_modules=tuple(m.rpartition(".")[2] for m in shapes))
+    adapter = Adapter(name="policy", version=0, config=config, pairs=pairs)
+    named = dict(sglang_named_tensors(adapter))
+    lora_b = sorted(n.split(".")[-3] for n in named if ".lora_B." in n)
+    assert lora_b == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert len([n for n in named if ".lora_A." in n]) == 7
+    from_peft = _sglang_normalize(sglang_tensors(adapter))
+    from_ours = _sglang_normalize(named)
+    assert sorted(from_ours) == sorted(from_peft)
+    assert all(torch.equal(from_ours[n], from_peft[n]) for n in from_peft)
+    partial = {m: p for m, p in pairs.items() if "k_proj" not in m}
+    names = dict(sglang_named_tensors(dataclasses.replace(adapter, pairs=partial)))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight" in names
+    assert not any("qkv_proj" in n for n in names)

@@ -160,7 +160,7 @@ def test_an_adapter_goes_to_vllm_from_memory(fake_vllm: None) -> None:
     b.zero_()
     assert torch.equal(tensors[f"base_model.model.{Q}.lora_A.weight"], torch.arange(8.0).reshape(2, 4))
     assert torch.equal(tensors[f"base_model.model.{Q}.lora_B.weight"], torch.arange(12.0).reshape(6, 2) * 3)
-    assert {"unload_s", "copy_s", "build_s", "add_lora_s", "stage_s"} <= set(adapter.phases)
+    assert {"unload_s", "copy_s", "build_s", "add_lora_s", "sync_s", "stage_s"} <= set(adapter.phases)
 
 
 def test_vllm_reloading_an_evicted_adapter_gets_the_staged_one(fake_vllm: None) -> None:
