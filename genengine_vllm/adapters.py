@@ -196,8 +196,11 @@ class VLLMAdapters:
                     torch.cuda.current_stream(self._load_device).synchronize()
                 adapter.phases["sync_s"] = time.perf_counter() - synced
         except BaseException as exc:
-            with contextlib.suppress(Exception), self._lock():
-                self._llm.collective_rpc(_lora_memory.drop_lora, args=(adapter.uid,))
+            with self._lock():  # nothing of it stays in vLLM
+                with contextlib.suppress(Exception):
+                    self._llm.llm_engine.remove_lora(adapter.uid)
+                with contextlib.suppress(Exception):
+                    self._llm.collective_rpc(_lora_memory.drop_lora, args=(adapter.uid,))
             if isinstance(exc, Exception) and not isinstance(exc, GenEngineError):
                 raise GenEngineError(f"vLLM refused adapter {adapter.name!r}: {exc}") from exc
             raise
