@@ -17,11 +17,13 @@ layer. Each side is timed ``--reps`` times after a warm-up:
 ``adapter_phases`` splits the adapter side by step (the medians of ``AdapterInfo.phases``: ``check_s``, the
 backend's own steps, ``retire_s``; host-side seconds, so GPU work launched in one step may be paid in a later
 one); ``--adapter-sync`` picks the backend's way (vllm: ``memory``, ``folder``; sglang: ``flattened``,
-``tensors``; the default is the fast one, the other is the first way, kept to compare). And the GPU memory each
-needs: this process's allocator peak over the sync above what was allocated before it
-(the embedded engine and vLLM allocate here; SGLang's engine runs in its own process), and how much less of the
-device is free after the sync than before (``*_free_drop_gib``: SGLang's side too). Goal
-(issue 45): adapter sync <= 10 ms and no merged copy of the model. Prints one JSON object.
+``tensors``; the default is the fast one, the other is the first way, kept to compare); ``adapter_first_use_s``
+is a one-token generate with the adapter right after a sync, ``adapter_warm_use_s`` the same generate again
+(what an engine leaves to the first batch that uses a new adapter). And the GPU memory each needs: this
+process's allocator peak over the sync above what was allocated before it (the embedded engine and vLLM
+allocate here; SGLang's engine runs in its own process), and how much less of the device is free after the
+sync than before (``*_free_drop_gib``: SGLang's side too). Goal (issue 45): adapter sync <= 10 ms and no
+merged copy of the model. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -175,6 +177,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             prompt_token_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 4, "adapter": "policy"}
         )
         result["adapter_served"] = bool(probe[0].outputs[0].token_ids)
+
+        def one_token() -> None:
+            engine.generate(prompt_token_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 1, "adapter": "policy"})
+
+        # What an engine leaves to the first batch that uses a new adapter (SGLang copies it into its GPU pool
+        # then): a one-token generate right after a sync, against the same generate again.
+        first, warm = [], []
+        for step in range(args.reps):
+            adapter_sync(args.reps + 1 + step)
+            first.append(_peak_over(device, one_token)[0])
+            warm.append(_peak_over(device, one_token)[0])
+        result["adapter_first_use_s"] = statistics.median(first)
+        result["adapter_warm_use_s"] = statistics.median(warm)
         result["goal_10ms"] = result["adapter_s"] <= 0.010
     finally:
         engine.shutdown()

@@ -252,6 +252,8 @@ print(f"adapter {r['adapter_s']:.4f} s (+{r['adapter_extra_gib']:.2f} GiB, free 
 phases = r.get("adapter_phases") or {}
 if phases:
     print(f"adapter steps ({r.get('adapter_sync_mode', '?')}, ms): " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in phases.items()))
+if "adapter_first_use_s" in r:
+    print(f"one-token generate right after a sync {r['adapter_first_use_s']:.4f} s, again {r['adapter_warm_use_s']:.4f} s")
 EOF
 ) ;;
     *) what="see $name.log" ;;
