@@ -17,9 +17,9 @@ layer. Each side is timed ``--reps`` times after a warm-up:
 ``adapter_phases`` splits the adapter side by step (the medians of ``AdapterInfo.phases``: ``check_s``, the
 backend's own steps, ``retire_s``; host-side seconds, so GPU work launched in one step may be paid in a later
 one); ``--adapter-sync`` picks the backend's way (vllm: ``memory``, ``folder``; sglang: ``flattened``,
-``tensors``; the default is the fast one, the other is the first way, kept to compare); ``adapter_first_use_s``
-is a one-token generate with the adapter right after a sync, ``adapter_warm_use_s`` the same generate again
-(what an engine leaves to the first batch that uses a new adapter). And the GPU memory each needs: this
+``cuda_ipc``, ``tensors``; the default is the first named, the last is the first way, kept to compare);
+``adapter_first_use_s`` is a one-token generate with the adapter right after a sync, ``adapter_warm_use_s`` the
+same generate again (what an engine leaves to the first batch that uses a new adapter). And the GPU memory each needs: this
 process's allocator peak over the sync above what was allocated before it (the embedded engine and vLLM
 allocate here; SGLang's engine runs in its own process), and how much less of the device is free after the
 sync than before (``*_free_drop_gib``: SGLang's side too). Goal (issue 45): adapter sync <= 10 ms and no
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--adapter-sync",
         help="the backend's adapter_sync mode (vllm: memory|folder; sglang: "
-        "flattened|tensors); default: the backend's own",
+        "flattened|cuda_ipc|tensors); default: the backend's own",
     )
     parser.add_argument("--model-dir", default="/tmp/genengine-bench-lora", help="where the base is written once")
     parser.add_argument("--json", help="also write the result here")

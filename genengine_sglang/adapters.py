@@ -36,7 +36,7 @@ __all__ = [
     "sglang_tensors",
 ]
 
-ADAPTER_SYNC_MODES = ("flattened", "tensors")
+ADAPTER_SYNC_MODES = ("flattened", "cuda_ipc", "tensors")
 
 SGLANG_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections SGLang 0.5.17 adapts on dense models (``sglang/srt/lora/utils.py``; qkv and gate/up are
@@ -129,10 +129,10 @@ def sglang_named_tensors(adapter: Adapter) -> list[tuple[str, Any]]:
     return named
 
 
-def flat_adapter(adapter: Adapter) -> tuple[Any, list[Any]]:
-    """The adapter's tensors (``sglang_named_tensors``) as SGLang's flattened bucket, copied once into one
-    shared-memory host buffer: ``(flattened_tensor, metadata)``. A copy: the caller may change its tensors once the
-    load returns."""
+def flat_adapter(adapter: Adapter, *, host: bool = True) -> tuple[Any, list[Any]]:
+    """The adapter's tensors (``sglang_named_tensors``) as SGLang's flattened bucket: ``(flattened_tensor,
+    metadata)``, one copy (the caller may change its tensors once the load returns), in one shared-memory host
+    buffer (``host``) or where the tensors are (the GPU: to travel as one CUDA-IPC handle)."""
     import torch
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
@@ -145,7 +145,16 @@ def flat_adapter(adapter: Adapter) -> tuple[Any, list[Any]]:
     named = [(name, t.detach().to(device=device, dtype=dtype)) for name, t in sglang_named_tensors(adapter)]
     bucket = FlattenedTensorBucket(named_tensors=named)  # one torch.cat where the tensors are (the GPU)
     flat = bucket.get_flattened_tensor()
-    shared = torch.empty(flat.numel(), dtype=torch.uint8).share_memory_()
+    if not host:
+        if flat.is_cuda:  # another process reads it through IPC, with no stream ordering against ours
+            torch.cuda.current_stream(flat.device).synchronize()
+        return flat, bucket.get_metadata()
+    # Allocated in shared memory at once where torch can (share_memory_() on a fresh tensor copies it there again).
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is not None:
+        shared = torch.empty(0, dtype=torch.uint8).set_(new_shared(flat.numel()))
+    else:
+        shared = torch.empty(flat.numel(), dtype=torch.uint8).share_memory_()
     shared.copy_(flat)
     return shared, bucket.get_metadata()
 
@@ -154,8 +163,9 @@ class SGLangAdapters:
     """``AdapterHost``'s hooks for ``SGLangEngine`` (a mixin before ``AsyncEngineBase`` in its bases)."""
 
     adapter_sync: str = "flattened"
-    """How ``load_adapter`` hands an adapter to SGLang: ``"flattened"`` (one shared-memory bucket) or
-    ``"tensors"`` (one host tensor each: the first way, kept to compare against)."""
+    """How ``load_adapter`` hands an adapter to SGLang: ``"flattened"`` (one shared-memory bucket),
+    ``"cuda_ipc"`` (the bucket on the GPU as one CUDA-IPC handle, SGLang's scheduler copying it to its host
+    memory; one TP rank) or ``"tensors"`` (one host tensor each: the first way, kept to compare against)."""
     _settings: Any  # SGLangSettings (settings.py imports this module: no arrow back)
     _engine: Any
     if TYPE_CHECKING:  # SGLangEngine's and AsyncEngineBase's (a stub here would shadow the latter)
@@ -195,6 +205,11 @@ class SGLangAdapters:
         mode = self.adapter_sync
         if mode not in ADAPTER_SYNC_MODES:
             raise ConfigError(f"adapter_sync={mode!r} is not supported; allowed: {', '.join(ADAPTER_SYNC_MODES)}")
+        if mode == "cuda_ipc" and getattr(self._settings, "tp_size", 1) > 1:
+            raise ConfigError(
+                "adapter_sync='cuda_ipc' serves one TP rank (each scheduler would open the leader's GPU memory); "
+                "use 'flattened' with tp_size > 1"
+            )
         start = time.perf_counter()
         self._unload_idle_adapters(self._unload_adapter)
         adapter.phases["unload_s"] = time.perf_counter() - start
@@ -203,8 +218,8 @@ class SGLangAdapters:
         def run() -> None:
             engine = self._engine
             begin = time.perf_counter()
-            if mode == "flattened":
-                shared, metadata = flat_adapter(adapter)
+            if mode != "tensors":
+                shared, metadata = flat_adapter(adapter, host=mode == "flattened")
                 copied = time.perf_counter()
                 adapter.phases["flatten_s"] = copied - begin
                 # One payload per TP rank (load_format None: serialize it as it is), each a handle of the buffer.

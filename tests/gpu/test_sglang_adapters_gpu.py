@@ -55,8 +55,10 @@ class TestSGLangAdapters(AdapterTests):
     def test_the_engine_declares_adapters(self, engine: GenerationEngine) -> None:
         assert supports_adapters(engine) and engine.max_lora_rank == self.adapter_rank  # type: ignore[attr-defined]
 
+    @pytest.mark.parametrize("fast", ["flattened", "cuda_ipc"])
     def test_the_fast_adapter_sync_serves_as_the_first_way(
-        self, adapter_engine: Any, original_weights: dict[str, Any]
+        self, adapter_engine: Any, original_weights: dict[str, Any], fast: str
     ) -> None:
-        """adapter_sync='flattened' (the default) against 'tensors' (the first way): same tokens, and its own copy."""
-        self.check_sync_modes_agree(adapter_engine, original_weights, fast="flattened", slow="tensors")
+        """adapter_sync="flattened" (the default) and "cuda_ipc" against "tensors" (the first way): same tokens,
+        and SGLang's own copy."""
+        self.check_sync_modes_agree(adapter_engine, original_weights, fast=fast, slow="tensors")

@@ -268,8 +268,28 @@ def test_the_per_tensor_way_is_kept(io_struct: None) -> None:
     received = _received(request)
     assert received.keys() == sglang_tensors(adapter).keys() and all(t.device.type == "cpu" for t in received.values())
     engine.adapter_sync = "fast"
-    with pytest.raises(ConfigError, match="adapter_sync='fast' is not supported; allowed: flattened, tensors"):
+    with pytest.raises(
+        ConfigError, match="adapter_sync='fast' is not supported; allowed: flattened, cuda_ipc, tensors"
+    ):
         engine._add_adapter(_adapter(), adapter)
+
+
+def test_the_bucket_can_stay_where_the_tensors_are(io_struct: None) -> None:
+    """adapter_sync="cuda_ipc": the same bucket, not copied to shared memory (on a GPU it travels as a CUDA-IPC
+    handle); refused with more than one TP rank, before anything reaches SGLang."""
+    engine = _FakeEngine()
+    engine.adapter_sync = "cuda_ipc"
+    adapter = _adapter()
+    engine._add_adapter(adapter, None)
+    (request,) = engine.requests
+    assert request.load_format == "flattened_bucket"
+    assert not request.serialized_named_tensors[0]["flattened_tensor"].is_shared()
+    received = _received(request)
+    assert all(torch.equal(received[n], t) for n, t in sglang_tensors(adapter).items())
+    engine._settings.tp_size = 2
+    with pytest.raises(ConfigError, match="cuda_ipc' serves one TP rank"):
+        engine._add_adapter(_adapter(), adapter)
+    assert len(engine.requests) == 1
 
 
 def _sglang_normalize(weights: dict[str, Any]) -> dict[str, Any]:
