@@ -19,10 +19,10 @@ backend's own steps, ``retire_s``; host-side seconds, so GPU work launched in on
 one); ``--adapter-sync`` picks the backend's way (vllm: ``memory``, ``folder``; sglang: ``flattened``,
 ``cuda_ipc``, ``tensors``; the default is the first named, the last is the first way, kept to compare);
 ``adapter_first_use_s`` is a one-token generate with the adapter right after a sync, ``adapter_warm_use_s`` the
-same generate again (what an engine leaves to the first batch that uses a new adapter). And the GPU memory each needs: this
-process's allocator peak over the sync above what was allocated before it (the embedded engine and vLLM
-allocate here; SGLang's engine runs in its own process), and how much less of the device is free after the
-sync than before (``*_free_drop_gib``: SGLang's side too). Goal (issue 45): adapter sync <= 10 ms and no
+same generate again (what an engine leaves to the first batch that uses a new adapter). And the GPU memory each
+needs: this process's allocator peak over the sync above what was allocated before it (the embedded engine and
+vLLM allocate here; SGLang's engine runs in its own process), and how much less of the device is free after
+the sync than before (``*_free_drop_gib``: SGLang's side too). Goal (issue 45): adapter sync <= 10 ms and no
 merged copy of the model. Prints one JSON object.
 """
 
