@@ -61,4 +61,5 @@ class TestVLLMAdapters(AdapterTests):
         self, adapter_engine: Any, original_weights: dict[str, Any]
     ) -> None:
         """adapter_sync='memory' (the default) against 'folder' (the first way): same tokens, and its own copy."""
-        self.check_sync_modes_agree(adapter_engine, original_weights, fast="memory", slow="folder")
+        targets = (*self.adapter_targets, "k_proj")  # all of q/k/v: vLLM packs them
+        self.check_sync_modes_agree(adapter_engine, original_weights, fast="memory", slow="folder", targets=targets)

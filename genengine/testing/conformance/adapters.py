@@ -107,23 +107,33 @@ class AdapterTests(ConformanceBase):
         assert sum(diffs) / len(diffs) <= bound, f"mean |Δlogprob| {sum(diffs) / len(diffs):.2e} > {bound:.2e}"
 
     def check_sync_modes_agree(
-        self, engine: Any, original_weights: dict[str, Any], *, fast: str, slow: str, device: str = "cuda"
+        self,
+        engine: Any,
+        original_weights: dict[str, Any],
+        *,
+        fast: str,
+        slow: str,
+        targets: tuple[str, ...] | None = None,
+        device: str = "cuda",
     ) -> None:
-        """For a backend with two ways to hand an adapter over (its ``adapter_sync``): the same adapter, held as a
-        trainer holds it (bf16 on ``device``), loaded each way serves the same greedy tokens; and the engine keeps
-        its own copy (the trainer zeroing its tensors after the load changes nothing served)."""
+        """For a backend with two ways to hand an adapter over (its ``adapter_sync``): the same adapter on
+        ``targets`` (default: the suite's), held as a trainer holds it (bf16 on ``device``), loaded each way serves
+        the same greedy tokens; and the engine keeps its own copy (the trainer zeroing its tensors after the load
+        changes nothing served)."""
         import torch
 
+        targets = self.adapter_targets if targets is None else targets
         adapter = {
             k: v.to(device, torch.bfloat16)
-            for k, v in random_adapter(original_weights, self.adapter_targets, r=self.adapter_rank, seed=3).items()
+            for k, v in random_adapter(original_weights, targets, r=self.adapter_rank, seed=3).items()
         }
+        config = {**self._config(), "target_modules": list(targets)}
         default = engine.adapter_sync
         try:
             engine.adapter_sync = slow
-            engine.load_adapter("sync-slow", adapter.items(), self._config())
+            engine.load_adapter("sync-slow", adapter.items(), config)
             engine.adapter_sync = fast
-            info = engine.load_adapter("sync-fast", adapter.items(), self._config())
+            info = engine.load_adapter("sync-fast", adapter.items(), config)
         finally:
             engine.adapter_sync = default
         assert info.phases, "load_adapter reports no steps"
