@@ -14,10 +14,16 @@ layer. Each side is timed ``--reps`` times after a warm-up:
   merge     W += s·B@A on the trainer's copy (every targeted module), engine.load_weights(<the whole model>),
             W -= s·B@A (TRL's merge_adapter / sync / unmerge_adapter)
 
-and the GPU memory each needs: this process's allocator peak over the sync above what was allocated before it
-(the embedded engine and vLLM allocate here; SGLang's engine runs in its own process), and how much less of the
-device is free after the sync than before (``*_free_drop_gib``: SGLang's side too). Goal
-(issue 45): adapter sync <= 10 ms and no merged copy of the model. Prints one JSON object.
+``adapter_phases`` splits the adapter side by step (the medians of ``AdapterInfo.phases``: ``check_s``, the
+backend's own steps, ``retire_s``; host-side seconds, so GPU work launched in one step may be paid in a later
+one); ``--adapter-sync`` picks the backend's way (vllm: ``memory``, ``folder``; sglang: ``flattened``,
+``cuda_ipc``, ``tensors``; the default is the first named, the last is the first way, kept to compare);
+``adapter_first_use_s`` is a one-token generate with the adapter right after a sync, ``adapter_warm_use_s`` the
+same generate again (what an engine leaves to the first batch that uses a new adapter). And the GPU memory each
+needs: this process's allocator peak over the sync above what was allocated before it (the embedded engine and
+vLLM allocate here; SGLang's engine runs in its own process), and how much less of the device is free after
+the sync than before (``*_free_drop_gib``: SGLang's side too). Goal (issue 45): adapter sync <= 10 ms and no
+merged copy of the model. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -59,6 +65,12 @@ def _peak_over(device: str, call: Any) -> tuple[float, int, int]:
     return seconds, int(torch.cuda.max_memory_allocated() - before), int(free_before - torch.cuda.mem_get_info()[0])
 
 
+def phase_medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The median seconds of each step over the runs (a step missing from a run counts 0 there)."""
+    names = sorted({name for run in runs for name in run})
+    return {name: statistics.median(run.get(name, 0.0) for run in runs) for name in names}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tiny model on the CPU (the default without CUDA)")
@@ -67,6 +79,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--backend", default="transformers", choices=("transformers", "sglang", "vllm"))
     parser.add_argument("--mem-util", type=float, default=0.5, help="the engine's share of the GPU (sglang, vllm)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument(
+        "--adapter-sync",
+        help="the backend's adapter_sync mode (vllm: memory|folder; sglang: "
+        "flattened|cuda_ipc|tensors); default: the backend's own",
+    )
     parser.add_argument("--model-dir", default="/tmp/genengine-bench-lora", help="where the base is written once")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
@@ -96,6 +113,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             backend=args.backend, model=str(path), dtype=dtype, mem_util=args.mem_util, options=lora
         )
     try:
+        if args.adapter_sync is not None:
+            if not hasattr(engine, "adapter_sync"):
+                parser.error(f"--adapter-sync: the {args.backend} backend has one way to load adapters")
+            engine.adapter_sync = args.adapter_sync  # type: ignore[attr-defined]
         from safetensors.torch import load_file
 
         trainer: dict[str, Any] = {}  # the trainer's own copy of the base, where it trains
@@ -115,8 +136,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         config = {"r": args.rank, "lora_alpha": 2 * args.rank, "target_modules": list(TARGETS)}
         scale = 2.0
 
+        phases: list[dict[str, float]] = []
+
         def adapter_sync(step: int) -> None:
-            engine.load_adapter("policy", adapter.items(), config, version=step)  # type: ignore[attr-defined]
+            info = engine.load_adapter("policy", adapter.items(), config, version=step)  # type: ignore[attr-defined]
+            if step > 0:  # not the warm-up
+                phases.append(dict(info.phases))
 
         def merge_sync(step: int) -> None:
             with torch.no_grad():
@@ -146,10 +171,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result[f"{side}_s"] = statistics.median(s for s, _, _ in runs)
             result[f"{side}_extra_gib"] = max(m for _, m, _ in runs) / (1 << 30)  # this process's allocator peak
             result[f"{side}_free_drop_gib"] = max(f for _, _, f in runs) / (1 << 30)  # the device, after the sync
+        result["adapter_sync_mode"] = getattr(engine, "adapter_sync", "peft")
+        result["adapter_phases"] = phase_medians(phases)
         probe = engine.generate(
             prompt_token_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 4, "adapter": "policy"}
         )
         result["adapter_served"] = bool(probe[0].outputs[0].token_ids)
+
+        def one_token() -> None:
+            engine.generate(prompt_token_ids=[[1, 2, 3]], sampling_params={"max_new_tokens": 1, "adapter": "policy"})
+
+        # What an engine leaves to the first batch that uses a new adapter (SGLang copies it into its GPU pool
+        # then): a one-token generate right after a sync, against the same generate again.
+        first, warm = [], []
+        for step in range(args.reps):
+            adapter_sync(args.reps + 1 + step)
+            first.append(_peak_over(device, one_token)[0])
+            warm.append(_peak_over(device, one_token)[0])
+        result["adapter_first_use_s"] = statistics.median(first)
+        result["adapter_warm_use_s"] = statistics.median(warm)
         result["goal_10ms"] = result["adapter_s"] <= 0.010
     finally:
         engine.shutdown()

@@ -153,6 +153,9 @@ class AdapterInfo:
     num_tensors: int
     num_bytes: int
     seconds: float = 0.0
+    phases: Mapping[str, float] = field(default_factory=dict, compare=False)
+    """Where ``seconds`` went, by step (``check_s``, the backend's own steps such as ``write_folder_s`` or
+    ``add_lora_s``, ``retire_s``): host-side seconds, GPU work may finish in a later step."""
 
 
 _serial = itertools.count(1)
@@ -171,6 +174,8 @@ class Adapter:
     uid: int = field(default_factory=lambda: next(_serial))
     handle: Any = None
     """What the backend made of it (device copies, the engine's own id); set by the backend's ``_add_adapter``."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of each step of its load (``AdapterInfo.phases``); the backend's ``_add_adapter`` adds its own."""
 
     def info(self, seconds: float = 0.0) -> AdapterInfo:
         tensors = [t for pair in self.pairs.values() for t in pair]
@@ -182,12 +187,16 @@ class Adapter:
             num_tensors=len(tensors),
             num_bytes=sum(int(t.numel()) * int(t.element_size()) for t in tensors),
             seconds=seconds,
+            phases=dict(self.phases),
         )
 
 
 def _module_of(key: str) -> tuple[str, str]:
     """A PEFT state-dict key as (module path in the base model, "A" or "B")."""
-    match = _LORA_KEY.match(key[len(_PEFT_PREFIX) :] if key.startswith(_PEFT_PREFIX) else key)
+    stripped = key[len(_PEFT_PREFIX) :] if key.startswith(_PEFT_PREFIX) else key
+    if stripped.endswith((".lora_A.weight", ".lora_B.weight")) and len(stripped) > 14:  # the usual names, fast
+        return stripped[:-14], stripped[-8]
+    match = _LORA_KEY.match(stripped)
     if match is None:
         raise WeightLoadError(
             f"adapter tensor {key!r} is not a LoRA weight: expected '<module>.lora_A.weight' or "

@@ -7,6 +7,13 @@ options, ``enable_lora=True``, ``max_lora_rank`` and ``lora_target_modules`` (SG
 SGLang name (``<name>@<uid>``), so a replacement never changes a request in flight; the replaced one is unloaded
 once no request of ours still uses it (SGLang's unload would otherwise wait for them, and a request held by a
 ``keep`` pause resubmits under it).
+
+The tensors travel as one flattened bucket (``load_format="flattened_bucket"``, SGLang's ``FlattenedTensorBucket``)
+in one shared-memory buffer: SGLang's scheduler keeps adapters in host memory (``LoRAAdapter._process_weight``
+calls ``.cpu()`` on each tensor) and copies them to its GPU pool when a batch uses them, so host memory is where
+they go anyway. ``adapter_sync = "tensors"`` keeps the first way (one host tensor each, which torch's
+``ForkingPickler`` moves into its own shared-memory segment per tensor and hands over one file descriptor at a
+time: 2.35 s for 420 tensors at 7B rank 16; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -18,13 +25,18 @@ from genengine.adapters import Adapter
 from genengine.errors import ConfigError, GenEngineError
 
 __all__ = [
+    "ADAPTER_SYNC_MODES",
     "SGLANG_LORA_MODULES",
     "SGLangAdapters",
     "adapter_settings",
     "config_dict",
+    "flat_adapter",
     "sglang_name",
+    "sglang_named_tensors",
     "sglang_tensors",
 ]
+
+ADAPTER_SYNC_MODES = ("flattened", "cuda_ipc", "tensors")
 
 SGLANG_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections SGLang 0.5.17 adapts on dense models (``sglang/srt/lora/utils.py``; qkv and gate/up are
@@ -86,9 +98,74 @@ def sglang_tensors(adapter: Adapter) -> dict[str, Any]:
     return tensors
 
 
+_FUSED_B = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+"""SGLang's fused projections and their parts, in its order (``LoRAAdapter.normalize_qkv_proj``,
+``normalize_gate_up_proj``: a ``lora_B`` under the fused name is taken as already stacked)."""
+
+
+def sglang_named_tensors(adapter: Adapter) -> list[tuple[str, Any]]:
+    """PEFT's names, but each fused projection's ``lora_B`` already stacked (q/k/v, gate/up, where the adapter has
+    every part) under the fused name, which SGLang's scheduler would otherwise concatenate on its CPU
+    (``lora/lora.py:295``, ``:485``); their ``lora_A`` stay apart (SGLang stacks those itself, and would repeat a
+    fused one). Stacking is a ``torch.cat`` where the tensors are (the trainer's GPU)."""
+    import torch
+
+    pairs = adapter.pairs
+    stacked: dict[str, tuple[str, list[str]]] = {}  # first part -> (fused module, its parts)
+    for module in pairs:
+        head, _, last = module.rpartition(".")
+        for fused, parts in _FUSED_B:
+            if last == parts[0] and all(f"{head}.{p}" in pairs for p in parts):
+                stacked[module] = (f"{head}.{fused}", [f"{head}.{p}" for p in parts])
+    in_stack = {part for _, members in stacked.values() for part in members}
+    named: list[tuple[str, Any]] = []
+    for module, (a, b) in pairs.items():
+        named.append((f"base_model.model.{module}.lora_A.weight", a))
+        if module in stacked:
+            fused, members = stacked[module]
+            named.append((f"base_model.model.{fused}.lora_B.weight", torch.cat([pairs[m][1] for m in members])))
+        elif module not in in_stack:
+            named.append((f"base_model.model.{module}.lora_B.weight", b))
+    return named
+
+
+def flat_adapter(adapter: Adapter, *, host: bool = True) -> tuple[Any, list[Any]]:
+    """The adapter's tensors (``sglang_named_tensors``) as SGLang's flattened bucket: ``(flattened_tensor,
+    metadata)``, one copy (the caller may change its tensors once the load returns), in one shared-memory host
+    buffer (``host``) or where the tensors are (the GPU: to travel as one CUDA-IPC handle)."""
+    import torch
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    first = next(iter(adapter.pairs.values()))[0]
+    device, dtype = first.device, first.dtype
+    for a, b in adapter.pairs.values():
+        dtype = torch.promote_types(dtype, torch.promote_types(a.dtype, b.dtype))
+    # One dtype (mixed ones promoted, which loses nothing): SGLang views each tensor's bytes back as its dtype,
+    # which needs them aligned to its size.
+    named = [(name, t.detach().to(device=device, dtype=dtype)) for name, t in sglang_named_tensors(adapter)]
+    bucket = FlattenedTensorBucket(named_tensors=named)  # one torch.cat where the tensors are (the GPU)
+    flat = bucket.get_flattened_tensor()
+    if not host:
+        if flat.is_cuda:  # another process reads it through IPC, with no stream ordering against ours
+            torch.cuda.current_stream(flat.device).synchronize()
+        return flat, bucket.get_metadata()
+    # Allocated in shared memory at once where torch can (share_memory_() on a fresh tensor copies it there again).
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is not None:
+        shared = torch.empty(0, dtype=torch.uint8).set_(new_shared(flat.numel()))
+    else:
+        shared = torch.empty(flat.numel(), dtype=torch.uint8).share_memory_()
+    shared.copy_(flat)
+    return shared, bucket.get_metadata()
+
+
 class SGLangAdapters:
     """``AdapterHost``'s hooks for ``SGLangEngine`` (a mixin before ``AsyncEngineBase`` in its bases)."""
 
+    adapter_sync: str = "flattened"
+    """How ``load_adapter`` hands an adapter to SGLang: ``"flattened"`` (one shared-memory bucket),
+    ``"cuda_ipc"`` (the bucket on the GPU as one CUDA-IPC handle, SGLang's scheduler copying it to its host
+    memory; one TP rank) or ``"tensors"`` (one host tensor each: the first way, kept to compare against)."""
     _settings: Any  # SGLangSettings (settings.py imports this module: no arrow back)
     _engine: Any
     if TYPE_CHECKING:  # SGLangEngine's and AsyncEngineBase's (a stub here would shadow the latter)
@@ -115,6 +192,7 @@ class SGLangAdapters:
 
     def _add_adapter(self, adapter: Adapter, replaced: Adapter | None) -> None:
         import inspect
+        import time
 
         from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
 
@@ -124,17 +202,44 @@ class SGLangAdapters:
             raise GenEngineError(
                 "this SGLang release cannot load adapters from tensors as genengine sends them: 0.5.17 can"
             )
+        mode = self.adapter_sync
+        if mode not in ADAPTER_SYNC_MODES:
+            raise ConfigError(f"adapter_sync={mode!r} is not supported; allowed: {', '.join(ADAPTER_SYNC_MODES)}")
+        if mode == "cuda_ipc" and getattr(self._settings, "tp_size", 1) > 1:
+            raise ConfigError(
+                "adapter_sync='cuda_ipc' serves one TP rank (each scheduler would open the leader's GPU memory); "
+                "use 'flattened' with tp_size > 1"
+            )
+        start = time.perf_counter()
         self._unload_idle_adapters(self._unload_adapter)
+        adapter.phases["unload_s"] = time.perf_counter() - start
         name = sglang_name(adapter)
 
         def run() -> None:
             engine = self._engine
-            payloads = serialize(sglang_tensors(adapter), None)
+            begin = time.perf_counter()
+            if mode != "tensors":
+                shared, metadata = flat_adapter(adapter, host=mode == "flattened")
+                copied = time.perf_counter()
+                adapter.phases["flatten_s"] = copied - begin
+                # One payload per TP rank (load_format None: serialize it as it is), each a handle of the buffer.
+                payloads = serialize({"flattened_tensor": shared, "metadata": metadata}, None)
+                load_format: str | None = "flattened_bucket"
+            else:
+                copied = begin
+                payloads = serialize(sglang_tensors(adapter), None)
+                load_format = None
+            serialized = time.perf_counter()
+            adapter.phases["serialize_s"] = serialized - copied
             request = LoadLoRAAdapterFromTensorsReqInput(
-                lora_name=name, config_dict=config_dict(adapter), serialized_named_tensors=payloads
+                lora_name=name,
+                config_dict=config_dict(adapter),
+                serialized_named_tensors=payloads,
+                load_format=load_format,
             )
             call = engine.tokenizer_manager.load_lora_adapter_from_tensors(request, None)
             result = self._sgl(lambda: engine.loop.run_until_complete(call), "SGLang's load_lora_adapter_from_tensors")
+            adapter.phases["scheduler_s"] = time.perf_counter() - serialized
             if not result.success:
                 raise GenEngineError(f"SGLang refused adapter {adapter.name!r}: {result.error_message}")
 

@@ -71,6 +71,9 @@ USES: tuple[str, ...] = (
     "sglang.srt.managers.io_struct:LoadLoRAAdapterFromTensorsReqInput.lora_name",
     "sglang.srt.managers.io_struct:LoadLoRAAdapterFromTensorsReqInput.config_dict",
     "sglang.srt.managers.io_struct:LoadLoRAAdapterFromTensorsReqInput.serialized_named_tensors",  # compat: 0.5.17
+    "sglang.srt.managers.io_struct:LoadLoRAAdapterFromTensorsReqInput.load_format",  # "flattened_bucket"
+    "sglang.srt.weight_sync.tensor_bucket:FlattenedTensorBucket.get_flattened_tensor",
+    "sglang.srt.weight_sync.tensor_bucket:FlattenedTensorBucket.get_metadata",
     "sglang.srt.managers.io_struct:UnloadLoRAAdapterReqInput.lora_name",
     "sglang.srt.managers.io_struct:GenerateReqInput(lora_path)",
     "sglang.srt.server_args:ServerArgs(enable_lora, max_lora_rank, lora_target_modules)",

@@ -1,18 +1,21 @@
 """LoRA adapters on vLLM: each ``load_adapter`` becomes a ``LoRARequest`` that requests carry
 (``LLM.generate(lora_request=...)``, ``LLMEngine.add_request(lora_request=...)``).
 
-vLLM 0.26's ``LoRARequest`` loads from a folder (``lora_path``; no tensors field), so the adapter is written as a
-PEFT folder (``adapter_config.json`` and ``adapter_model.safetensors``) in shared memory (``/dev/shm`` where it
-exists: no disk) and preloaded with ``LLMEngine.add_lora``, which checks it there and then. verl instead patches
-vLLM's worker LoRA manager to read tensors from the request; a folder in tmpfs costs one copy of the adapter
-(tens of MB at 7B rank 16) and touches nothing of vLLM. Each load gets its own ``lora_int_id`` (the adapter's
-uid), so a replacement never changes a request in flight; the replaced one is removed once no request of ours
-uses it. vLLM serves adapters when started with ``enable_lora=True`` (its own ``EngineArgs``: ``max_lora_rank``,
-default 16; ``max_loras``, adapters per batch, default 1).
+vLLM 0.24-0.26's ``LoRARequest`` names a folder (``lora_path``; no tensors field). The engine core runs in this
+process, so the adapter does not go through one: ``_lora_memory.stage_lora`` builds vLLM's ``LoRAModel`` from the
+tensors on the worker's GPU and vLLM's own ``LLMEngine.add_lora`` registers it (the worker's loader answers our
+ids from memory; verl patches the same loader to read tensors from the request). ``adapter_sync = "folder"``
+keeps the first way: a PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``) in shared memory that
+vLLM reads back (0.19 s at 7B rank 16 on an H200, against a few ms from memory: docs/benchmarks.md). Each load
+gets its own ``lora_int_id`` (the adapter's uid), so a replacement never changes a request in flight; the
+replaced one is removed once no request of ours uses it. vLLM serves adapters when started with
+``enable_lora=True`` (its own ``EngineArgs``: ``max_lora_rank``, default 16; ``max_loras``, adapters per batch,
+default 1).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,10 +27,14 @@ from typing import TYPE_CHECKING, Any
 from genengine.adapters import Adapter
 from genengine.errors import ConfigError, GenEngineError
 
-__all__ = ["VLLMAdapters", "adapter_settings", "lora_base_names", "write_adapter_dir"]
+__all__ = ["ADAPTER_SYNC_MODES", "VLLMAdapters", "adapter_settings", "lora_base_names", "write_adapter_dir"]
 
 _DEFAULT_RANK = 16  # vLLM's LoRAConfig.max_lora_rank default
 _SHM = "/dev/shm"
+_MEMORY_PATH = "genengine-memory://"
+"""The ``lora_path`` of an adapter loaded from memory: never read (our loader answers its id), never empty
+(``LoRARequest`` refuses an empty path; vLLM's own warm-up adapters say ``/not/a/real/path``)."""
+ADAPTER_SYNC_MODES = ("memory", "folder")
 
 
 def adapter_settings(llm_options: Mapping[str, Any]) -> tuple[bool, int]:
@@ -112,8 +119,12 @@ def lora_base_names(model: Any, items: list[tuple[str, Any]]) -> list[tuple[str,
 class VLLMAdapters:
     """``AdapterHost``'s hooks for ``VLLMEngine`` (a mixin before ``AsyncEngineBase`` in its bases)."""
 
+    adapter_sync: str = "memory"
+    """How ``load_adapter`` hands an adapter to vLLM: ``"memory"`` (built on the GPU from the tensors) or
+    ``"folder"`` (a PEFT folder in shared memory that vLLM reads back: the first way, kept to compare against)."""
     settings: Any  # VLLMSettings
     _llm: Any
+    _load_device: Any = None  # VLLMEngine's: this rank's GPU (a torch.device), None without CUDA
     _lock: Any  # VLLMEngine's DriverLock
     if TYPE_CHECKING:
         # AdapterHost's (EngineBase's bases)
@@ -130,10 +141,82 @@ class VLLMAdapters:
         return adapter_settings(self.settings.llm_options)[1]
 
     def _add_adapter(self, adapter: Adapter, replaced: Adapter | None) -> None:
+        import time
+
+        start = time.perf_counter()
+        self._unload_idle_adapters(self._unload_adapter)
+        adapter.phases["unload_s"] = time.perf_counter() - start
+        mode = self.adapter_sync
+        if mode not in ADAPTER_SYNC_MODES:
+            raise ConfigError(f"adapter_sync={mode!r} is not supported; allowed: {', '.join(ADAPTER_SYNC_MODES)}")
+        if mode == "folder":
+            self._add_adapter_folder(adapter)
+        else:
+            self._add_adapter_memory(adapter)
+
+    def _add_adapter_memory(self, adapter: Adapter) -> None:
+        """``stage_lora`` on the worker (the GPU copy, vLLM's ``LoRAModel``), then vLLM's ``add_lora``."""
+        import time
+
         from vllm.lora.request import LoRARequest
 
-        self._unload_idle_adapters(self._unload_adapter)
+        from genengine_vllm import _lora_memory
+
+        name = f"{adapter.name}@{adapter.uid}"
+        request = LoRARequest(lora_name=name, lora_int_id=adapter.uid, lora_path=f"{_MEMORY_PATH}{name}")
+        targets = adapter.config.target_modules
+        start = time.perf_counter()
+        try:
+            with self._lock():
+                (steps,) = self._llm.collective_rpc(
+                    _lora_memory.stage_lora,
+                    args=(
+                        adapter.uid,
+                        adapter.pairs,
+                        adapter.config.r,
+                        adapter.config.scaling,
+                        targets if isinstance(targets, str) else list(targets),
+                    ),
+                )
+                adapter.phases.update(steps)
+                staged = time.perf_counter()
+                try:
+                    added = self._llm.llm_engine.add_lora(request)
+                finally:
+                    adapter.phases["add_lora_s"] = time.perf_counter() - staged
+                if not added:
+                    raise GenEngineError(f"vLLM refused adapter {adapter.name!r} (add_lora returned False)")
+                # The copy from the caller's tensors and vLLM's copies into its slots run on this thread's
+                # stream: done before we return (the trainer may write its tensors at once, on any stream) and
+                # before the driver's next step (its own stream) reads the slots.
+                synced = time.perf_counter()
+                if self._load_device is not None:
+                    import torch
+
+                    torch.cuda.current_stream(self._load_device).synchronize()
+                adapter.phases["sync_s"] = time.perf_counter() - synced
+        except BaseException as exc:
+            with self._lock():  # nothing of it stays in vLLM
+                with contextlib.suppress(Exception):
+                    self._llm.llm_engine.remove_lora(adapter.uid)
+                with contextlib.suppress(Exception):
+                    self._llm.collective_rpc(_lora_memory.drop_lora, args=(adapter.uid,))
+            if isinstance(exc, Exception) and not isinstance(exc, GenEngineError):
+                raise GenEngineError(f"vLLM refused adapter {adapter.name!r}: {exc}") from exc
+            raise
+        adapter.phases.setdefault("stage_s", staged - start)
+        adapter.handle = request
+
+    def _add_adapter_folder(self, adapter: Adapter) -> None:
+        """The PEFT folder in shared memory, read back by vLLM's ``add_lora`` (the baseline)."""
+        import time
+
+        from vllm.lora.request import LoRARequest
+
+        start = time.perf_counter()
         path = write_adapter_dir(adapter)
+        written = time.perf_counter()
+        adapter.phases["write_folder_s"] = written - start
         request = LoRARequest(lora_name=f"{adapter.name}@{adapter.uid}", lora_int_id=adapter.uid, lora_path=path)
         try:
             with self._lock():
@@ -143,6 +226,8 @@ class VLLMAdapters:
             if isinstance(exc, Exception) and not isinstance(exc, GenEngineError):
                 raise GenEngineError(f"vLLM refused adapter {adapter.name!r}: {exc}") from exc
             raise
+        finally:
+            adapter.phases["add_lora_s"] = time.perf_counter() - written
         if not added:
             shutil.rmtree(path, ignore_errors=True)
             raise GenEngineError(f"vLLM refused adapter {adapter.name!r} (add_lora returned False)")
@@ -152,14 +237,24 @@ class VLLMAdapters:
         self._retire_adapter(adapter, self._unload_adapter)
 
     def _unload_adapter(self, adapter: Adapter) -> None:
-        """Remove ``adapter`` from vLLM, and its folder."""
+        """Remove ``adapter`` from vLLM, and its folder or its staged model."""
         with self._lock():
             self._llm.llm_engine.remove_lora(adapter.uid)
-        shutil.rmtree(adapter.handle.lora_path, ignore_errors=True)
+            if adapter.handle.lora_path.startswith(_MEMORY_PATH):
+                from genengine_vllm import _lora_memory
+
+                self._llm.collective_rpc(_lora_memory.drop_lora, args=(adapter.uid,))
+        _remove_dir(adapter.handle.lora_path)
 
     def _remove_adapter_dirs(self) -> None:
         """At shutdown: the folders of every adapter still loaded or retired (vLLM is gone with them)."""
         registry: Mapping[str, Adapter] = self.__dict__.get("_adapters_by_name", {})
         for adapter in [*registry.values(), *self._retired_adapters]:
             if adapter.handle is not None:
-                shutil.rmtree(adapter.handle.lora_path, ignore_errors=True)
+                _remove_dir(adapter.handle.lora_path)
+
+
+def _remove_dir(path: str) -> None:
+    """An adapter's folder (nothing for one loaded from memory)."""
+    if not path.startswith(_MEMORY_PATH):
+        shutil.rmtree(path, ignore_errors=True)

@@ -7,7 +7,9 @@
 declares exactly that range (tests/plugins/test_engine_versions.py holds them equal); widen it only after both ends
 have passed (docs/deployment.md's matrix). Where releases differ in what the plugin uses, a function here
 branches on the feature, and ``BRANCHES`` names the use and the releases that lack it (the surface test holds
-that list exact). 0.24.0 - 0.26.0 need none: every name, member and keyword the plugin uses is in all four.
+that list exact). 0.24.0 - 0.26.0 differ in one: ``WeightsMapper.get_unstacked_mapper`` (0.25.0 on), which
+vLLM's own folder loader applies to a model's name mapper before reading an adapter; ``_lora_memory.stage_lora``
+does the same where it exists (``hasattr``), as 0.24.0's loader uses the mapper as it is.
 """
 
 from __future__ import annotations
@@ -27,8 +29,11 @@ VERIFIED = VerifiedRange("vllm", minimum="0.26.0", maximum="0.26.0")
 SUPPORTED: tuple[str, ...] = ("0.24.0", "0.25.0", "0.25.1", "0.26.0")
 """Every release from 0.24.0 to 0.26.0 on the index (all pin torch 2.11.0), each with a recorded surface."""
 
-BRANCHES: Mapping[str, tuple[str, ...]] = {}
-"""Each use of ``genengine_vllm.upstream.USES`` that some supported releases lack → those releases (none)."""
+BRANCHES: Mapping[str, tuple[str, ...]] = {
+    # _lora_memory.stage_lora: the name mapper vLLM's adapter loader uses, unstacked from 0.25.0 on.
+    "vllm.model_executor.models.utils:WeightsMapper.get_unstacked_mapper": ("0.24.0",),
+}
+"""Each use of ``genengine_vllm.upstream.USES`` that some supported releases lack → those releases."""
 
 
 def check_installed(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> VersionStatus:

@@ -143,11 +143,17 @@ class AdapterHost:
         old = registry.get(name)
         label = version if version is not None else (old.version if old is not None else 0)
         adapter = Adapter(name=name, version=label, config=config, pairs=pairs)
+        checked = time.perf_counter()
+        adapter.phases["check_s"] = checked - start
         self._add_adapter(adapter, old)
         registry[name] = adapter
+        added = time.perf_counter()
+        adapter.phases["add_s"] = added - checked
         if old is not None:
             self._drop_adapter(old)
-        return adapter.info(time.perf_counter() - start)
+        end = time.perf_counter()
+        adapter.phases["retire_s"] = end - added
+        return adapter.info(end - start)
 
     def unload_adapter(self, name: str) -> None:
         """Stop serving ``name``; requests in flight with it finish, later ones naming it are refused."""

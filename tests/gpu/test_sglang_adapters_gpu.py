@@ -35,8 +35,10 @@ LORA_OPTIONS: dict[str, Any] = {
     "log_level": "warning",
     "enable_lora": True,
     "max_lora_rank": AdapterTests.adapter_rank,
-    "lora_target_modules": list(AdapterTests.adapter_targets),
+    # The suite's targets and k_proj: the sync-mode test's adapter has all of q/k/v (sent with lora_B stacked).
+    "lora_target_modules": [*AdapterTests.adapter_targets, "k_proj"],
 }
+ALL_TARGETS = (*AdapterTests.adapter_targets, "k_proj")
 
 
 class TestSGLangAdapters(AdapterTests):
@@ -54,3 +56,11 @@ class TestSGLangAdapters(AdapterTests):
 
     def test_the_engine_declares_adapters(self, engine: GenerationEngine) -> None:
         assert supports_adapters(engine) and engine.max_lora_rank == self.adapter_rank  # type: ignore[attr-defined]
+
+    @pytest.mark.parametrize("fast", ["flattened", "cuda_ipc"])
+    def test_the_fast_adapter_sync_serves_as_the_first_way(
+        self, adapter_engine: Any, original_weights: dict[str, Any], fast: str
+    ) -> None:
+        """adapter_sync="flattened" (the default) and "cuda_ipc" against "tensors" (the first way): same tokens,
+        and SGLang's own copy."""
+        self.check_sync_modes_agree(adapter_engine, original_weights, fast=fast, slow="tensors", targets=ALL_TARGETS)

@@ -56,3 +56,10 @@ class TestVLLMAdapters(AdapterTests):
 
     def test_the_engine_declares_adapters(self, engine: GenerationEngine) -> None:
         assert supports_adapters(engine) and engine.max_lora_rank == self.adapter_rank  # type: ignore[attr-defined]
+
+    def test_the_fast_adapter_sync_serves_as_the_first_way(
+        self, adapter_engine: Any, original_weights: dict[str, Any]
+    ) -> None:
+        """adapter_sync='memory' (the default) against 'folder' (the first way): same tokens, and its own copy."""
+        targets = (*self.adapter_targets, "k_proj")  # all of q/k/v: vLLM packs them
+        self.check_sync_modes_agree(adapter_engine, original_weights, fast="memory", slow="folder", targets=targets)

@@ -135,7 +135,7 @@ def test_the_check_catches_a_name_the_oldest_release_lacks() -> None:
 def test_a_use_the_surface_never_recorded_asks_for_a_regeneration() -> None:
     surface = _surface("vllm", "0.26.0")
     with pytest.raises(LookupError, match=r"rerun tools/engine_surface\.py"):
-        TOOL.missing("vllm.v1.worker.gpu_worker:Worker.load_model", surface)
+        TOOL.missing("vllm.v1.worker.cpu_worker:CPUWorker.load_model", surface)
     assert TOOL.missing("vllm.sampling_params:SamplingParams(no_such_keyword)", surface) is not None
     assert TOOL.missing("vllm:NoSuchName", surface) == "vllm has no NoSuchName"
 

@@ -6,6 +6,7 @@ replaced adapter unloaded only once no request of ours uses it (SGLang's calls f
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import threading
 import types
@@ -27,6 +28,7 @@ from genengine_sglang.adapters import (
     adapter_settings,
     config_dict,
     sglang_name,
+    sglang_named_tensors,
     sglang_tensors,
 )
 
@@ -101,6 +103,7 @@ class _FakeEngine(SGLangAdapters, AdapterHost):
         overrides = {"enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["q_proj"]}
         self._settings = types.SimpleNamespace(server_overrides=overrides)  # type: ignore[assignment]
         self.calls: list[tuple[str, str]] = []
+        self.requests: list[Any] = []
         self.fail = False
         self.state = _State()
         outer = self
@@ -108,6 +111,7 @@ class _FakeEngine(SGLangAdapters, AdapterHost):
         class TM:
             async def load_lora_adapter_from_tensors(self, req: Any, _: Any) -> Any:
                 outer.calls.append(("load", req.lora_name))
+                outer.requests.append(req)
                 return types.SimpleNamespace(success=not outer.fail, error_message="bad shapes")
 
             async def unload_lora_adapter(self, req: Any, _: Any) -> Any:
@@ -142,6 +146,7 @@ def io_struct(monkeypatch: pytest.MonkeyPatch) -> None:
         lora_name: str
         config_dict: dict[str, Any]
         serialized_named_tensors: list[Any]
+        load_format: str | None = None
 
     @dataclass
     class UnloadLoRAAdapterReqInput:
@@ -150,6 +155,48 @@ def io_struct(monkeypatch: pytest.MonkeyPatch) -> None:
     module.LoadLoRAAdapterFromTensorsReqInput = LoadLoRAAdapterFromTensorsReqInput  # type: ignore[attr-defined]
     module.UnloadLoRAAdapterReqInput = UnloadLoRAAdapterReqInput  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", module)
+    bucket_module = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+    bucket_module.FlattenedTensorBucket = _FlattenedTensorBucket  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "sglang.srt.weight_sync.tensor_bucket", bucket_module)
+
+
+@dataclass
+class _Meta:
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+
+
+class _FlattenedTensorBucket:
+    """SGLang 0.5.17's ``FlattenedTensorBucket`` (weight_sync/tensor_bucket.py), what of it is used: tensors viewed
+    as bytes and concatenated, and rebuilt from the bytes and their metadata (``reconstruct_tensors``)."""
+
+    def __init__(self, named_tensors: Any = None, flattened_tensor: Any = None, metadata: Any = None) -> None:
+        if named_tensors is None:
+            self.flattened_tensor, self.metadata = flattened_tensor, metadata
+            return
+        flats = [t.flatten().view(torch.uint8) for _, t in named_tensors]
+        starts = [0]
+        for flat in flats:
+            starts.append(starts[-1] + flat.numel())
+        self.metadata = [
+            _Meta(name, t.shape, t.dtype, starts[i], starts[i + 1]) for i, (name, t) in enumerate(named_tensors)
+        ]
+        self.flattened_tensor = torch.cat(flats)
+
+    def get_flattened_tensor(self) -> Any:
+        return self.flattened_tensor
+
+    def get_metadata(self) -> Any:
+        return self.metadata
+
+    def reconstruct_tensors(self) -> list[tuple[str, Any]]:
+        return [
+            (m.name, self.flattened_tensor[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape))
+            for m in self.metadata
+        ]
 
 
 def test_a_replaced_adapter_is_unloaded_once_idle(io_struct: None) -> None:
@@ -176,3 +223,119 @@ def test_sglang_refusing_an_adapter_is_an_error(io_struct: None) -> None:
     with pytest.raises(GenEngineError, match="SGLang refused adapter 'policy': bad shapes"):
         engine._add_adapter(adapter, None)
     assert adapter.handle is None
+
+
+def _received(request: Any) -> dict[str, Any]:
+    """What SGLang's tp_worker makes of a request (``load_lora_adapter_from_tensors``, one TP rank)."""
+    (data,) = request.serialized_named_tensors
+    if request.load_format == "flattened_bucket":
+        bucket = _FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=data["metadata"])
+        return dict(bucket.reconstruct_tensors())
+    assert request.load_format is None
+    return dict(data)
+
+
+def test_an_adapter_travels_as_one_shared_memory_bucket(io_struct: None) -> None:
+    engine = _FakeEngine()
+    assert engine.adapter_sync == "flattened"
+    pairs = {
+        "model.layers.0.self_attn.q_proj": (torch.randn(2, 4, dtype=torch.bfloat16), torch.randn(6, 2).bfloat16()),
+        "model.layers.0.self_attn.v_proj": (torch.randn(2, 4).bfloat16(), torch.randn(3, 2).bfloat16()),
+    }
+    adapter = Adapter(name="policy", version=1, config=CONFIG, pairs=pairs)
+    expected = {name: t.clone() for name, t in sglang_tensors(adapter).items()}
+    engine._add_adapter(adapter, None)
+    (request,) = engine.requests
+    assert request.load_format == "flattened_bucket"
+    flat = request.serialized_named_tensors[0]["flattened_tensor"]
+    assert flat.is_shared() and flat.dtype == torch.uint8  # one buffer handed over, not one per tensor
+    received = _received(request)
+    assert sorted(received) == sorted(expected)
+    assert all(torch.equal(received[n], expected[n]) and received[n].dtype == torch.bfloat16 for n in expected)
+    for a, b in pairs.values():  # a copy: the trainer changing its tensors changes nothing SGLang got
+        a.zero_()
+        b.zero_()
+    assert all(torch.equal(received[n], expected[n]) for n in expected)
+    assert {"unload_s", "flatten_s", "serialize_s", "scheduler_s"} <= set(adapter.phases)
+
+
+def test_the_per_tensor_way_is_kept(io_struct: None) -> None:
+    engine = _FakeEngine()
+    engine.adapter_sync = "tensors"
+    adapter = _adapter()
+    engine._add_adapter(adapter, None)
+    (request,) = engine.requests
+    received = _received(request)
+    assert received.keys() == sglang_tensors(adapter).keys() and all(t.device.type == "cpu" for t in received.values())
+    engine.adapter_sync = "fast"
+    with pytest.raises(
+        ConfigError, match="adapter_sync='fast' is not supported; allowed: flattened, cuda_ipc, tensors"
+    ):
+        engine._add_adapter(_adapter(), adapter)
+
+
+def test_the_bucket_can_stay_where_the_tensors_are(io_struct: None) -> None:
+    """adapter_sync="cuda_ipc": the same bucket, not copied to shared memory (on a GPU it travels as a CUDA-IPC
+    handle); refused with more than one TP rank, before anything reaches SGLang."""
+    engine = _FakeEngine()
+    engine.adapter_sync = "cuda_ipc"
+    adapter = _adapter()
+    engine._add_adapter(adapter, None)
+    (request,) = engine.requests
+    assert request.load_format == "flattened_bucket"
+    assert not request.serialized_named_tensors[0]["flattened_tensor"].is_shared()
+    received = _received(request)
+    assert all(torch.equal(received[n], t) for n, t in sglang_tensors(adapter).items())
+    engine._settings.tp_size = 2
+    with pytest.raises(ConfigError, match="cuda_ipc' serves one TP rank"):
+        engine._add_adapter(_adapter(), adapter)
+    assert len(engine.requests) == 1
+
+
+def _sglang_normalize(weights: dict[str, Any]) -> dict[str, Any]:
+    """SGLang 0.5.17's ``LoRAAdapter.normalize_qkv_proj`` and ``normalize_gate_up_proj`` (lora/lora.py:264-316,
+    462-500), the dense branches as written there (substring tests included), on one layer's weights."""
+    weights = dict(weights)
+    names = list(weights)
+    targets = {m for m in ("q_proj", "k_proj", "v_proj", "qkv_proj") for n in names if m in n}
+    for name in names:
+        if "q_proj" in name:
+            k = weights[name.replace("q_proj", "k_proj")] if "k_proj" in targets else None
+            v = weights[name.replace("q_proj", "v_proj")]
+            k = torch.zeros_like(v) if k is None else k
+            weights[name.replace("q_proj", "qkv_proj")] = torch.cat((weights[name], k, v), 0)
+            for part in ("q_proj", "k_proj", "v_proj"):
+                weights.pop(name.replace("q_proj", part), None)
+        elif "qkv_proj" in name and "lora_A" in name:
+            weights[name] = weights[name].repeat(3, 1)
+    for name in list(weights):
+        if "gate_proj" in name:
+            up = name.replace("gate_proj", "up_proj")
+            weights[name.replace("gate_proj", "gate_up_proj")] = torch.cat((weights.pop(name), weights.pop(up)), 0)
+        elif "gate_up_proj" in name and "lora_A" in name:
+            weights[name] = weights[name].repeat(2, 1)
+    return weights
+
+
+def test_fused_lora_b_arrive_stacked_as_sglang_would_stack_them() -> None:
+    """q/k/v's and gate/up's lora_B go stacked under SGLang's fused names (its scheduler would concatenate them on
+    its CPU); SGLang's normalization then ends with the same tensors as from PEFT's names. A group missing a part
+    (v without k here) goes as PEFT names it."""
+    torch.manual_seed(0)
+    shapes = {"self_attn.q_proj": (8, 4), "self_attn.k_proj": (2, 4), "self_attn.v_proj": (2, 4)}
+    shapes |= {"self_attn.o_proj": (4, 8), "mlp.gate_proj": (6, 4), "mlp.up_proj": (6, 4), "mlp.down_proj": (4, 6)}
+    pairs = {f"model.layers.0.{m}": (torch.randn(2, i), torch.randn(o, 2)) for m, (o, i) in shapes.items()}
+    config = AdapterConfig(r=2, lora_alpha=4, target_modules=tuple(m.rpartition(".")[2] for m in shapes))
+    adapter = Adapter(name="policy", version=0, config=config, pairs=pairs)
+    named = dict(sglang_named_tensors(adapter))
+    lora_b = sorted(n.split(".")[-3] for n in named if ".lora_B." in n)
+    assert lora_b == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert len([n for n in named if ".lora_A." in n]) == 7
+    from_peft = _sglang_normalize(sglang_tensors(adapter))
+    from_ours = _sglang_normalize(named)
+    assert sorted(from_ours) == sorted(from_peft)
+    assert all(torch.equal(from_ours[n], from_peft[n]) for n in from_peft)
+    partial = {m: p for m, p in pairs.items() if "k_proj" not in m}
+    names = dict(sglang_named_tensors(dataclasses.replace(adapter, pairs=partial)))
+    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight" in names
+    assert not any("qkv_proj" in n for n in names)

@@ -1,7 +1,8 @@
 """vLLM's adapter mapping without vLLM: the ``LLM`` options that enable it, the PEFT folder a ``LoRARequest`` names
-(read back with safetensors), ``lora_request`` per prompt, and a replaced adapter removed (with its folder) only
-once no request of ours uses it (vLLM's ``LLMEngine.add_lora``/``remove_lora`` faked, as in 0.26's
-``v1/engine/llm_engine.py``). The real engine runs in tests/gpu/test_vllm_adapters_gpu.py."""
+in the ``adapter_sync="folder"`` way (read back with safetensors), ``lora_request`` per prompt, and a replaced
+adapter removed (with its folder) only once no request of ours uses it (vLLM's ``LLMEngine.add_lora`` and
+``remove_lora`` faked, as in 0.26's ``v1/engine/llm_engine.py``). The real engine runs in
+tests/gpu/test_vllm_adapters_gpu.py."""
 
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ class _State:
 
 
 class _FakeEngine(VLLMAdapters, AdapterHost):
+    adapter_sync = "folder"  # the PEFT-folder way (the in-memory one: test_vllm_lora_memory_cpu.py)
+
     def __init__(self) -> None:
         self.settings = types.SimpleNamespace(llm_options={"enable_lora": True, "max_lora_rank": 8})
         self.calls: list[tuple[str, int]] = []

@@ -249,6 +249,11 @@ if "error" in r: print("error: " + r["error"][:200]); raise SystemExit
 print(f"adapter {r['adapter_s']:.4f} s (+{r['adapter_extra_gib']:.2f} GiB, free -{r['adapter_free_drop_gib']:.2f} GiB); "
       f"merge + full sync + unmerge {r['merge_s']:.4f} s (+{r['merge_extra_gib']:.2f} GiB, free -{r['merge_free_drop_gib']:.2f} GiB); "
       f"{r['adapter_tensors']} adapter tensors; served {r['adapter_served']}; goal 10 ms {r['goal_10ms']}")
+phases = r.get("adapter_phases") or {}
+if phases:
+    print(f"adapter steps ({r.get('adapter_sync_mode', '?')}, ms): " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in phases.items()))
+if "adapter_first_use_s" in r:
+    print(f"one-token generate right after a sync {r['adapter_first_use_s']:.4f} s, again {r['adapter_warm_use_s']:.4f} s")
 EOF
 ) ;;
     *) what="see $name.log" ;;

@@ -106,6 +106,54 @@ class AdapterTests(ConformanceBase):
         ]
         assert sum(diffs) / len(diffs) <= bound, f"mean |Δlogprob| {sum(diffs) / len(diffs):.2e} > {bound:.2e}"
 
+    def check_sync_modes_agree(
+        self,
+        engine: Any,
+        original_weights: dict[str, Any],
+        *,
+        fast: str,
+        slow: str,
+        targets: tuple[str, ...] | None = None,
+        device: str = "cuda",
+    ) -> None:
+        """For a backend with two ways to hand an adapter over (its ``adapter_sync``): the same adapter on
+        ``targets`` (default: the suite's), held as a trainer holds it (bf16 on ``device``), loaded each way serves
+        the same greedy tokens; and the engine keeps its own copy (the trainer zeroing its tensors after the load
+        changes nothing served)."""
+        import torch
+
+        targets = self.adapter_targets if targets is None else targets
+        adapter = {
+            k: v.to(device, torch.bfloat16)
+            for k, v in random_adapter(original_weights, targets, r=self.adapter_rank, seed=3).items()
+        }
+        config = {**self._config(), "target_modules": list(targets)}
+        default = engine.adapter_sync
+        try:
+            engine.adapter_sync = slow
+            engine.load_adapter("sync-slow", adapter.items(), config)
+            engine.adapter_sync = fast
+            info = engine.load_adapter("sync-fast", adapter.items(), config)
+        finally:
+            engine.adapter_sync = default
+        assert info.phases, "load_adapter reports no steps"
+        served = {
+            name: engine.generate(PROMPTS, dataclasses.replace(GREEDY, adapter=name))
+            for name in ("sync-slow", "sync-fast")
+        }
+        base = engine.generate(PROMPTS, GREEDY)
+        assert token_ids_of(served["sync-fast"]) != token_ids_of(base), "the adapter changed no output"
+        assert token_ids_of(served["sync-fast"]) == token_ids_of(served["sync-slow"]), (
+            f"adapter_sync={fast!r} serves other tokens than {slow!r}"
+        )
+        for fast_r, slow_r in zip(served["sync-fast"], served["sync-slow"], strict=True):
+            diffs = [abs(a - b) for a, b in zip(fast_r.outputs[0].logprobs, slow_r.outputs[0].logprobs, strict=True)]
+            assert max(diffs) <= 1e-3, f"logprobs differ by up to {max(diffs):.2e}"
+        for tensor in adapter.values():
+            tensor.zero_()
+        again = engine.generate(PROMPTS, dataclasses.replace(GREEDY, adapter="sync-fast"))
+        assert token_ids_of(again) == token_ids_of(served["sync-fast"]), "the engine served the trainer's tensors"
+
     def test_adapter_generates_as_merged_model(
         self,
         adapter_engine: Any,
@@ -117,6 +165,7 @@ class AdapterTests(ConformanceBase):
         adapter = random_adapter(original_weights, self.adapter_targets, r=self.adapter_rank, seed=1)
         info = engine.load_adapter("conf-a", adapter.items(), self._config(), version=7)
         assert info.name == "conf-a" and info.version == 7 and info.num_tensors == len(adapter)
+        assert {"check_s", "add_s", "retire_s"} <= set(info.phases) and all(v >= 0 for v in info.phases.values())
         assert set(engine.adapters) == {"conf-a"} and engine.adapters["conf-a"].version == 7
         with_adapter = dataclasses.replace(GREEDY, adapter="conf-a")
         # One call mixing base and adapter requests: each is served with its own weights.
