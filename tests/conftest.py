@@ -30,8 +30,8 @@ for _key, _value in _ENV.items():
 # cleanup 55, fuzz 39, distributed 40 s.
 _RAY_UNITS = (
     ("test_ray_conformance.py", "test_ray_pool_sync.py", "test_ray_colocated.py"),
-    # TRL async; verl's own client on the plugin; tests/cli's bench --sync --pool
-    ("test_ray_pool.py", "test_ray_trl_async.py", "test_verl.py", "test_ray_bench_sync.py"),
+    # the pool's own tests and TRL async's on its pool; verl's own client on the plugin; tests/cli's bench --sync --pool
+    ("test_ray_pool.py", "test_verl.py", "test_ray_bench_sync.py"),
 )
 _LONG_FILES = (
     *(name for unit in _RAY_UNITS for name in unit),

@@ -30,6 +30,9 @@ def local_cluster(num_cpus: int = 2, *, faults_dir: str | None = None) -> Iterat
         log_to_driver=False,
         runtime_env=runtime_env,
         configure_logging=False,
+        # No workers started ahead for the driver: every process here is an actor's (Ray gives each actor a new
+        # worker of its own), so the two that Ray starts at init sat idle until shutdown, a second of CPU each.
+        _system_config={"prestart_worker_first_driver": False, "enable_worker_prestart": False},
     )
     try:
         yield ray
