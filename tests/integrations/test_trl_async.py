@@ -532,7 +532,23 @@ def test_a_pause_carries_samples_over_a_weight_update(setup: Setup, engine: Any)
         transfer.init_weight_transfer()
         worker.start()
         wait_for(lambda: worker.rollout_buffer.qsize() >= 2)  # rolling, and groups are in flight (it refills)
-        transfer.pause()
+
+        def mid_sample() -> bool:  # a completion has tokens and is not finished: the pause splits it
+            return any(
+                s.tokens and s.finish is None
+                for st in list(streams.values())
+                if not st.done
+                for s in st._request.samples
+            )
+
+        for _ in range(20):  # on a loaded machine the pause can land between two batches: nothing to carry over
+            wait_for(mid_sample)
+            transfer.pause()
+            if mid_sample():
+                break
+            transfer.resume()
+        else:
+            raise AssertionError("20 pauses found no completion in the middle of its sampling")
         assert engine.paused == "keep" and engine.in_flight > 0
         held = engine.in_flight
         transfer.send_weights(iter(weights))
