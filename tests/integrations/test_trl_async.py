@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from support.doc_recipes import python_blocks, run_recipe, section
+from support.trl_async_checks import assert_groups_tagged_with_their_oldest_weights
 
 from genengine.cli.demos.sync import TRL_PROMPTS as PROMPTS
 from genengine.testing.tiny_model import tiny_model_dir
@@ -563,13 +564,8 @@ def test_a_pause_carries_samples_over_a_weight_update(setup: Setup, engine: Any)
         worker.stop()
     samples = drain(worker.rollout_buffer)
     # A group is tagged with the oldest weights that sampled any of its tokens: those carried over keep version 0.
-    assert {s.model_version for s in samples} == {0, 1}
-    spans = {
-        s.group_id: [o.weight_versions for o in streams[f"trl-async-{s.group_id}"].result().outputs] for s in samples
-    }
-    assert any(len(v) > 1 for group in spans.values() for v in group), "no queued sample spans the update"
+    assert_groups_tagged_with_their_oldest_weights(samples, streams)
     for s in samples:
-        assert s.model_version == min(version for v in spans[s.group_id] for _, version in v)
         n = int(s.completion_mask.sum())
         assert n == 48 and len(s.input_ids) == len(s.old_log_probs) == len(s.completion_mask)
         assert (s.old_log_probs[-n:] < 0).all() and (s.old_log_probs[:-n] == 0).all()

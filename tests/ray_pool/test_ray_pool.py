@@ -31,6 +31,7 @@ from support.ray_pool import (  # noqa: E402
     served_by_both,
     tokens,
 )
+from support.trl_async_checks import assert_groups_tagged_with_their_oldest_weights  # noqa: E402
 
 from genengine import GenerationEngine, SamplingParams  # noqa: E402
 from genengine.cli.demos.sync import TRL_PROMPTS  # noqa: E402
@@ -288,14 +289,7 @@ def test_trl_async_a_sync_carries_pool_rollouts_over_to_the_new_weights(
     finally:
         worker.stop()
         del pool.stream
-    samples = list(worker.rollout_buffer.queue)
-    assert {s.model_version for s in samples} == {0, 1}
-    spans = {
-        s.group_id: [o.weight_versions for o in streams[f"trl-async-{s.group_id}"].result().outputs] for s in samples
-    }
-    assert any(len(v) > 1 for group in spans.values() for v in group), "no queued sample spans the sync"
-    for s in samples:
-        assert s.model_version == min(version for v in spans[s.group_id] for _, version in v)
+    assert_groups_tagged_with_their_oldest_weights(list(worker.rollout_buffer.queue), streams)
     assert pool.in_flight == 0, "stop() aborted the worker's requests on every replica"
 
 
