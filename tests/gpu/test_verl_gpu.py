@@ -22,7 +22,6 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,8 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("ray")
 from support.gpu_checks import gpu_memory_by_process_per_gpu, installed_engine  # noqa: E402
 from support.installed import installed  # noqa: E402
+
+from genengine.integrations.verl.config import trl_conflict  # noqa: E402
 
 if not installed("verl"):  # not imported: the trainer runs in its own process, and collection would import verl
     pytest.skip("verl 0.9.1 is not installed (the GPU kit's WITH_VERL=1)", allow_module_level=True)
@@ -56,17 +57,9 @@ def _overrides(engine: str, rollout: str) -> list[str]:
 HIDE_TRL = Path(__file__).resolve().parents[1] / "support" / "hide_trl"
 
 
-def _trl_breaks_verl() -> bool:
-    """Whether an installed TRL lacks what verl 0.9.1's FSDP worker imports from it whenever TRL is importable
-    (TRL 1.16, which the kit carries for the TRL parts; verl pins trl==0.27.0): then the run hides TRL."""
-    probe = "import trl, sys; sys.exit(0 if hasattr(trl, 'AutoModelForCausalLMWithValueHead') else 3)"
-    code = subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=300).returncode
-    return code == 3
-
-
 def _run(rollout: str, engine: str, out: Path, extra: list[str]) -> tuple[int, list[dict[str, float]], str]:
     env = {**os.environ, "ROLLOUT": rollout, "BACKEND": engine, "STEPS": str(STEPS), "OUT": str(out)}
-    if _trl_breaks_verl():
+    if trl_conflict() is not None:  # the installed TRL lacks what verl 0.9.1's FSDP workers import from it
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HIDE_TRL), env.get("PYTHONPATH")]))
     # Streamed to a file under $OUT (verify.sh's work folder, sent back even when the part times out): where a
     # run that never ends got to.

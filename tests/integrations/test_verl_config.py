@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from genengine.errors import BackendNotFoundError, ConfigError
-from genengine.integrations.verl.config import engine_settings
+from genengine.integrations.verl.config import engine_settings, trl_conflict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,4 +171,4 @@ def test_a_trl_that_breaks_verls_fsdp_workers_is_named_at_plugin_load(
         raise metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(metadata, "distribution", no_trl)
-    assert plugin.trl_conflict() is None
+    assert trl_conflict() is None

@@ -21,7 +21,7 @@ from typing import Any
 from genengine.config import EngineConfig
 from genengine.errors import ConfigError, GenEngineError, closest
 
-__all__ = ["GENENGINE_KEYS", "NAME", "VerlEngineSettings", "engine_settings", "genengine_kwargs"]
+__all__ = ["GENENGINE_KEYS", "NAME", "VerlEngineSettings", "engine_settings", "genengine_kwargs", "trl_conflict"]
 
 NAME = "genengine"
 """``actor_rollout_ref.rollout.name`` that selects genengine (and the key under ``engine_kwargs``)."""
@@ -205,4 +205,29 @@ def engine_settings(rollout: Any, model: Any = None, *, check_backend: bool = Tr
         prompt_length=prompt_length,
         response_length=response_length,
         free_cache_engine=free_cache,
+    )
+
+
+def trl_conflict() -> str | None:
+    """Why the installed TRL breaks verl 0.9.1's FSDP workers, or None. verl patches
+    ``AutoModelForCausalLMWithValueHead`` whenever TRL is importable (``verl/models/transformers/monkey_patch.py``)
+    and pins trl==0.27.0 for it; TRL 1.x no longer has the class, and the actor dies at init, whichever rollout.
+    Read from the distribution's file list and sources, without importing TRL (every verl process runs this)."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("trl")
+    except metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or ():
+        if file.name.endswith(".py") and "value_head" in file.name:
+            try:
+                if "class AutoModelForCausalLMWithValueHead" in file.read_text():
+                    return None
+            except OSError:
+                continue
+    return (
+        f"trl {dist.version} is installed and has no AutoModelForCausalLMWithValueHead, which verl 0.9.1's FSDP "
+        "workers import whenever TRL is importable (verl pins trl==0.27.0): the actor will fail at init with an "
+        "ImportError. In the verl environment install trl==0.27.0 or uninstall trl"
     )

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import logging
 
-from genengine.integrations.verl.config import NAME
+from genengine.integrations.verl.config import NAME, trl_conflict
 
-__all__ = ["ADAPTER", "register", "trl_conflict"]
+__all__ = ["ADAPTER", "register"]
 
 ADAPTER = "genengine.integrations.verl.adapter.GenEngineServerAdapter"
 """The dotted path verl's ``get_rollout_class("genengine", "async")`` imports in each trainer worker."""
@@ -23,31 +23,6 @@ def _load_replica() -> type:
     from genengine.integrations.verl.replica import GenEngineReplica
 
     return GenEngineReplica
-
-
-def trl_conflict() -> str | None:
-    """Why the installed TRL breaks verl 0.9.1's FSDP workers, or None. verl patches
-    ``AutoModelForCausalLMWithValueHead`` whenever TRL is importable (``verl/models/transformers/monkey_patch.py``)
-    and pins trl==0.27.0 for it; TRL 1.x no longer has the class, and the actor dies at init, whichever rollout.
-    Read from the distribution's file list and sources, without importing TRL (every verl process runs this)."""
-    from importlib import metadata
-
-    try:
-        dist = metadata.distribution("trl")
-    except metadata.PackageNotFoundError:
-        return None
-    for file in dist.files or ():
-        if file.name.endswith(".py") and "value_head" in file.name:
-            try:
-                if "class AutoModelForCausalLMWithValueHead" in file.read_text():
-                    return None
-            except OSError:
-                continue
-    return (
-        f"trl {dist.version} is installed and has no AutoModelForCausalLMWithValueHead, which verl 0.9.1's FSDP "
-        "workers import whenever TRL is importable (verl pins trl==0.27.0): the actor will fail at init with an "
-        "ImportError. In the verl environment install trl==0.27.0 or uninstall trl"
-    )
 
 
 def register() -> bool:
