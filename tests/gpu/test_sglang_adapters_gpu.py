@@ -29,6 +29,7 @@ for _key, _value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENI
     os.environ.setdefault(_key, _value)
 
 DETERMINISTIC = os.environ.get("GENENGINE_SGLANG_TEST_DETERMINISTIC", "1") == "1"
+ALL_TARGETS = (*AdapterTests.adapter_targets, "k_proj")
 LORA_OPTIONS: dict[str, Any] = {
     "disable_cuda_graph": os.environ.get("GENENGINE_SGLANG_TEST_CUDA_GRAPH", "0") != "1",
     "enable_deterministic_inference": DETERMINISTIC,
@@ -36,9 +37,8 @@ LORA_OPTIONS: dict[str, Any] = {
     "enable_lora": True,
     "max_lora_rank": AdapterTests.adapter_rank,
     # The suite's targets and k_proj: the sync-mode test's adapter has all of q/k/v (sent with lora_B stacked).
-    "lora_target_modules": [*AdapterTests.adapter_targets, "k_proj"],
+    "lora_target_modules": list(ALL_TARGETS),
 }
-ALL_TARGETS = (*AdapterTests.adapter_targets, "k_proj")
 
 
 class TestSGLangAdapters(AdapterTests):

@@ -130,29 +130,35 @@ class AdapterTests(ConformanceBase):
         config = {**self._config(), "target_modules": list(targets)}
         default = engine.adapter_sync
         try:
-            engine.adapter_sync = slow
-            engine.load_adapter("sync-slow", adapter.items(), config)
-            engine.adapter_sync = fast
-            info = engine.load_adapter("sync-fast", adapter.items(), config)
-        finally:
-            engine.adapter_sync = default
-        assert info.phases, "load_adapter reports no steps"
-        served = {
-            name: engine.generate(PROMPTS, dataclasses.replace(GREEDY, adapter=name))
-            for name in ("sync-slow", "sync-fast")
-        }
-        base = engine.generate(PROMPTS, GREEDY)
-        assert token_ids_of(served["sync-fast"]) != token_ids_of(base), "the adapter changed no output"
-        assert token_ids_of(served["sync-fast"]) == token_ids_of(served["sync-slow"]), (
-            f"adapter_sync={fast!r} serves other tokens than {slow!r}"
-        )
-        for fast_r, slow_r in zip(served["sync-fast"], served["sync-slow"], strict=True):
-            diffs = [abs(a - b) for a, b in zip(fast_r.outputs[0].logprobs, slow_r.outputs[0].logprobs, strict=True)]
-            assert max(diffs) <= 1e-3, f"logprobs differ by up to {max(diffs):.2e}"
-        for tensor in adapter.values():
-            tensor.zero_()
-        again = engine.generate(PROMPTS, dataclasses.replace(GREEDY, adapter="sync-fast"))
-        assert token_ids_of(again) == token_ids_of(served["sync-fast"]), "the engine served the trainer's tensors"
+            try:
+                engine.adapter_sync = slow
+                engine.load_adapter("sync-slow", adapter.items(), config)
+                engine.adapter_sync = fast
+                info = engine.load_adapter("sync-fast", adapter.items(), config)
+            finally:
+                engine.adapter_sync = default
+            assert info.phases, "load_adapter reports no steps"
+            served = {
+                name: engine.generate(PROMPTS, dataclasses.replace(GREEDY, adapter=name))
+                for name in ("sync-slow", "sync-fast")
+            }
+            base = engine.generate(PROMPTS, GREEDY)
+            assert token_ids_of(served["sync-fast"]) != token_ids_of(base), "the adapter changed no output"
+            assert token_ids_of(served["sync-fast"]) == token_ids_of(served["sync-slow"]), (
+                f"adapter_sync={fast!r} serves other tokens than {slow!r}"
+            )
+            for fast_r, slow_r in zip(served["sync-fast"], served["sync-slow"], strict=True):
+                pairs = zip(fast_r.outputs[0].logprobs, slow_r.outputs[0].logprobs, strict=True)
+                diffs = [abs(a - b) for a, b in pairs]
+                assert max(diffs) <= 1e-3, f"logprobs differ by up to {max(diffs):.2e}"
+            for tensor in adapter.values():
+                tensor.zero_()
+            again = engine.generate(PROMPTS, dataclasses.replace(GREEDY, adapter="sync-fast"))
+            assert token_ids_of(again) == token_ids_of(served["sync-fast"]), "the engine served the trainer's tensors"
+        finally:  # the module's engine serves the other tests: leave it with the adapters it had
+            for name in ("sync-slow", "sync-fast"):
+                if name in engine.adapters:
+                    engine.unload_adapter(name)
 
     def test_adapter_generates_as_merged_model(
         self,
