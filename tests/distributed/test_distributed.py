@@ -507,19 +507,37 @@ def test_engine_port_in_use(pool: Any) -> None:
             assert (kind1, msg1) == ("ok", str(port + 2)) and kind2 == "ok"
 
 
+# How long pool.run waits for the "dies" job: its setup, the victims' deaths (20 s at most) and a death only
+# noticed at the helper's 60 s timeout all fit, so such a run fails on its elapsed time, with each rank's error;
+# a rank that hangs past it fails with pool.run's report of which ranks hung and their stacks. pytest-timeout
+# (which does not count the pool's start, a fixture) allows for restarting dead workers first, so it never
+# fires before pool.run's report.
+DIES_RUN_S = 100.0
+
+
+@pytest.mark.timeout(DIES_RUN_S + 80, func_only=True)
 def test_rank_dying_mid_collective_fails_fast(pool: Any) -> None:
     # Ranks 1 and 3 die (by timer) while waiting inside the helper; their leaders enter it once they are gone.
     plan = {0: "broadcast_object", 1: "die:broadcast_object", 2: "gather_object", 3: "die:gather_object"}
     # A timeout far above any scheduling delay: raising well before it means the death itself was noticed.
-    # (Were it only noticed at the timeout, elapsed would be >= 60 s; pool.run waits 120 s to report that.)
+    # (Were it only noticed at the timeout, elapsed would be >= 60 s.)
     timeout_s = 60.0
-    results = pool.run("dies", 4, tp_size=2, plan=plan, die_after_s=0.5, timeout_s=timeout_s, timeout=120)
+    results = pool.run("dies", 4, tp_size=2, plan=plan, die_after_s=0.5, timeout_s=timeout_s, timeout=DIES_RUN_S)
     assert [r.status for r in results[1::2]] == ["died", "died"]
     for rank in (0, 2):
         r = results[rank]
         assert r.raised("CollectiveTimeoutError"), (r.status, r.message)
         assert f"{plan[rank]} in TP group [{rank}, {rank + 1}]" in r.message and "died" in r.message
         assert r.elapsed < timeout_s / 3, r.elapsed  # counted from entering the helper, with the peer already dead
+
+
+def test_hung_job_names_the_ranks_and_where_they_are(pool: Any) -> None:
+    # After the tests above, so that the killed worker is not restarted inside the module's other tests.
+    with pytest.raises(AssertionError) as info:
+        pool.run("hangs", 1, seconds=60, timeout=0.5)
+    message = str(info.value)
+    assert "hangs hung: ranks [0] did not finish in 0.5 s" in message, message
+    assert "--- rank 0 (pid " in message and "in _hangs" in message, message  # its stack, down to the sleep
 
 
 def _cuda_devices() -> int:

@@ -4,7 +4,8 @@ Spawning a process and importing torch costs seconds on a 2-core machine, so the
 once; each job sets torchrun's variables, initialises a fresh default group over ``env://`` on a free
 port, runs one scenario from :data:`SCENARIOS`, and destroys the group again. Results (or the
 exception's type, message and base classes) come back through a queue; a worker that dies is noticed
-and restarted on the next job.
+and restarted on the next job. A job that hangs fails with the ranks that did not finish and where each
+one was (a stack dump taken from the stuck workers), not with pytest-timeout's bare "Timeout".
 
 Timing on a loaded 2-core machine: a scenario marks where the call under test starts
 (:func:`mark_call_start`), so ``Result.elapsed`` never includes process-group setup; and a rank that
@@ -19,6 +20,9 @@ import contextlib
 import multiprocessing as mp
 import os
 import queue
+import shutil
+import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -217,9 +221,9 @@ def _dies(tp_size: int, plan: dict[int, str], die_after_s: float, timeout_s: flo
         threading.Timer(die_after_s, os._exit, args=(3,)).start()
     if eg.is_leader:
         victims = {r for r in eg.topology.tp_group_ranks if plan[r].startswith("die:")}
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 20  # they die die_after_s after the barrier: 20 s is load, not a race
         while not victims <= set(eg.dead_ranks()):
-            assert time.monotonic() < deadline, f"victims {sorted(victims)} still alive after 60 s"
+            assert time.monotonic() < deadline, f"victims {sorted(victims)} still alive after 20 s"
             time.sleep(0.02)
     mark_call_start()
     if op == "broadcast_object":
@@ -227,6 +231,12 @@ def _dies(tp_size: int, plan: dict[int, str], die_after_s: float, timeout_s: flo
     elif op == "gather_object":
         eg.gather_object(rank)
     return "returned"
+
+
+def _hangs(seconds: float) -> str:
+    """Stay busy for ``seconds`` (longer than the job's timeout): what a hung collective looks like to the pool."""
+    time.sleep(seconds)
+    return "woke"
 
 
 def _ports(held_port: int) -> list[tuple[int, str, str]]:
@@ -291,16 +301,22 @@ SCENARIOS: dict[str, Callable[..., Any]] = {
     "consistency": _consistency,
     "absent": _absent,
     "dies": _dies,
+    "hangs": _hangs,
     "ports": _ports,
     "tp_group_cpu": _tp_group_cpu,
 }
 
 
-def _serve(inbox: Any, outbox: Any) -> None:
+def _serve(inbox: Any, outbox: Any, stack_file: str) -> None:
+    import faulthandler
+
     import torch.distributed as dist
 
     from genengine.distributed import clear_group_cache
 
+    # SIGUSR1 appends every thread's stack to stack_file: how a hung job says where each stuck rank is.
+    stacks = open(stack_file, "a")  # noqa: SIM115 (open for the worker's life; the handler writes to it)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     outbox.put(("ready", os.getpid(), None))
     while True:
         job = inbox.get()
@@ -355,15 +371,42 @@ class WorkerPool:
         self._inboxes: list[Any] = [None] * size
         self._outbox = self._ctx.Queue()
         self._job = 0
+        self._stack_dir = tempfile.mkdtemp(prefix="dist-worker-stacks-")
         for i in range(size):
             self._start(i)
         self._await_ready(size)
 
     def _start(self, i: int) -> None:
         inbox = self._ctx.Queue()
-        proc = self._ctx.Process(target=_serve, args=(inbox, self._outbox), daemon=True)
+        proc = self._ctx.Process(target=_serve, args=(inbox, self._outbox, self._stack_file(i)), daemon=True)
         proc.start()
         self._procs[i], self._inboxes[i] = proc, inbox
+
+    def _stack_file(self, i: int) -> str:
+        return os.path.join(self._stack_dir, f"worker-{i}.txt")
+
+    def _stacks(self, ranks: list[int]) -> str:
+        """Where each of ``ranks`` is now: its worker's stack dump (every thread's)."""
+        asked = []
+        for rank in ranks:
+            proc = self._procs[rank]
+            if proc.is_alive():
+                open(self._stack_file(rank), "w").close()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGUSR1)
+                asked.append(rank)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not all(os.path.getsize(self._stack_file(r)) for r in asked):
+            time.sleep(0.05)
+        parts = []
+        for rank in ranks:
+            if rank not in asked:
+                parts.append(f"--- rank {rank}: its worker is gone (exit code {self._procs[rank].exitcode})")
+                continue
+            with open(self._stack_file(rank)) as fh:
+                dump = fh.read().strip() or "(no stack dump within 5 s)"
+            parts.append(f"--- rank {rank} (pid {self._procs[rank].pid}):\n{dump}")
+        return "\n".join(parts)
 
     def _await_ready(self, n: int) -> None:
         for _ in range(n):
@@ -382,7 +425,11 @@ class WorkerPool:
         timeout: float = 60.0,
         **kwargs: Any,
     ) -> list[Result]:
-        """Run ``scenario(**kwargs)`` on ranks ``0 .. world_size - 1``; results in rank order."""
+        """Run ``scenario(**kwargs)`` on ranks ``0 .. world_size - 1``; results in rank order.
+
+        ``timeout`` counts from when the jobs are handed out: restarting workers that died in an earlier
+        job comes first, and is not part of it. On a hang, raise naming the ranks still busy and their stacks.
+        """
         dead = [i for i in range(world_size) if not self._procs[i].is_alive()]
         for i in dead:
             self._start(i)
@@ -410,10 +457,11 @@ class WorkerPool:
                     if rank not in results and not self._procs[rank].is_alive():
                         results[rank] = Result(rank, "died", self._procs[rank].exitcode)
                 if time.monotonic() > deadline:
-                    self.close()
+                    stuck = sorted(set(range(world_size)) - set(results))
+                    stacks = self._stacks(stuck)
+                    self._kill(stuck)  # the next job that needs them starts fresh ones
                     raise AssertionError(
-                        f"{scenario} hung: ranks {sorted(set(range(world_size)) - set(results))} "
-                        f"did not finish in {timeout} s"
+                        f"{scenario} hung: ranks {stuck} did not finish in {timeout:g} s; where they were:\n{stacks}"
                     ) from None
                 continue
             if job_id == self._job:
@@ -435,6 +483,12 @@ class WorkerPool:
             self._start(i)
         self._await_ready(len(restart))
 
+    def _kill(self, indices: Iterable[int]) -> None:
+        for i in indices:
+            if self._procs[i].is_alive():
+                self._procs[i].kill()
+                self._procs[i].join(timeout=5)
+
     def close(self) -> None:
         for proc, inbox in zip(self._procs, self._inboxes, strict=True):
             if proc is not None and proc.is_alive():
@@ -447,3 +501,4 @@ class WorkerPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        shutil.rmtree(self._stack_dir, ignore_errors=True)
