@@ -14,6 +14,13 @@ calls ``.cpu()`` on each tensor) and copies them to its GPU pool when a batch us
 they go anyway. ``adapter_sync = "tensors"`` keeps the first way (one host tensor each, which torch's
 ``ForkingPickler`` moves into its own shared-memory segment per tensor and hands over one file descriptor at a
 time: 2.35 s for 420 tensors at 7B rank 16; docs/benchmarks.md).
+
+The shared-memory buffers are recycled (``SharedBuffers``): a fresh one costs its allocation and a page fault per
+page at the first copy into it (most of the flatten time at 7B rank 16), while in RL steady state each step loads a
+new version of the same adapter, the same size. A buffer is reused only once SGLang no longer reads it: after the
+unload of the adapter that used it succeeded (SGLang 0.5.17's ``unload_lora_adapter`` drops that adapter's host
+tensors, the views of the buffer, and reads them nowhere else: its GPU pool copies them through a pinned copy of
+its own), or after SGLang refused the load.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ __all__ = [
     "ADAPTER_SYNC_MODES",
     "SGLANG_LORA_MODULES",
     "SGLangAdapters",
+    "SharedBuffers",
     "adapter_settings",
     "config_dict",
     "flat_adapter",
@@ -129,10 +137,13 @@ def sglang_named_tensors(adapter: Adapter) -> list[tuple[str, Any]]:
     return named
 
 
-def flat_adapter(adapter: Adapter, *, host: bool = True) -> tuple[Any, list[Any]]:
+def flat_adapter(
+    adapter: Adapter, *, host: bool = True, take: Callable[[int], Any] | None = None
+) -> tuple[Any, list[Any]]:
     """The adapter's tensors (``sglang_named_tensors``) as SGLang's flattened bucket: ``(flattened_tensor,
     metadata)``, one copy (the caller may change its tensors once the load returns), in one shared-memory host
-    buffer (``host``) or where the tensors are (the GPU: to travel as one CUDA-IPC handle)."""
+    buffer (``host``: ``take(nbytes)`` gives it, a uint8 tensor of that size; a fresh one without) or where the
+    tensors are (the GPU: to travel as one CUDA-IPC handle)."""
     import torch
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
@@ -149,14 +160,62 @@ def flat_adapter(adapter: Adapter, *, host: bool = True) -> tuple[Any, list[Any]
         if flat.is_cuda:  # another process reads it through IPC, with no stream ordering against ours
             torch.cuda.current_stream(flat.device).synchronize()
         return flat, bucket.get_metadata()
-    # Allocated in shared memory at once where torch can (share_memory_() on a fresh tensor copies it there again).
-    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
-    if new_shared is not None:
-        shared = torch.empty(0, dtype=torch.uint8).set_(new_shared(flat.numel()))
-    else:
-        shared = torch.empty(flat.numel(), dtype=torch.uint8).share_memory_()
+    shared = (take or new_shared_bytes)(flat.numel())
     shared.copy_(flat)
     return shared, bucket.get_metadata()
+
+
+def new_shared_bytes(nbytes: int) -> Any:
+    """A fresh uint8 tensor of ``nbytes`` in shared memory, allocated there at once where torch can
+    (``share_memory_()`` on a fresh tensor copies it there again)."""
+    import torch
+
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is not None:
+        return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
+    return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+
+
+class SharedBuffers:
+    """The shared-memory buffers of the flattened adapters: the one each loaded adapter's host tensors view in
+    SGLang (by ``Adapter.uid``), and at most ``max_idle`` idle ones that the next loads reuse.
+
+    Reuse takes an exact size match only: in steady state a new version of the same adapter has the same size, and
+    a larger buffer sliced would keep its whole segment mapped in SGLang for a smaller adapter; a miss allocates a
+    fresh one (the oldest idle one goes when more than ``max_idle`` wait)."""
+
+    def __init__(self, max_idle: int = 2) -> None:
+        self.max_idle = max_idle
+        self.in_use: dict[int, Any] = {}
+        self.idle: list[Any] = []  # oldest first
+
+    def take(self, nbytes: int) -> tuple[Any, bool]:
+        """A buffer of ``nbytes`` and whether it was reused (an idle one, its old bytes still there)."""
+        for i in range(len(self.idle) - 1, -1, -1):
+            if self.idle[i].numel() == nbytes:
+                return self.idle.pop(i), True
+        return new_shared_bytes(nbytes), False
+
+    def hold(self, uid: int, buffer: Any) -> None:
+        """``buffer`` now backs the loaded adapter ``uid`` in SGLang: never reused while that one is loaded."""
+        self.in_use[uid] = buffer
+
+    def give_back(self, buffer: Any) -> None:
+        """``buffer`` is no longer read by SGLang (its load refused, or its adapter unloaded): reusable."""
+        self.idle.append(buffer)
+        del self.idle[: max(0, len(self.idle) - self.max_idle)]
+
+    def release(self, uid: int, *, reusable: bool = True) -> None:
+        """Adapter ``uid`` was unloaded (``reusable``) or may still be read (its unload failed: forget the buffer,
+        whose memory stays until SGLang drops its own mapping)."""
+        buffer = self.in_use.pop(uid, None)
+        if buffer is not None and reusable:
+            self.give_back(buffer)
+
+    def clear(self) -> None:
+        """Drop every buffer (shutdown)."""
+        self.in_use.clear()
+        self.idle.clear()
 
 
 class SGLangAdapters:
@@ -190,6 +249,17 @@ class SGLangAdapters:
     def _max_lora_rank(self) -> int:
         return adapter_settings(self._settings.server_overrides)[1]
 
+    @property
+    def _shared_buffers(self) -> SharedBuffers:
+        buffers: SharedBuffers | None = self.__dict__.get("_shared_buffers_pool")
+        if buffers is None:
+            buffers = self.__dict__["_shared_buffers_pool"] = SharedBuffers()
+        return buffers
+
+    def _drop_adapter_buffers(self) -> None:
+        """Shutdown: the shared-memory buffers go (SGLang, stopped, reads none of them)."""
+        self._shared_buffers.clear()
+
     def _add_adapter(self, adapter: Adapter, replaced: Adapter | None) -> None:
         import inspect
         import time
@@ -215,11 +285,20 @@ class SGLangAdapters:
         adapter.phases["unload_s"] = time.perf_counter() - start
         name = sglang_name(adapter)
 
+        buffers = self._shared_buffers
+        taken: list[Any] = []  # the shared-memory buffer of this load ("flattened")
+
+        def take(nbytes: int) -> Any:
+            buffer, reused = buffers.take(nbytes)
+            adapter.phases["flatten_reused"] = float(reused)
+            taken.append(buffer)
+            return buffer
+
         def run() -> None:
             engine = self._engine
             begin = time.perf_counter()
             if mode != "tensors":
-                shared, metadata = flat_adapter(adapter, host=mode == "flattened")
+                shared, metadata = flat_adapter(adapter, host=mode == "flattened", take=take)
                 copied = time.perf_counter()
                 adapter.phases["flatten_s"] = copied - begin
                 # One payload per TP rank (load_format None: serialize it as it is), each a handle of the buffer.
@@ -241,7 +320,13 @@ class SGLangAdapters:
             result = self._sgl(lambda: engine.loop.run_until_complete(call), "SGLang's load_lora_adapter_from_tensors")
             adapter.phases["scheduler_s"] = time.perf_counter() - serialized
             if not result.success:
+                # Refused: no registered adapter of SGLang's views the buffer (a TP rank that loaded it where the
+                # leader failed keeps an adapter no request can name).
+                for buffer in taken:
+                    buffers.give_back(buffer)
                 raise GenEngineError(f"SGLang refused adapter {adapter.name!r}: {result.error_message}")
+            for buffer in taken:  # any other error leaves the buffer out: SGLang may still read it
+                buffers.hold(adapter.uid, buffer)
 
         self._on_leader("load_adapter", run)
         adapter.handle = name
@@ -258,6 +343,8 @@ class SGLangAdapters:
             engine = self._engine
             call = engine.tokenizer_manager.unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=name), None)
             result = self._sgl(lambda: engine.loop.run_until_complete(call), "SGLang's unload_lora_adapter")
+            # Its buffer is reusable once SGLang dropped its host tensors (LoRAManager._unload_lora_adapter).
+            self._shared_buffers.release(adapter.uid, reusable=result.success)
             if not result.success:
                 raise GenEngineError(f"SGLang could not unload adapter {name!r}: {result.error_message}")
 

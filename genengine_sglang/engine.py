@@ -417,6 +417,7 @@ class SGLangEngine(SGLangAdapters, AsyncEngineBase):  # type: ignore[misc,overri
                 pids = self._on_leader("shutdown", stop)
         finally:
             self._engine = None
+            self._drop_adapter_buffers()
             untrack_engine(self)
         _process.wait_processes_off_gpu(pids, self._group.topology.gpu_id, self._settings.release_timeout_s)
         self._settle_memory()

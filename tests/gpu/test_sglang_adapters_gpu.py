@@ -8,6 +8,7 @@ Run on the GPU machine:  bash tools/gpu/run_tests.sh sglang tests/gpu/test_sglan
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -21,7 +22,8 @@ pytest.importorskip("sglang")
 from genengine import create_engine  # noqa: E402
 from genengine.adapters import supports_adapters  # noqa: E402
 from genengine.protocol import GenerationEngine  # noqa: E402
-from genengine.testing.conformance.adapters import AdapterTests  # noqa: E402
+from genengine.testing.conformance.adapters import AdapterTests, random_adapter  # noqa: E402
+from genengine.testing.conformance.base import GREEDY, PROMPTS, token_ids_of  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -64,3 +66,34 @@ class TestSGLangAdapters(AdapterTests):
         """adapter_sync="flattened" (the default) and "cuda_ipc" against "tensors" (the first way): same tokens,
         and SGLang's own copy."""
         self.check_sync_modes_agree(adapter_engine, original_weights, fast=fast, slow="tensors", targets=ALL_TARGETS)
+
+    def test_a_recycled_buffer_serves_the_new_adapter(
+        self, adapter_engine: Any, original_weights: dict[str, Any]
+    ) -> None:
+        """adapter_sync="flattened" recycles the shared-memory buffer of an unloaded adapter: the third version of
+        a name goes in the first one's buffer (unloaded when the second replaced it) and serves as that adapter
+        loaded the first way ("tensors"), not as the first version."""
+        engine = adapter_engine
+        versions = [
+            {
+                k: v.to("cuda", torch.bfloat16)
+                for k, v in random_adapter(original_weights, self.adapter_targets, r=self.adapter_rank, seed=s).items()
+            }
+            for s in (11, 12, 13)
+        ]
+        params = dataclasses.replace(GREEDY, adapter="recycled")
+        engine.load_adapter("recycled", versions[0], self._config(), version=1)
+        first = token_ids_of(engine.generate(PROMPTS, params))
+        engine.load_adapter("recycled", versions[1], self._config(), version=2)
+        info = engine.load_adapter("recycled", versions[2], self._config(), version=3)
+        assert info.phases.get("flatten_reused") == 1.0, f"no buffer reused: {info.phases}"
+        served = token_ids_of(engine.generate(PROMPTS, params))
+        default = engine.adapter_sync
+        try:
+            engine.adapter_sync = "tensors"
+            engine.load_adapter("recycled-ref", versions[2], self._config())
+        finally:
+            engine.adapter_sync = default
+        reference = token_ids_of(engine.generate(PROMPTS, dataclasses.replace(GREEDY, adapter="recycled-ref")))
+        assert served == reference, "the recycled buffer served other tokens than the adapter loaded per tensor"
+        assert served != first, "the third version served as the first"

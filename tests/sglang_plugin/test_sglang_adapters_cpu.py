@@ -106,16 +106,23 @@ class _FakeEngine(SGLangAdapters, AdapterHost):
         self.requests: list[Any] = []
         self.fail = False
         self.state = _State()
+        self.buffers: dict[str, int] = {}  # SGLang's loaded adapters -> the memory their host tensors view
         outer = self
 
         class TM:
             async def load_lora_adapter_from_tensors(self, req: Any, _: Any) -> Any:
                 outer.calls.append(("load", req.lora_name))
                 outer.requests.append(req)
+                if req.load_format == "flattened_bucket":  # SGLang keeps views of it: never one still in use
+                    ptr = req.serialized_named_tensors[0]["flattened_tensor"].untyped_storage().data_ptr()
+                    assert ptr not in outer.buffers.values(), f"{req.lora_name} overwrote a loaded adapter"
+                    if not outer.fail:
+                        outer.buffers[req.lora_name] = ptr
                 return types.SimpleNamespace(success=not outer.fail, error_message="bad shapes")
 
             async def unload_lora_adapter(self, req: Any, _: Any) -> Any:
                 outer.calls.append(("unload", req.lora_name))
+                outer.buffers.pop(req.lora_name, None)
                 return types.SimpleNamespace(success=True, error_message=None)
 
         self._engine = types.SimpleNamespace(
@@ -339,3 +346,112 @@ def test_fused_lora_b_arrive_stacked_as_sglang_would_stack_them() -> None:
     names = dict(sglang_named_tensors(dataclasses.replace(adapter, pairs=partial)))
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight" in names
     assert not any("qkv_proj" in n for n in names)
+
+
+def _versioned(version: int, name: str = "policy") -> Adapter:
+    """An adapter whose every value is its version: what SGLang received tells the versions apart."""
+    value = float(version)
+    pairs = {"model.layers.0.self_attn.q_proj": (torch.full((2, 4), value), torch.full((6, 2), value))}
+    return Adapter(name=name, version=version, config=CONFIG, pairs=pairs)
+
+
+def _buffer(engine: _FakeEngine, adapter: Adapter) -> int:
+    """The memory SGLang got ``adapter``'s bucket in."""
+    (request,) = [r for r in engine.requests if r.lora_name == sglang_name(adapter)]
+    return int(request.serialized_named_tensors[0]["flattened_tensor"].untyped_storage().data_ptr())
+
+
+def _reused(adapter: Adapter) -> bool:
+    return adapter.phases.get("flatten_reused", 0.0) == 1.0
+
+
+def _sync(engine: _FakeEngine, adapter: Adapter) -> None:
+    """``load_adapter``'s order of hooks: add the new one, then retire the one it replaces."""
+    old = engine.__dict__.setdefault("_current", {}).get(adapter.name)
+    engine._add_adapter(adapter, old)
+    engine.__dict__["_current"][adapter.name] = adapter
+    if old is not None:
+        engine._drop_adapter(old)
+
+
+def test_a_buffer_is_reused_once_its_adapter_is_unloaded(io_struct: None) -> None:
+    """RL steady state: v1's buffer serves v3 once v1 is unloaded (replaced by v2, idle), and SGLang then reads
+    v3's values there, not v1's."""
+    engine = _FakeEngine()
+    v1, v2, v3 = _versioned(1), _versioned(2), _versioned(3)
+    _sync(engine, v1)
+    _sync(engine, v2)
+    assert ("unload", sglang_name(v1)) in engine.calls and not _reused(v1) and not _reused(v2)
+    _sync(engine, v3)
+    assert _reused(v3) and _buffer(engine, v3) == _buffer(engine, v1)
+    received = _received(engine.requests[-1])
+    assert received and all(torch.equal(t, torch.full_like(t, 3.0)) for t in received.values())
+    assert engine._shared_buffers.in_use.keys() == {v3.uid}  # v2 unloaded at v3's retire: idle
+
+
+def test_a_buffer_is_never_reused_while_its_adapter_is_loaded_or_in_use(io_struct: None) -> None:
+    """v1 retired but still used by a request keeps its buffer, and so does v2 while loaded; once v1's request is
+    done the next load unloads it first and takes a buffer back (the fake SGLang checks no load overwrites the
+    memory of an adapter it still has)."""
+    engine = _FakeEngine()
+    v1, v2, v3, v4 = (_versioned(v) for v in (1, 2, 3, 4))
+    running = types.SimpleNamespace(done=False, request=types.SimpleNamespace(lora=v1))
+    _sync(engine, v1)
+    engine.state.live["r"] = running
+    _sync(engine, v2)  # v1 retired, in use
+    _sync(engine, v3)  # v1 still in use, v2 loaded until v3 is added
+    assert ("unload", sglang_name(v1)) not in engine.calls and not _reused(v3)
+    assert len({_buffer(engine, v) for v in (v1, v2, v3)}) == 3
+    running.done = True
+    _sync(engine, v4)  # unloads v1 first, then loads v4 in v2's or v1's buffer
+    assert ("unload", sglang_name(v1)) in engine.calls
+    assert _reused(v4) and _buffer(engine, v4) in {_buffer(engine, v1), _buffer(engine, v2)}
+    assert all(torch.equal(t, torch.full_like(t, 4.0)) for t in _received(engine.requests[-1]).values())
+
+
+def test_a_refused_load_gives_its_buffer_back(io_struct: None) -> None:
+    engine = _FakeEngine()
+    refused, adapter = _versioned(1), _versioned(2)
+    engine.fail = True
+    with pytest.raises(GenEngineError, match="SGLang refused"):
+        engine._add_adapter(refused, None)
+    engine.fail = False
+    engine._add_adapter(adapter, None)
+    assert _reused(adapter) and _buffer(engine, adapter) == _buffer(engine, refused)
+    assert all(torch.equal(t, torch.full_like(t, 2.0)) for t in _received(engine.requests[-1]).values())
+
+
+def test_idle_buffers_stay_bounded_and_go_at_shutdown(io_struct: None) -> None:
+    """Four adapters unloaded leave two idle buffers (the newest), which two of the next four loads reuse; a failed
+    unload's buffer is never reused; shutdown drops them all."""
+    engine = _FakeEngine()
+    first = [_versioned(1, name) for name in "abcd"]
+    for adapter in first:
+        _sync(engine, adapter)
+    for adapter in first:
+        engine._drop_adapter(adapter)  # unload_adapter: idle, unloaded at once
+    again = [_versioned(2, name) for name in "efgh"]
+    for adapter in again:
+        _sync(engine, adapter)
+    assert [_reused(a) for a in again] == [True, True, False, False]
+    assert {_buffer(engine, a) for a in again[:2]} == {_buffer(engine, a) for a in first[2:]}
+    assert not engine._shared_buffers.idle
+    engine._drop_adapter(again[0])
+    assert len(engine._shared_buffers.idle) == 1
+    engine._drop_adapter_buffers()
+    assert not engine._shared_buffers.idle and not engine._shared_buffers.in_use
+
+
+def test_a_buffer_whose_unload_failed_is_not_reused(io_struct: None) -> None:
+    engine = _FakeEngine()
+    first, second = _versioned(1), _versioned(2)
+    engine._add_adapter(first, None)
+
+    async def refuse(req: Any, _: Any) -> Any:
+        return types.SimpleNamespace(success=False, error_message="busy")
+
+    engine._engine.tokenizer_manager.unload_lora_adapter = refuse
+    with pytest.raises(GenEngineError, match="could not unload"):
+        engine._unload_adapter(first)
+    engine._add_adapter(second, None)  # the fake SGLang still has first: it checks second is elsewhere
+    assert not _reused(second) and _buffer(engine, second) != _buffer(engine, first)
