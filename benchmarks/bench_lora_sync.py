@@ -16,8 +16,10 @@ layer. Each side is timed ``--reps`` times after a warm-up:
 
 ``adapter_phases`` splits the adapter side by step (the medians of ``AdapterInfo.phases``: ``check_s``, the
 backend's own steps, ``retire_s``; host-side seconds, so GPU work launched in one step may be paid in a later
-one); ``--adapter-sync`` picks the backend's way (vllm: ``memory``, ``folder``; sglang: ``flattened``,
-``cuda_ipc``, ``tensors``; the default is the first named, the last is the first way, kept to compare);
+one; SGLang's ``flatten_reused`` is a flag, 1 when the median sync reused a recycled shared-memory buffer, as
+from the second timed sync on); ``--adapter-sync`` picks the backend's way (vllm: ``memory``, ``folder``;
+sglang: ``flattened``, ``cuda_ipc``, ``tensors``; the default is the first named, the last is the first way,
+kept to compare);
 ``adapter_first_use_s`` is a one-token generate with the adapter right after a sync, ``adapter_warm_use_s`` the
 same generate again (what an engine leaves to the first batch that uses a new adapter). And the GPU memory each
 needs: this process's allocator peak over the sync above what was allocated before it (the embedded engine and

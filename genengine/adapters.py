@@ -155,7 +155,8 @@ class AdapterInfo:
     seconds: float = 0.0
     phases: Mapping[str, float] = field(default_factory=dict, compare=False)
     """Where ``seconds`` went, by step (``check_s``, the backend's own steps such as ``write_folder_s`` or
-    ``add_lora_s``, ``retire_s``): host-side seconds, GPU work may finish in a later step."""
+    ``add_lora_s``, ``retire_s``): host-side seconds, GPU work may finish in a later step. A key without ``_s`` is
+    a backend's flag, not seconds (SGLang's ``flatten_reused``: 1.0 when the load reused a shared-memory buffer)."""
 
 
 _serial = itertools.count(1)

@@ -251,7 +251,7 @@ print(f"adapter {r['adapter_s']:.4f} s (+{r['adapter_extra_gib']:.2f} GiB, free 
       f"{r['adapter_tensors']} adapter tensors; served {r['adapter_served']}; goal 10 ms {r['goal_10ms']}")
 phases = r.get("adapter_phases") or {}
 if phases:
-    print(f"adapter steps ({r.get('adapter_sync_mode', '?')}, ms): " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in phases.items()))
+    print(f"adapter steps ({r.get('adapter_sync_mode', '?')}, ms): " + ", ".join(f"{k} {1e3 * v:.2f}" if k.endswith("_s") else f"{k} {v:g}" for k, v in phases.items()))
 if "adapter_first_use_s" in r:
     print(f"one-token generate right after a sync {r['adapter_first_use_s']:.4f} s, again {r['adapter_warm_use_s']:.4f} s")
 EOF
