@@ -18,7 +18,7 @@
 #      "sync": benchmarks/bench_sync_7b.py (genengine bench --sync at 7B, phases JSON + PNG; ~60 s), "sync_pool": the same
 #      with --pool (the pool's row too: two 7B replicas on the GPU; ~150-200 s),
 #      "adapters": tests/gpu/test_ENGINE_adapters_gpu.py, "trl_async": tests/gpu/test_trl_async_gpu.py, "verl":
-#      tests/gpu/test_verl_gpu.py (genengine's rollout only unless GENENGINE_VERL_BASELINE=1), "lora":
+#      tests/gpu/test_verl_gpu.py's run on genengine, "verl_base": its run on verl's own rollout (the comparison), "lora":
 #      benchmarks/bench_lora_sync.py at 7B (adapter sync against merge + full sync + unmerge),
 #      "profile": benchmarks/profile_p1.py (P1's pair timed inside at two lengths; ~90 s)), VERIFY_RAY_SCALE (7b, the default, or
 #      tiny: the Ray test alone, no P7 figures), GENENGINE_EXIT_PARALLEL (1: the exit cases side by side, then
@@ -121,7 +121,17 @@ run_part() {  # name timeout command...
   local secs; secs=$(python3 -c "print(f'{$end - $start:.0f}')")
   local what
   case "$name" in
-    suite|ray|transport|exit|exit_seq|adapters|trl_async|verl) what="$(junit_counts "$WORK/$name.xml")" ;;
+    suite|ray|transport|exit|exit_seq|adapters|trl_async) what="$(junit_counts "$WORK/$name.xml")" ;;
+    verl|verl_base) what="$(junit_counts "$WORK/$name.xml"); $(python3 - "$WORK" "$ENGINE" \
+                      "$([ "$name" = verl ] && echo genengine || echo verl)" <<'EOF' 2>/dev/null || echo "no step report"
+import json, sys
+from pathlib import Path
+r = json.loads((Path(sys.argv[1]) / f"verl_steps_{sys.argv[2]}_{sys.argv[3]}.json").read_text())
+if "error" in r: print(f"{sys.argv[3]}: error: " + r["error"][:120]); raise SystemExit
+print(f"{sys.argv[3]} rollout, median of steps 2-{r['steps']}: step {r['step_s']:.2f} s = generate "
+      f"{r['generate_s']:.2f} + weight update {r['update_weights_s']:.2f} + rest {r['rest_s']:.2f}")
+EOF
+)" ;;
     pool) what=$(pool_figures) ;;
     trl_grpo) what=$(python3 - "$WORK/trl_grpo_$TRL_BACKEND.json" <<'EOF' 2>/dev/null || echo "no report"
 import json, sys
@@ -335,13 +345,15 @@ for part in $PARTS; do
     profile) run_part profile 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/profile_p1.py "$ENGINE" ;;
     adapters) run_part adapters 240 bash tools/gpu/run_tests.sh "$ENGINE" "tests/gpu/test_${ENGINE}_adapters_gpu.py" "$(PYTEST_J adapters)" ;;
     trl_async) run_part trl_async 360 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_trl_async_gpu.py "$(PYTEST_J trl_async)" ;;
-    verl) run_part verl "${VERIFY_VERL_TIMEOUT_S:-420}" env GENENGINE_VERL_BASELINE="${GENENGINE_VERL_BASELINE:-0}" \
+    verl) run_part verl "${VERIFY_VERL_TIMEOUT_S:-420}" env GENENGINE_VERL_BASELINE=0 \
             bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_verl_gpu.py "$(PYTEST_J verl)" ;;
+    verl_base) run_part verl_base "${VERIFY_VERL_TIMEOUT_S:-420}" env GENENGINE_VERL_BASELINE=only \
+            bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_verl_gpu.py "$(PYTEST_J verl_base)" ;;
     lora) run_part lora 330 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_lora_sync.py --backend "$ENGINE" \
             --json "$WORK/bench_lora_sync_$ENGINE.json" ;;
     trl) trl_parts ;;
     trl_grpo|trl_sync|trl_step) trl_parts "$part" ;;
-    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool p1 profile bench sync exit transport async ipc adapters trl_async verl lora sync_pool trl trl_grpo trl_sync trl_step) |") ;;
+    *) ROWS+=("| $part | - | - | unknown part (allowed: suite ray pool p1 profile bench sync exit transport async ipc adapters trl_async verl verl_base lora sync_pool trl trl_grpo trl_sync trl_step) |") ;;
   esac
 done
 
