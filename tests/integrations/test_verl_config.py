@@ -66,6 +66,24 @@ def test_verl_fields_map_onto_the_engine_config() -> None:
     assert engine_settings(cpu, None, check_backend=False).transport == "gloo"
 
 
+def test_verls_enforce_eager_is_the_backends_disable_cuda_graph() -> None:
+    """verl's ``enforce_eager=True`` (the GPU recipe's) reaches vLLM and SGLang as ``disable_cuda_graph``, as verl's
+    own servers pass it: otherwise the engine captures CUDA graphs and vLLM compiles with torch.compile, whose cache
+    verl's runtime env turns off, minutes of a GPU run spent before the first step. An explicit option wins; a
+    backend without the option gets nothing."""
+    for backend in ("vllm", "sglang"):
+        eager = rollout(enforce_eager=True, engine_kwargs={"genengine": {"backend": backend}})
+        assert engine_settings(eager, {"path": "/m"}, check_backend=False).engine.options["disable_cuda_graph"] is True
+        graphs = rollout(enforce_eager=False, engine_kwargs={"genengine": {"backend": backend}})
+        assert "disable_cuda_graph" not in engine_settings(graphs, {"path": "/m"}, check_backend=False).engine.options
+    explicit = rollout(
+        enforce_eager=True, engine_kwargs={"genengine": {"backend": "sglang", "options": {"disable_cuda_graph": False}}}
+    )
+    assert engine_settings(explicit, {"path": "/m"}, check_backend=False).engine.options["disable_cuda_graph"] is False
+    cpu = rollout(enforce_eager=True, tensor_model_parallel_size=1, engine_kwargs={"genengine": {"backend": "transformers"}})
+    assert "disable_cuda_graph" not in engine_settings(cpu, {"path": "/m"}).engine.options  # its own check passes
+
+
 @pytest.mark.parametrize(
     ("changes", "error", "match"),
     [
