@@ -66,6 +66,26 @@ def test_verl_fields_map_onto_the_engine_config() -> None:
     assert engine_settings(cpu, None, check_backend=False).transport == "gloo"
 
 
+def test_verls_enforce_eager_is_the_backends_disable_cuda_graph() -> None:
+    """verl's ``enforce_eager=True`` (the GPU recipe's) reaches vLLM and SGLang as ``disable_cuda_graph``, as verl's
+    own servers pass it: otherwise the engine captures CUDA graphs and vLLM compiles with torch.compile, whose cache
+    verl's runtime env turns off, minutes of a GPU run spent before the first step. An explicit option wins; a
+    backend without the option gets nothing."""
+    for backend in ("vllm", "sglang"):
+        eager = rollout(enforce_eager=True, engine_kwargs={"genengine": {"backend": backend}})
+        assert engine_settings(eager, {"path": "/m"}, check_backend=False).engine.options["disable_cuda_graph"] is True
+        graphs = rollout(enforce_eager=False, engine_kwargs={"genengine": {"backend": backend}})
+        assert "disable_cuda_graph" not in engine_settings(graphs, {"path": "/m"}, check_backend=False).engine.options
+    explicit = rollout(
+        enforce_eager=True, engine_kwargs={"genengine": {"backend": "sglang", "options": {"disable_cuda_graph": False}}}
+    )
+    assert engine_settings(explicit, {"path": "/m"}, check_backend=False).engine.options["disable_cuda_graph"] is False
+    cpu = rollout(
+        enforce_eager=True, tensor_model_parallel_size=1, engine_kwargs={"genengine": {"backend": "transformers"}}
+    )
+    assert "disable_cuda_graph" not in engine_settings(cpu, {"path": "/m"}).engine.options  # its own check passes
+
+
 @pytest.mark.parametrize(
     ("changes", "error", "match"),
     [
@@ -172,3 +192,70 @@ def test_a_trl_that_breaks_verls_fsdp_workers_is_named_at_plugin_load(
 
     monkeypatch.setattr(metadata, "distribution", no_trl)
     assert trl_conflict() is None
+
+
+class _Remote:
+    """``actor.method.remote(...)``'s stand-in: records the call, returns an awaitable of ``value``."""
+
+    def __init__(self, value: Any, calls: list[Any] | None = None) -> None:
+        self.value, self.calls = value, calls
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        import asyncio
+
+        if self.calls is not None:
+            self.calls.append((args, kwargs))
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.value)
+        return future
+
+
+class _ServerClass:
+    """``ray.remote(GenEngineServer)``'s stand-in: keeps the actor options and constructor arguments."""
+
+    def __init__(self) -> None:
+        self.options_seen: dict[str, Any] = {}
+        self.init_calls: list[Any] = []
+
+    def options(self, **options: Any) -> Any:
+        self.options_seen = options
+        server = type("Server", (), {})()
+        server.launch_server = _Remote(None)
+        server.get_server_address = _Remote(("10.0.0.1", "genengine-0"))
+        return type("Bound", (), {"remote": lambda _, **kw: (self.init_calls.append(kw), server)[1]})()
+
+
+@pytest.mark.parametrize(("gpu_ids", "visible"), [(["3"], "3"), ([], None)])
+def test_the_server_process_starts_with_the_trainer_workers_gpu_visible(gpu_ids: list[str], visible: Any) -> None:
+    """The hybrid server sees the GPU of its replica's trainer worker from its process's start (the actor's
+    runtime env), not from its ``__init__``: Ray unpickles verl's objects among the actor's arguments before
+    ``__init__`` runs, and importing verl calls ``torch.cuda.is_available()`` (verl/utils/device.py), after which
+    the process's visible GPUs are fixed. Set in ``__init__`` only (as verl's own vLLM server does: its engine runs
+    in child processes), an engine in the server's own process (genengine's vLLM) would start on the host's GPU 0
+    whatever the replica's GPU. Without GPUs (the CPU runs) the server gets no runtime env of its own."""
+    import asyncio
+    import types
+
+    pytest.importorskip("verl.workers.rollout.replica", reason="verl 0.9.1 is not installed (make setup installs it)")
+    from genengine.integrations.verl.replica import GenEngineReplica
+
+    replica = GenEngineReplica.__new__(GenEngineReplica)  # the launch alone: the config checks have their tests
+    replica.replica_rank, replica.world_size, replica.name_suffix = 0, 1, ""
+    replica.is_reward_model = replica.is_teacher_model = False
+    replica.config = types.SimpleNamespace(max_num_seqs=1024)
+    replica.model_config, replica.rollout_mode, replica.gpus_per_replica_node = None, "hybrid", 1
+    worker = types.SimpleNamespace(__ray_call__=_Remote(("ab" * 28, gpu_ids)))
+    replica.workers = [worker]
+    replica.server_class = _ServerClass()
+    asyncio.run(replica.launch_servers())
+    options = replica.server_class.options_seen
+    assert options["num_cpus"] == 0 and "num_gpus" not in options  # shares the trainer's GPU, holds no Ray GPU
+    assert options["scheduling_strategy"].node_id == "ab" * 28
+    if visible is None:
+        assert "runtime_env" not in options
+    else:
+        env = options["runtime_env"]["env_vars"]
+        assert env["CUDA_VISIBLE_DEVICES"] == visible
+        assert env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1"
+    assert replica.server_class.init_calls[0]["cuda_visible_devices"] == visible
+    assert replica.server_address == "10.0.0.1:genengine-0"

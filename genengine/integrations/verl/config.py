@@ -33,6 +33,10 @@ _PREFIX = "actor_rollout_ref.rollout"
 _MAX_LEN_OPTION = {"vllm": "max_model_len", "sglang": "context_length"}
 """The option each GPU backend takes verl's ``max_model_len`` as (the embedded backend has none: the server
 enforces the bound itself)."""
+_EAGER_OPTION = {"vllm": "disable_cuda_graph", "sglang": "disable_cuda_graph"}
+"""The option each GPU backend takes verl's ``enforce_eager=True`` as (verl's own servers pass it as vLLM's
+``enforce_eager`` and SGLang's ``disable_cuda_graph``): without it the engine captures CUDA graphs, and vLLM
+compiles with torch.compile, whose cache verl's runtime env turns off (``VLLM_DISABLE_COMPILE_CACHE=1``)."""
 _TRANSPORTS = ("cuda_ipc", "nccl", "gloo")
 
 
@@ -157,6 +161,9 @@ def engine_settings(rollout: Any, model: Any = None, *, check_backend: bool = Tr
     option = _MAX_LEN_OPTION.get(backend)
     if option is not None and max_len is not None:
         options.setdefault(option, max_len)
+    eager = _EAGER_OPTION.get(backend)
+    if eager is not None and bool(_get(rollout, "enforce_eager", False)):
+        options.setdefault(eager, True)
     free_cache = bool(_get(rollout, "free_cache_engine", True))
     try:
         engine = EngineConfig(

@@ -3,7 +3,7 @@
 The config is checked when the replica is built (in the driver, before any server or engine starts): verl's
 rollout fields and ``engine_kwargs.genengine`` (backend registered and importable, its options known). In the
 hybrid mode the server goes on the node of the replica's first trainer worker, with that worker's GPUs visible
-(as verl's vLLM server does); the server actor itself takes no Ray GPU: it shares the trainer's.
+from the server process's start; the server actor itself takes no Ray GPU: it shares the trainer's.
 """
 
 from __future__ import annotations
@@ -69,8 +69,14 @@ class GenEngineReplica(RolloutReplica):
         node_id = where[0][0]
         gpus = ",".join(g for _, ids in where for g in ids[:1])
         options: dict[str, Any] = {}
-        if gpus:  # keep the CUDA_VISIBLE_DEVICES the server sets itself (as verl's vLLM server does)
-            options["runtime_env"] = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}
+        if gpus:
+            # The trainer worker's GPUs, visible from the server process's start: verl's objects among the
+            # actor's arguments are unpickled before __init__ runs, and importing verl calls
+            # torch.cuda.is_available() (verl/utils/device.py), which fixes the visible GPUs for the process.
+            # Set in __init__ (as verl's vLLM server does, whose engine runs in child processes), the value
+            # would reach the engine's children but not an engine in the server's own process (vLLM's).
+            env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": gpus}
+            options["runtime_env"] = {"env_vars": env}
         server: Any = self.server_class.options(
             scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
                 node_id=node_id, soft=False
