@@ -33,6 +33,7 @@ pytestmark = pytest.mark.gpu
 pytest.importorskip("ray")
 from support.gpu_checks import gpu_memory_by_process_per_gpu, installed_engine  # noqa: E402
 from support.installed import installed  # noqa: E402
+from support.stacks import dump_stacks_and_kill  # noqa: E402
 
 from genengine.integrations.verl.config import trl_conflict  # noqa: E402
 
@@ -55,25 +56,37 @@ def _overrides(engine: str, rollout: str) -> list[str]:
     return [f"+actor_rollout_ref.rollout.engine_kwargs.{key}.{k}={v}" for k, v in options.items()]
 
 
-HIDE_TRL = Path(__file__).resolve().parents[1] / "support" / "hide_trl"
+SITE = Path(__file__).resolve().parents[1] / "support" / "verl_site"  # sitecustomize: hides TRL, dumps stacks
+RUN_TIMEOUT_S = float(os.environ.get("GENENGINE_VERL_RUN_TIMEOUT_S", "1500"))
+"""How long one run may take before its processes' stacks are dumped and it is killed (verify.sh sets it under
+the part's timeout, so that the stacks come back)."""
 
 
 def _run(rollout: str, engine: str, out: Path, extra: list[str]) -> tuple[int, list[dict[str, float]], str]:
     env = {**os.environ, "ROLLOUT": rollout, "BACKEND": engine, "STEPS": str(STEPS), "OUT": str(out)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), env.get("PYTHONPATH")]))
     if trl_conflict() is not None:  # the installed TRL lacks what verl 0.9.1's FSDP workers import from it
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HIDE_TRL), env.get("PYTHONPATH")]))
-    # Streamed to a file under $OUT (verify.sh's work folder, sent back even when the part times out): where a
-    # run that never ends got to.
+        env["GENENGINE_HIDE_TRL"] = "1"
+    # The log streams to a file under $OUT (verify.sh's work folder, sent back even when the part times out), and
+    # each process's stacks go beside it when the run outlasts RUN_TIMEOUT_S: where a run that never ends got to.
+    report_dir = Path(os.environ.get("OUT", out))
+    stacks = report_dir / f"verl_stacks_{rollout}_{engine}"
+    env["GENENGINE_STACKS_DIR"] = str(stacks)
     out.mkdir(parents=True, exist_ok=True)
-    log_path = Path(os.environ.get("OUT", out)) / f"verl_{rollout}_{engine}.log"
+    log_path = report_dir / f"verl_{rollout}_{engine}.log"
     with log_path.open("w") as sink:
-        proc = subprocess.run(
-            ["bash", str(ROOT / "examples" / "verl_grpo.sh"), *extra],
-            env=env,
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            timeout=1500,
+        proc = subprocess.Popen(
+            ["bash", str(ROOT / "examples" / "verl_grpo.sh"), *extra], env=env, stdout=sink, stderr=subprocess.STDOUT
         )
+        try:
+            proc.wait(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            dump_stacks_and_kill(f"GENENGINE_STACKS_DIR={stacks}")
+            proc.wait()
+            pytest.fail(
+                f"the {rollout} run did not end in {RUN_TIMEOUT_S:g} s; every process's stacks are in {stacks}; "
+                f"the log's end:\n{log_path.read_text(errors='replace')[-4000:]}"
+            )
     log = log_path.read_text(errors="replace")
     steps: list[dict[str, float]] = []
     for match in _LINE.finditer(log):

@@ -320,6 +320,13 @@ EOF
 }
 
 PYTEST_J() { echo "--junitxml $WORK/$1.xml"; }
+# A verl run's own limit: under its part's (pytest's start before it, the stack dump after), so that a run that
+# never ends leaves every process's stacks in the tarball rather than being killed with the part.
+verl_run_s() {
+  local t=${VERIFY_VERL_TIMEOUT_S:-420} left=$(( BUDGET - $(elapsed) - 5 ))
+  [ "$left" -lt "$t" ] && t=$left
+  echo $(( t > 80 ? t - 40 : 40 ))
+}
 for part in $PARTS; do
   case "$part" in
     suite) run_part suite 330 bash tools/gpu/run_tests.sh "$ENGINE" "$(PYTEST_J suite)" ;;
@@ -345,9 +352,9 @@ for part in $PARTS; do
     profile) run_part profile 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/profile_p1.py "$ENGINE" ;;
     adapters) run_part adapters 240 bash tools/gpu/run_tests.sh "$ENGINE" "tests/gpu/test_${ENGINE}_adapters_gpu.py" "$(PYTEST_J adapters)" ;;
     trl_async) run_part trl_async 360 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_trl_async_gpu.py "$(PYTEST_J trl_async)" ;;
-    verl) run_part verl "${VERIFY_VERL_TIMEOUT_S:-420}" env GENENGINE_VERL_BASELINE=0 \
+    verl) run_part verl "${VERIFY_VERL_TIMEOUT_S:-420}" env GENENGINE_VERL_BASELINE=0 GENENGINE_VERL_RUN_TIMEOUT_S="$(verl_run_s)" \
             bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_verl_gpu.py "$(PYTEST_J verl)" ;;
-    verl_base) run_part verl_base "${VERIFY_VERL_TIMEOUT_S:-420}" env GENENGINE_VERL_BASELINE=only \
+    verl_base) run_part verl_base "${VERIFY_VERL_TIMEOUT_S:-420}" env GENENGINE_VERL_BASELINE=only GENENGINE_VERL_RUN_TIMEOUT_S="$(verl_run_s)" \
             bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_verl_gpu.py "$(PYTEST_J verl_base)" ;;
     lora) run_part lora 330 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_lora_sync.py --backend "$ENGINE" \
             --json "$WORK/bench_lora_sync_$ENGINE.json" ;;
