@@ -67,6 +67,7 @@ def _run(rollout: str, engine: str, out: Path, extra: list[str]) -> tuple[int, l
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), env.get("PYTHONPATH")]))
     if trl_conflict() is not None:  # the installed TRL lacks what verl 0.9.1's FSDP workers import from it
         env["GENENGINE_HIDE_TRL"] = "1"
+    env.setdefault("GENENGINE_LOGGING_LEVEL", "INFO")  # genengine's lines in the log too (verl's root is WARNING)
     # The log streams to a file under $OUT (verify.sh's work folder, sent back even when the part times out), and
     # each process's stacks go beside it when the run outlasts RUN_TIMEOUT_S: where a run that never ends got to.
     report_dir = Path(os.environ.get("OUT", out))

@@ -162,12 +162,36 @@ def test_a_failure_to_register_is_a_warning_naming_the_cause(
     """verl logs a failing plugin at DEBUG only; ours says why at WARNING and never raises into ``import verl``."""
     plugin = importlib.import_module("genengine.integrations.verl.plugin")
     monkeypatch.setitem(sys.modules, "verl.workers.rollout.replica", None)  # import fails: ModuleNotFoundError
+    caplog.clear()  # what importing the plugin logged (the installed TRL's warning, when first imported here)
     with caplog.at_level(logging.WARNING, logger="genengine.integrations.verl"):
         assert plugin.register() is False
     [record] = [r for r in caplog.records if r.name == "genengine.integrations.verl"]
     assert record.levelno == logging.WARNING
     assert "rollout.name=genengine" in record.getMessage()
     assert "verl.workers.rollout.replica" in record.getMessage()
+
+
+def test_genengine_logging_level_shows_genengine_info_under_verls_warning_root(
+    capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``import verl`` sets the root logger to WARNING (verl/__init__.py): genengine's INFO lines vanish in the
+    run's workers unless $GENENGINE_LOGGING_LEVEL asks for them; a bad value is named, never raised."""
+    plugin = importlib.import_module("genengine.integrations.verl.plugin")
+    logger = logging.getLogger("genengine")
+    monkeypatch.setattr(logger, "level", logger.level)
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "propagate", False)  # as in a worker whose root has no handler
+    logging.getLogger("genengine.integrations.verl.server").info("hidden before")
+    assert plugin.apply_log_level({}) is None
+    assert plugin.apply_log_level({"GENENGINE_LOGGING_LEVEL": "info"}) == "INFO"
+    logging.getLogger("genengine.integrations.verl.server").info("engine started")
+    err = capfd.readouterr().err
+    assert "genengine.integrations.verl.server INFO: engine started" in err and "hidden before" not in err
+    monkeypatch.setattr(logger, "propagate", True)
+    with caplog.at_level(logging.WARNING, logger="genengine.integrations.verl"):
+        assert plugin.apply_log_level({"GENENGINE_LOGGING_LEVEL": "LOUD"}) is None
+    assert any("GENENGINE_LOGGING_LEVEL='LOUD' is not a log level" in r.getMessage() for r in caplog.records)
+    assert logger.level == logging.INFO  # left as it was
 
 
 def test_a_trl_that_breaks_verls_fsdp_workers_is_named_at_plugin_load(
@@ -182,6 +206,7 @@ def test_a_trl_that_breaks_verls_fsdp_workers_is_named_at_plugin_load(
     plugin = importlib.import_module("genengine.integrations.verl.plugin")
     trl = metadata.version("trl")
     assert int(trl.split(".")[0]) >= 1, f"the check needs TRL 1.x installed, found {trl}"
+    caplog.clear()  # what importing the plugin logged
     with caplog.at_level(logging.WARNING, logger="genengine.integrations.verl"):
         assert plugin.register() is True
     [record] = [r for r in caplog.records if r.name == "genengine.integrations.verl"]

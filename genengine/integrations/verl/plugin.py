@@ -8,15 +8,46 @@ mode". So nothing here may raise: a failure to register is logged as a WARNING n
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 
 from genengine.integrations.verl.config import NAME, trl_conflict
 
-__all__ = ["ADAPTER", "register"]
+__all__ = ["ADAPTER", "LOG_LEVEL_ENV", "apply_log_level", "register"]
 
 ADAPTER = "genengine.integrations.verl.adapter.GenEngineServerAdapter"
 """The dotted path verl's ``get_rollout_class("genengine", "async")`` imports in each trainer worker."""
 
 _log = logging.getLogger("genengine.integrations.verl")
+
+
+LOG_LEVEL_ENV = "GENENGINE_LOGGING_LEVEL"
+"""genengine's log level in every process of a verl run (as verl's own ``VERL_LOGGING_LEVEL``): ``import verl``
+sets the root logger to WARNING, which hides genengine's INFO lines (engine started, weight-sync group formed,
+each sync) in the workers and servers, where a run that stalls before its first step is looked into."""
+
+
+def apply_log_level(environ: Mapping[str, str] | None = None) -> str | None:
+    """Set the ``genengine`` logger's level from ``$GENENGINE_LOGGING_LEVEL`` (a handler to stderr where no logger
+    above has one); the level set, or None. A bad value is a WARNING naming it, never an exception."""
+    value = (os.environ if environ is None else environ).get(LOG_LEVEL_ENV, "").strip()
+    if not value:
+        return None
+    level = logging.getLevelName(value.upper())
+    if not isinstance(level, int):
+        _log.warning(
+            "genengine: %s=%r is not a log level (allowed: DEBUG, INFO, WARNING, ERROR, CRITICAL); left as it was",
+            LOG_LEVEL_ENV,
+            value,
+        )
+        return None
+    logger = logging.getLogger("genengine")
+    logger.setLevel(level)
+    if not logger.hasHandlers():  # no handler above: Python's last resort would print WARNING and up only
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+    return logging.getLevelName(level)
 
 
 def _load_replica() -> type:
@@ -50,4 +81,5 @@ def register() -> bool:
     return True
 
 
+apply_log_level()
 register()
