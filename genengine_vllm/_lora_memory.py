@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["drop_lora", "lora_manager", "stage_lora"]
+__all__ = ["drop_lora", "lora_manager", "refresh_mapping", "stage_lora"]
 
 _STORE = "_genengine_memory_loras"
 
@@ -123,3 +123,15 @@ def drop_lora(wrapper: Any, uid: int) -> None:
     manager = getattr(worker.model_runner, "lora_manager", None)
     if manager is not None:
         manager.__dict__.get(_STORE, {}).pop(uid, None)
+
+
+def refresh_mapping(wrapper: Any) -> bool:
+    """After ``add_lora``/``remove_lora`` (any adapter sync): the next step rebuilds the slot metadata where the
+    vLLM release would keep a stale one (``compat.refresh_lora_mapping``). True when it had to."""
+    from genengine_vllm.compat import refresh_lora_mapping
+
+    worker = getattr(wrapper, "worker", wrapper)
+    manager = getattr(worker.model_runner, "lora_manager", None)
+    if manager is None:
+        return False
+    return refresh_lora_mapping(manager._adapter_manager)

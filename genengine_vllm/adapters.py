@@ -140,6 +140,13 @@ class VLLMAdapters:
     def _max_lora_rank(self) -> int:
         return adapter_settings(self.settings.llm_options)[1]
 
+    def _refresh_lora_mapping(self) -> None:
+        """After vLLM's ``add_lora``/``remove_lora`` (under the lock, between steps): a release that would keep
+        the running batch's stale slot metadata rebuilds it at the next step (``compat.refresh_lora_mapping``)."""
+        from genengine_vllm import _lora_memory
+
+        self._llm.collective_rpc(_lora_memory.refresh_mapping)
+
     def _add_adapter(self, adapter: Adapter, replaced: Adapter | None) -> None:
         import time
 
@@ -183,6 +190,7 @@ class VLLMAdapters:
                 try:
                     added = self._llm.llm_engine.add_lora(request)
                 finally:
+                    self._refresh_lora_mapping()
                     adapter.phases["add_lora_s"] = time.perf_counter() - staged
                 if not added:
                     raise GenEngineError(f"vLLM refused adapter {adapter.name!r} (add_lora returned False)")
@@ -201,6 +209,8 @@ class VLLMAdapters:
                     self._llm.llm_engine.remove_lora(adapter.uid)
                 with contextlib.suppress(Exception):
                     self._llm.collective_rpc(_lora_memory.drop_lora, args=(adapter.uid,))
+                with contextlib.suppress(Exception):
+                    self._refresh_lora_mapping()
             if isinstance(exc, Exception) and not isinstance(exc, GenEngineError):
                 raise GenEngineError(f"vLLM refused adapter {adapter.name!r}: {exc}") from exc
             raise
@@ -220,7 +230,10 @@ class VLLMAdapters:
         request = LoRARequest(lora_name=f"{adapter.name}@{adapter.uid}", lora_int_id=adapter.uid, lora_path=path)
         try:
             with self._lock():
-                added = self._llm.llm_engine.add_lora(request)
+                try:
+                    added = self._llm.llm_engine.add_lora(request)
+                finally:
+                    self._refresh_lora_mapping()
         except BaseException as exc:
             shutil.rmtree(path, ignore_errors=True)
             if isinstance(exc, Exception) and not isinstance(exc, GenEngineError):
@@ -239,7 +252,10 @@ class VLLMAdapters:
     def _unload_adapter(self, adapter: Adapter) -> None:
         """Remove ``adapter`` from vLLM, and its folder or its staged model."""
         with self._lock():
-            self._llm.llm_engine.remove_lora(adapter.uid)
+            try:
+                self._llm.llm_engine.remove_lora(adapter.uid)
+            finally:
+                self._refresh_lora_mapping()
             if adapter.handle.lora_path.startswith(_MEMORY_PATH):
                 from genengine_vllm import _lora_memory
 

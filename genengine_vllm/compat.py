@@ -9,7 +9,10 @@ have passed (docs/deployment.md's matrix). Where releases differ in what the plu
 branches on the feature, and ``BRANCHES`` names the use and the releases that lack it (the surface test holds
 that list exact). 0.24.0 - 0.26.0 differ in one: ``WeightsMapper.get_unstacked_mapper`` (0.25.0 on), which
 vLLM's own folder loader applies to a model's name mapper before reading an adapter; ``_lora_memory.stage_lora``
-does the same where it exists (``hasattr``), as 0.24.0's loader uses the mapper as it is.
+does the same where it exists (``hasattr``), as 0.24.0's loader uses the mapper as it is. And behaviour, same
+names: before 0.26.0 ``LoRAModelManager.set_adapter_mapping`` rebuilds the punica metadata only when the batch's
+mapping changed, so an ``add_lora`` between steps that moves adapters between GPU slots (LRU eviction at
+``max_loras``) leaves the running batch reading the wrong slots; ``refresh_lora_mapping`` forces the rebuild there.
 """
 
 from __future__ import annotations
@@ -21,7 +24,15 @@ from typing import Any
 from genengine.backend import VerifiedRange
 from genengine.plugins.versions import VersionStatus, check_engine_version, installed_surface, recorded_surface
 
-__all__ = ["BRANCHES", "SUPPORTED", "VERIFIED", "check_installed", "recorded_engine_args", "surface"]
+__all__ = [
+    "BRANCHES",
+    "SUPPORTED",
+    "VERIFIED",
+    "check_installed",
+    "recorded_engine_args",
+    "refresh_lora_mapping",
+    "surface",
+]
 
 VERIFIED = VerifiedRange("vllm", minimum="0.26.0", maximum="0.26.0")
 """Verified 2026-12-03 on the H200 with torch 2.11 (docs/deployment.md, "Supported engine versions")."""
@@ -32,8 +43,24 @@ SUPPORTED: tuple[str, ...] = ("0.24.0", "0.25.0", "0.25.1", "0.26.0")
 BRANCHES: Mapping[str, tuple[str, ...]] = {
     # _lora_memory.stage_lora: the name mapper vLLM's adapter loader uses, unstacked from 0.25.0 on.
     "vllm.model_executor.models.utils:WeightsMapper.get_unstacked_mapper": ("0.24.0",),
+    # refresh_lora_mapping: the punica mapping rebuilt when slots move under an unchanged batch, 0.26.0 on.
+    "vllm.lora.model_manager:LRUCacheLoRAModelManager._last_slot_layout": ("0.24.0", "0.25.0", "0.25.1"),
 }
 """Each use of ``genengine_vllm.upstream.USES`` that some supported releases lack → those releases."""
+
+
+def refresh_lora_mapping(adapter_manager: Any) -> bool:
+    """After an out-of-band ``add_lora``/``remove_lora``: make the next step rebuild the LoRA slot metadata.
+
+    vLLM 0.24.0-0.25.1 (lora/model_manager.py, ``LoRAModelManager.set_adapter_mapping``) skip the rebuild
+    while the batch's ``LoRAMapping`` equals the last one, although ``add_lora`` may have LRU-evicted an active
+    adapter and reassigned its slot (``lora_index_to_id``): the requests in flight would then run with another
+    adapter's weights. 0.26.0 compares the slot layout too (``_last_slot_layout``), and needs nothing. True
+    when the cached mapping was dropped."""
+    if hasattr(adapter_manager, "_last_slot_layout"):  # BRANCHES: 0.26.0 on
+        return False
+    adapter_manager._last_mapping = None
+    return True
 
 
 def check_installed(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> VersionStatus:

@@ -43,6 +43,8 @@ USES: tuple[str, ...] = (
     "vllm.lora.model_manager:LRUCacheLoRAModelManager.supported_lora_modules",
     "vllm.lora.model_manager:LRUCacheLoRAModelManager.packed_modules_mapping",
     "vllm.lora.model_manager:LRUCacheLoRAModelManager.model",
+    "vllm.lora.model_manager:LRUCacheLoRAModelManager._last_mapping",
+    "vllm.lora.model_manager:LRUCacheLoRAModelManager._last_slot_layout",
     "vllm.config.lora:LoRAConfig.max_lora_rank",
     "vllm.config.lora:LoRAConfig.lora_dtype",
     "vllm.lora.peft_helper:PEFTHelper.from_dict",

@@ -92,7 +92,11 @@ class _FakeEngine(VLLMAdapters, AdapterHost):
                 outer.calls.append(("remove", lora_id))
                 return True
 
-        self._llm = types.SimpleNamespace(llm_engine=Engine())
+        def collective_rpc(fn: Any, args: tuple[Any, ...] = ()) -> list[Any]:
+            outer.calls.append((fn.__name__, -1))
+            return [False]
+
+        self._llm = types.SimpleNamespace(llm_engine=Engine(), collective_rpc=collective_rpc)
         self._lock = contextlib.nullcontext
 
     def _async_state(self) -> Any:
@@ -129,6 +133,11 @@ def test_a_replaced_adapter_is_removed_once_idle(lora_request_module: None) -> N
     running.done = True
     engine._add_adapter(_adapter(3), second)
     assert ("remove", first.uid) in engine.calls and not os.path.exists(first.handle.lora_path)
+    # Every add_lora and remove_lora is followed by the slot-metadata refresh (compat.refresh_lora_mapping).
+    refresh = ("refresh_mapping", -1)
+    for i, call in enumerate(engine.calls):
+        if call[0] in ("add", "remove"):
+            assert engine.calls[i + 1] == refresh, engine.calls
     engine._adapters_by_name = {"policy": second}  # type: ignore[attr-defined]
     engine._remove_adapter_dirs()
     assert not os.path.exists(second.handle.lora_path)

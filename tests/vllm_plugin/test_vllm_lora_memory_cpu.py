@@ -198,3 +198,75 @@ def test_a_refused_adapter_leaves_nothing(fake_vllm: None, adapter: Adapter, mat
         engine._add_adapter(adapter, first)
     assert adapter.handle is None and adapter.uid not in _staged(engine)
     assert set(engine.manager.registered) == {first.uid} and set(_staged(engine)) == {first.uid}
+
+
+class _SlotManager:
+    """``LRUCacheLoRAModelManager``'s GPU slots as vLLM 0.24.0 - 0.25.1 run them (lora/model_manager.py):
+    ``activate_adapter`` evicts the least recently used active adapter at ``lora_slots`` and takes its slot
+    (``lora_index_to_id``); ``set_adapter_mapping`` rebuilds the per-request slot indices only when the batch's
+    mapping changed (0.24.0 model_manager.py:1146-1149). ``layout`` True: 0.26.0's, which compares the slot
+    layout too (``_last_slot_layout``, model_manager.py:1153-1160)."""
+
+    def __init__(self, layout: bool) -> None:
+        self.supported_lora_modules = ["qkv_proj", "o_proj"]
+        self.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+        self.model = types.SimpleNamespace()
+        self.lora_index_to_id: list[int | None] = [None, None]
+        self.active: list[int] = []  # least recently used first
+        self._last_mapping: tuple[int, ...] | None = None
+        self.slot_of_request: list[int] = []  # the punica metadata: the slot each request reads
+        if layout:
+            self._last_slot_layout: tuple[int | None, ...] | None = None
+
+    def activate_adapter(self, lora_id: int) -> None:
+        if lora_id in self.active:
+            self.active.remove(lora_id)
+        else:
+            if len(self.active) == len(self.lora_index_to_id):
+                evicted = self.active.pop(0)
+                self.lora_index_to_id[self.lora_index_to_id.index(evicted)] = None
+            self.lora_index_to_id[self.lora_index_to_id.index(None)] = lora_id
+        self.active.append(lora_id)
+
+    def set_adapter_mapping(self, mapping: tuple[int, ...]) -> None:
+        layout = tuple(self.lora_index_to_id)
+        stale = self._last_mapping != mapping
+        if hasattr(self, "_last_slot_layout"):
+            stale = stale or self._last_slot_layout != layout
+            self._last_slot_layout = layout
+        if stale:
+            self.slot_of_request = [self.lora_index_to_id.index(i) for i in mapping]
+            self._last_mapping = mapping
+
+
+@pytest.mark.parametrize("layout", [False, True], ids=["0.24.0-0.25.1", "0.26.0"])
+def test_an_adapter_added_beside_a_running_batch_leaves_its_slots_right(fake_vllm: None, layout: bool) -> None:
+    """Two requests in flight with adapters A and C fill both GPU slots; loading B (vLLM's add_lora activates
+    it, evicting A) and the next step (A and C brought back, in other slots) must leave each request reading
+    its own adapter's slot, although the batch's mapping did not change."""
+    engine = _FakeEngine()
+    slots = _SlotManager(layout)
+    engine.manager._adapter_manager = slots  # type: ignore[assignment]
+    registered = engine.manager.add_adapter
+
+    def add_adapter(request: Any) -> bool:  # LRUCacheWorkerLoRAManager.add_adapter: register, then activate
+        added = registered(request)
+        slots.activate_adapter(request.lora_int_id)
+        return added
+
+    engine.manager.add_adapter = add_adapter  # type: ignore[method-assign]
+    a, c, b = _adapter(), _adapter(), _adapter()
+    engine._add_adapter(a, None)
+    engine._add_adapter(c, None)
+
+    def step() -> None:  # the model runner: _apply_adapters, then set_adapter_mapping
+        for uid in (a.uid, c.uid):
+            slots.activate_adapter(uid)
+        slots.set_adapter_mapping((a.uid, c.uid))
+
+    step()
+    assert [slots.lora_index_to_id[s] for s in slots.slot_of_request] == [a.uid, c.uid]
+    engine._add_adapter(b, None)
+    step()
+    assert slots.lora_index_to_id != [a.uid, c.uid]  # the slots moved under an unchanged mapping
+    assert [slots.lora_index_to_id[s] for s in slots.slot_of_request] == [a.uid, c.uid]
