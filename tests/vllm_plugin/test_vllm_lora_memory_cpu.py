@@ -205,7 +205,7 @@ class _SlotManager:
     ``activate_adapter`` evicts the least recently used active adapter at ``lora_slots`` and takes its slot
     (``lora_index_to_id``); ``set_adapter_mapping`` rebuilds the per-request slot indices only when the batch's
     mapping changed (0.24.0 model_manager.py:1146-1149). ``layout`` True: 0.26.0's, which compares the slot
-    layout too (``_last_slot_layout``, model_manager.py:1153-1160)."""
+    layout too (``_last_slot_layout``, model_manager.py:1152-1160)."""
 
     def __init__(self, layout: bool) -> None:
         self.supported_lora_modules = ["qkv_proj", "o_proj"]
