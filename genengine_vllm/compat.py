@@ -13,11 +13,16 @@ does the same where it exists (``hasattr``), as 0.24.0's loader uses the mapper 
 names: before 0.26.0 ``LoRAModelManager.set_adapter_mapping`` rebuilds the punica metadata only when the batch's
 mapping changed, so an ``add_lora`` between steps that moves adapters between GPU slots (LRU eviction at
 ``max_loras``) leaves the running batch reading the wrong slots; ``refresh_lora_mapping`` forces the rebuild there.
+0.24.0 leaves its sleep allocator's pools to interpreter finalization, which can abort the exit ("pure virtual
+method called"); ``release_cumem_pools_at_exit`` releases them first, as 0.25.0 on do themselves.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import gc
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +36,7 @@ __all__ = [
     "check_installed",
     "recorded_engine_args",
     "refresh_lora_mapping",
+    "release_cumem_pools_at_exit",
     "surface",
 ]
 
@@ -43,6 +49,8 @@ SUPPORTED: tuple[str, ...] = ("0.24.0", "0.25.0", "0.25.1", "0.26.0")
 BRANCHES: Mapping[str, tuple[str, ...]] = {
     # _lora_memory.stage_lora: the name mapper vLLM's adapter loader uses, unstacked from 0.25.0 on.
     "vllm.model_executor.models.utils:WeightsMapper.get_unstacked_mapper": ("0.24.0",),
+    # release_cumem_pools_at_exit: vLLM drops its sleep pools before interpreter finalization, 0.25.0 on.
+    "vllm.device_allocator.cumem:CuMemAllocator.release_pools": ("0.24.0",),
     # refresh_lora_mapping: the punica mapping rebuilt when slots move under an unchanged batch, 0.26.0 on.
     "vllm.lora.model_manager:LRUCacheLoRAModelManager._last_slot_layout": ("0.24.0", "0.25.0", "0.25.1"),
 }
@@ -61,6 +69,44 @@ def refresh_lora_mapping(adapter_manager: Any) -> bool:
         return False
     adapter_manager._last_mapping = None
     return True
+
+
+_CUMEM_EXIT_REGISTERED = False
+
+
+def release_cumem_pools_at_exit() -> bool:
+    """After a sleep-enabled ``vllm.LLM`` started: where vLLM does not release its sleep pools before the
+    interpreter finalizes (0.24.0), register the release vLLM 0.25.0 on register themselves.
+
+    ``CuMemAllocator.use_memory_pool`` keeps each tag's ``(MemPool, allocator)`` alive for good
+    (``allocator_and_pools``, for pytorch/pytorch#146431); left to finalization, GC may free the allocator
+    before its ``MemPool``, whose destructor then calls into it and the process aborts with "pure virtual
+    method called" (pytorch/pytorch#145168; 0.26.0 ``device_allocator/cumem.py:120-183``,
+    ``CuMemAllocator.release_pools`` and its ``atexit`` hook). True when this registered the release."""
+    global _CUMEM_EXIT_REGISTERED
+    module = sys.modules.get("vllm.device_allocator.cumem")
+    cls = getattr(module, "CuMemAllocator", None)
+    if cls is None or hasattr(cls, "release_pools") or _CUMEM_EXIT_REGISTERED:  # BRANCHES: 0.25.0 on
+        return False
+    atexit.register(_release_cumem_pools, cls)
+    _CUMEM_EXIT_REGISTERED = True
+    return True
+
+
+def _release_cumem_pools(cls: Any) -> None:
+    """vLLM 0.26.0's ``CuMemAllocator.release_pools``: the pools go first (their allocators still held), then
+    the allocators."""
+    pools = getattr(getattr(cls, "instance", None), "allocator_and_pools", None)
+    if not pools:
+        return
+    entries = list(pools.values())
+    pools.clear()
+    mem_pools = [entry[0] for entry in entries]
+    allocators = [entry[1] for entry in entries]
+    entries.clear()
+    mem_pools.clear()
+    gc.collect()
+    allocators.clear()
 
 
 def check_installed(options: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> VersionStatus:

@@ -31,6 +31,7 @@ from genengine.engine.checkpoint import vocab_size, weight_spec
 from genengine.engine.environ import scoped_environ
 from genengine.engine.lifecycle import track_engine, untrack_engine
 from genengine.errors import EngineStateError, InvalidArgumentError
+from genengine_vllm import compat
 from genengine_vllm._async import AsyncDriver, engine_stream
 from genengine_vllm._process import (
     PROCESS_STATE,
@@ -164,6 +165,8 @@ class VLLMEngine(VLLMAdapters, AsyncEngineBase):  # type: ignore[misc,override] 
             # torchrun's rank variables: read only while vLLM starts (see start_environ).
             with scoped_environ(start_environ(topology)), preserve_rng_states():
                 llm = vllm.LLM(**kwargs)
+            if self.settings.enable_sleep:
+                compat.release_cumem_pools_at_exit()
         except BaseException:
             # A failed start (e.g. out of memory) leaves vLLM's process-global groups behind; clear them so a
             # later engine can start, and keep the trainer's default group.

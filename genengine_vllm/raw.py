@@ -45,6 +45,10 @@ class RawVLLMEngine:
             kwargs = build_llm_kwargs(settings, external_launcher=self._topology is not None, group_seed=self._seed)
             with scoped_environ(start_environ(self._topology)), preserve_rng_states():  # as ours: only while it starts
                 self.llm = self._vllm.LLM(**kwargs)
+            if self._claimed:
+                from genengine_vllm.compat import release_cumem_pools_at_exit
+
+                release_cumem_pools_at_exit()
         except BaseException:
             self.close()
             raise

@@ -79,6 +79,10 @@ USES: tuple[str, ...] = (
     "vllm.v1.executor.abstract:Executor.shutdown",
     "vllm.v1.core.sched.scheduler:Scheduler.shutdown",
     "?vllm.device_allocator.cumem:CuMemAllocator",
+    # compat.release_cumem_pools_at_exit: the sleep allocator's pools, released before finalization
+    "vllm.device_allocator.cumem:CuMemAllocator.release_pools",
+    "vllm.device_allocator.cumem:CuMemAllocator.allocator_and_pools",
+    "vllm.device_allocator.cumem:CuMemAllocator.instance",
     # _async.py: the driver that steps the engine for streamed requests
     "vllm.sampling_params:RequestOutputKind.DELTA",
     "vllm.sampling_params:RequestOutputKind.FINAL_ONLY",

@@ -273,3 +273,57 @@ def test_sglang_graph_options_follow_the_release() -> None:
         check_graph_memory_saver({**on, "enable_breakable_cuda_graph": True}, env, old)
     with pytest.raises(ConfigError, match="prefill, its default"):
         check_graph_memory_saver(on, env, new)
+
+
+def test_vllm_sleep_pools_are_released_before_finalization_where_vllm_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.24.0 leaves its sleep allocator's ``(MemPool, allocator)`` pairs to interpreter finalization (an
+    abort when GC frees an allocator before its pool): compat registers 0.26.0's release at exit, pools first,
+    then allocators; a release with ``release_pools`` (0.25.0 on) registers its own, and compat none."""
+    import atexit
+    import weakref
+
+    from genengine_vllm import compat
+
+    freed: list[str] = []
+
+    class Pool:
+        pass
+
+    class Allocator:
+        pass
+
+    def pair(tag: str) -> tuple[Pool, Allocator]:
+        pool, allocator = Pool(), Allocator()
+        weakref.finalize(pool, freed.append, f"pool:{tag}")
+        weakref.finalize(allocator, freed.append, f"allocator:{tag}")
+        return pool, allocator
+
+    class Old:  # 0.24.0's CuMemAllocator, in the part that matters
+        instance: Any = None
+
+        def __init__(self) -> None:
+            self.allocator_and_pools = {"weights": pair("weights"), "kv_cache": pair("kv_cache")}
+
+    class New(Old):
+        def release_pools(self) -> None: ...
+
+    registered: list[Any] = []
+    monkeypatch.setattr(atexit, "register", lambda fn, *args: registered.append((fn, args)))
+    monkeypatch.setattr(compat, "_CUMEM_EXIT_REGISTERED", False)
+    _fake(monkeypatch, "vllm.device_allocator.cumem", CuMemAllocator=New)
+    assert compat.release_cumem_pools_at_exit() is False and registered == []
+    _fake(monkeypatch, "vllm.device_allocator.cumem", CuMemAllocator=Old)
+    Old.instance = Old()
+    try:
+        assert compat.release_cumem_pools_at_exit() is True
+        assert compat.release_cumem_pools_at_exit() is False and len(registered) == 1  # once per process
+        fn, args = registered[0]
+        assert freed == []
+        fn(*args)
+        assert Old.instance.allocator_and_pools == {}
+        assert sorted(freed[:2]) == ["pool:kv_cache", "pool:weights"]
+        assert sorted(freed[2:]) == ["allocator:kv_cache", "allocator:weights"]
+    finally:
+        Old.instance = None
