@@ -142,10 +142,14 @@ class VLLMAdapters:
 
     def _refresh_lora_mapping(self) -> None:
         """After vLLM's ``add_lora``/``remove_lora`` (under the lock, between steps): a release that would keep
-        the running batch's stale slot metadata rebuilds it at the next step (``compat.refresh_lora_mapping``)."""
+        the running batch's stale slot metadata rebuilds it at the next step (``compat.refresh_lora_mapping``).
+        A release that needs none (0.26.0 on) answers so once, and is not asked again."""
         from genengine_vllm import _lora_memory
 
-        self._llm.collective_rpc(_lora_memory.refresh_mapping)
+        if self.__dict__.get("_lora_mapping_kept_right"):
+            return
+        if not any(self._llm.collective_rpc(_lora_memory.refresh_mapping)):
+            self.__dict__["_lora_mapping_kept_right"] = True
 
     def _add_adapter(self, adapter: Adapter, replaced: Adapter | None) -> None:
         import time

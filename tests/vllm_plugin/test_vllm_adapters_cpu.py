@@ -75,9 +75,10 @@ class _State:
 class _FakeEngine(VLLMAdapters, AdapterHost):
     adapter_sync = "folder"  # the PEFT-folder way (the in-memory one: test_vllm_lora_memory_cpu.py)
 
-    def __init__(self) -> None:
+    def __init__(self, *, mapping_goes_stale: bool = True) -> None:
         self.settings = types.SimpleNamespace(llm_options={"enable_lora": True, "max_lora_rank": 8})
         self.calls: list[tuple[str, int]] = []
+        self.mapping_goes_stale = mapping_goes_stale  # the worker's answer to refresh_mapping (vLLM < 0.26.0)
         self.accept = True
         self.state = _State()
         outer = self
@@ -94,7 +95,7 @@ class _FakeEngine(VLLMAdapters, AdapterHost):
 
         def collective_rpc(fn: Any, args: tuple[Any, ...] = ()) -> list[Any]:
             outer.calls.append((fn.__name__, -1))
-            return [False]
+            return [outer.mapping_goes_stale]
 
         self._llm = types.SimpleNamespace(llm_engine=Engine(), collective_rpc=collective_rpc)
         self._lock = contextlib.nullcontext
@@ -141,6 +142,20 @@ def test_a_replaced_adapter_is_removed_once_idle(lora_request_module: None) -> N
     engine._adapters_by_name = {"policy": second}  # type: ignore[attr-defined]
     engine._remove_adapter_dirs()
     assert not os.path.exists(second.handle.lora_path)
+
+
+def test_a_release_that_keeps_its_slot_mapping_right_is_asked_once(lora_request_module: None) -> None:
+    # vLLM 0.26.0 on compares the slot layout itself: its worker answers False, and no later sync asks again.
+    engine = _FakeEngine(mapping_goes_stale=False)
+    previous = None
+    for uid in (1, 2, 3):
+        adapter = _adapter(uid)
+        engine._add_adapter(adapter, previous)
+        if previous is not None:
+            engine._drop_adapter(previous)
+        previous = adapter
+    assert [c for c in engine.calls if c[0] == "refresh_mapping"] == [("refresh_mapping", -1)], engine.calls
+    assert [c[0] for c in engine.calls].count("add") == 3
 
 
 def test_vllm_refusing_an_adapter_is_an_error_and_leaves_no_folder(lora_request_module: None) -> None:
