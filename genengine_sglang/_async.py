@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from genengine.errors import EngineStateError, InvalidArgumentError
 from genengine_sglang._loop import LoopThread
-from genengine_sglang.compat import request_prompt_ids
+from genengine_sglang.compat import incremental_streaming, request_prompt_ids
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.mapping import SglEntry, finish_from_sglang, sampling_to_sglang, stream_delta
 
@@ -378,7 +378,7 @@ class AsyncDriver:
         self._emit(sample, ids, logprobs)
         if reason is not None:
             finish, stop_reason = finish_from_sglang(reason, params)
-            if sample.segments == 1 and not self._tm.incremental_streaming_output:  # cumulative chunks: the whole text
+            if sample.segments == 1 and not incremental_streaming(self._tm):  # cumulative chunks: the whole text
                 text = out.get("text")  # the whole text, as the sync path gets it
             else:
                 text = self._decode(sample.tokens)

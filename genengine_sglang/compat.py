@@ -27,6 +27,7 @@ __all__ = [
     "VERIFIED",
     "check_installed",
     "graph_options",
+    "incremental_streaming",
     "local_serialized_tensor",
     "prompt_ids_returned",
     "recorded_server_args",
@@ -62,6 +63,7 @@ _GRAPH_BACKENDS = (
 )
 _OLDER_THAN_0514 = ("0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1")
 _LORA_TENSORS = "sglang.srt.managers.io_struct:LoadLoRAAdapterFromTensorsReqInput.serialized_named_tensors"
+_TM_INCREMENTAL = "sglang.srt.managers.tokenizer_manager:TokenizerManager.incremental_streaming_output"
 
 BRANCHES: Mapping[str, tuple[str, ...]] = {
     # prompt_ids_returned / request_prompt_ids: GenerateReqInput.return_prompt_token_ids came in 0.5.13.
@@ -75,6 +77,8 @@ BRANCHES: Mapping[str, tuple[str, ...]] = {
     _GRAPHS_ONE: ("0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17"),
     # adapters.lora_from_tensors: adapters from tensors one payload per TP rank (the field genengine sends) in 0.5.17.
     _LORA_TENSORS: (*_OLDER_THAN_0514, "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16"),
+    # incremental_streaming: the tokenizer manager copies the server argument onto itself from 0.5.16.
+    _TM_INCREMENTAL: (*_OLDER_THAN_0514, "0.5.14", "0.5.15", "0.5.15.post1"),
 }
 """Each use of ``genengine_sglang.upstream.USES`` that some supported releases lack → those releases."""
 
@@ -153,6 +157,17 @@ def graph_options(max_bs: int, server_args: Iterable[str] | None = None) -> dict
     if split_graph_options(recorded_server_args() if server_args is None else server_args):
         return {"cuda_graph_max_bs_decode": max_bs, "disable_prefill_cuda_graph": True}
     return {"cuda_graph_max_bs": max_bs, "disable_piecewise_cuda_graph": True}
+
+
+def incremental_streaming(tokenizer_manager: Any) -> bool:
+    """Whether SGLang's streamed chunks are deltas (``incremental_streaming_output``) rather than cumulative.
+
+    The tokenizer manager holds its own copy from 0.5.16; before (0.5.12 - 0.5.15.post1) only its
+    ``server_args`` has it, and reading the manager's attribute there fails every stream at its last chunk."""
+    value = getattr(tokenizer_manager, "incremental_streaming_output", None)
+    if value is None:
+        value = tokenizer_manager.server_args.incremental_streaming_output
+    return bool(value)
 
 
 def local_serialized_tensor() -> Any:

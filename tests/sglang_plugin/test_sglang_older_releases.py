@@ -1,0 +1,93 @@
+"""What the plugin does where SGLang 0.5.12 - 0.5.15 behave unlike 0.5.17 (names existing is not behaving the
+same): fakes shaped like those releases' objects, read from their wheels, drive the plugin's own code paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import types
+from typing import Any
+
+import pytest
+
+from genengine.requests import normalize_requests
+from genengine_sglang import compat
+from genengine_sglang.mapping import build_entries
+
+
+def _manager_0512(incremental: bool) -> Any:
+    """0.5.12 - 0.5.15.post1: the flag lives on the server args only (``tokenizer_manager.py``:
+    ``self.server_args.incremental_streaming_output``); 0.5.16 copies it onto the manager."""
+    return types.SimpleNamespace(server_args=types.SimpleNamespace(incremental_streaming_output=incremental))
+
+
+def test_incremental_streaming_is_read_where_each_release_keeps_it() -> None:
+    assert compat.incremental_streaming(_manager_0512(False)) is False
+    assert compat.incremental_streaming(_manager_0512(True)) is True
+    newer = types.SimpleNamespace(incremental_streaming_output=True, server_args=None)  # 0.5.16 on
+    assert compat.incremental_streaming(newer) is True
+
+
+class _StreamingManager0512:
+    """A 0.5.12 tokenizer manager streaming one request in cumulative chunks, the last one with the whole
+    text (``_wait_one_response`` resolves it); no ``incremental_streaming_output`` attribute of its own."""
+
+    tokenizer = None
+
+    def __init__(self) -> None:
+        self.server_args = types.SimpleNamespace(incremental_streaming_output=False)
+        self.rid_to_state: dict[str, Any] = {}
+
+    async def generate_request(self, obj: Any, request: Any) -> Any:
+        self.rid_to_state[obj.rid] = obj
+        try:
+            yield {"output_ids": [7], "meta_info": {"completion_tokens": 1, "finish_reason": None}}
+            await asyncio.sleep(0)
+            yield {
+                "text": "seven eight",
+                "output_ids": [7, 8],
+                "meta_info": {"completion_tokens": 2, "finish_reason": {"type": "length", "length": 2}},
+            }
+        finally:
+            self.rid_to_state.pop(obj.rid, None)
+
+    def abort_request(self, rid: str) -> None:
+        self.rid_to_state.pop(rid, None)
+
+
+def test_a_stream_ends_on_a_0512_tokenizer_manager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The async driver's last chunk asks whether chunks are cumulative: on 0.5.12 reading the manager's
+    own attribute failed every stream at its end (``AttributeError`` → the request failed)."""
+    from genengine.engine.aio import AsyncRequest
+    from genengine_sglang._async import AsyncDriver
+    from genengine_sglang._loop import LoopThread
+
+    io_struct = types.ModuleType("sglang.srt.managers.io_struct")
+    io_struct.GenerateReqInput = lambda **kw: types.SimpleNamespace(**kw)  # type: ignore[attr-defined]
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
+    monkeypatch.setattr(compat, "prompt_ids_returned", lambda: True)
+
+    sgl_loop, caller_loop = asyncio.new_event_loop(), asyncio.new_event_loop()
+    driver = LoopThread(sgl_loop)
+    aio = AsyncDriver(
+        driver, _StreamingManager0512(), deterministic=False, processor=None, extra_key=lambda: None, timeout_s=30
+    )
+    requests = normalize_requests(None, {"temperature": 0, "max_new_tokens": 2}, prompt_token_ids=[[1, 2, 3]])
+    entries = build_entries(requests, deterministic=False, has_tokenizer=True)
+    handle = AsyncRequest("r0", requests[0], 0, caller_loop)
+    try:
+        aio.start(handle, entries)
+        deadline = time.monotonic() + 10
+        while not handle.done and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert handle.done and handle.error is None, handle.error
+        sample = handle.samples[0]
+        assert (sample.tokens, sample.finish, sample.text) == ([7, 8], "length", "seven eight")
+    finally:
+        driver.close(5)
+        sgl_loop.close()
+        caller_loop.close()
