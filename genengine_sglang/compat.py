@@ -27,6 +27,7 @@ __all__ = [
     "VERIFIED",
     "check_installed",
     "graph_options",
+    "graphs_off",
     "incremental_streaming",
     "local_serialized_tensor",
     "prompt_ids_returned",
@@ -71,7 +72,8 @@ BRANCHES: Mapping[str, tuple[str, ...]] = {
     # local_serialized_tensor: the class moved to model_runner_components.weight_updater in 0.5.16.
     _LST_NEW: ("0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1"),
     _LST_OLD: ("0.5.16", "0.5.17"),
-    # split_graph_options / graph_options: per-phase CUDA-graph options (decode, prefill) came in 0.5.14.
+    # split_graph_options / graph_options / graphs_off: per-phase CUDA-graph options (decode, prefill) came in
+    # 0.5.14; before, disable_cuda_graph left the (piecewise) prefill graphs on.
     _GRAPHS_SPLIT: _OLDER_THAN_0514,
     _GRAPH_BACKENDS: _OLDER_THAN_0514,
     _GRAPHS_ONE: ("0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17"),
@@ -168,6 +170,21 @@ def incremental_streaming(tokenizer_manager: Any) -> bool:
     if value is None:
         value = tokenizer_manager.server_args.incremental_streaming_output
     return bool(value)
+
+
+def graphs_off(kwargs: Mapping[str, Any], server_args: Iterable[str]) -> dict[str, Any]:
+    """What to add to ``sglang.Engine(**kwargs)`` so that ``disable_cuda_graph=True`` means no CUDA graphs on
+    this release too (``server_args``: its ``ServerArgs`` fields).
+
+    From 0.5.14 it switches off both phases (``ServerArgs`` resolves it into the per-phase graph config).
+    Before (0.5.12 - 0.5.13.post1) it stopped the decode graphs only: ``ModelRunner`` still captured the
+    piecewise prefill graphs, compiling the model with torch.compile at every start, in memory outside the
+    memory saver, unless ``disable_piecewise_cuda_graph``. A value the caller set for that wins."""
+    if not kwargs.get("disable_cuda_graph") or split_graph_options(server_args):
+        return {}
+    if "disable_piecewise_cuda_graph" in kwargs:
+        return {}
+    return {"disable_piecewise_cuda_graph": True}
 
 
 def local_serialized_tensor() -> Any:

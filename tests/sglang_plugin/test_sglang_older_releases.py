@@ -91,3 +91,56 @@ def test_a_stream_ends_on_a_0512_tokenizer_manager(monkeypatch: pytest.MonkeyPat
         driver.close(5)
         sgl_loop.close()
         caller_loop.close()
+
+
+def _server_args_fields(version: str) -> list[str]:
+    surface = compat.surface(version)
+    assert surface is not None
+    return list(surface["fields"]["sglang.srt.server_args:ServerArgs"])
+
+
+@pytest.mark.parametrize("version", compat.SUPPORTED)
+def test_disable_cuda_graph_turns_off_every_graph_on_each_release(version: str) -> None:
+    """0.5.12 - 0.5.13.post1's ``disable_cuda_graph`` leaves the piecewise prefill graphs on (``ModelRunner``
+    calls ``init_piecewise_cuda_graphs`` whatever it says: torch.compile at every start, memory outside the
+    saver); from 0.5.14 it resolves to both phases off. The added argument is one the release has."""
+    fields = _server_args_fields(version)
+    added = compat.graphs_off({"disable_cuda_graph": True}, fields)
+    old = version in ("0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1")
+    assert added == ({"disable_piecewise_cuda_graph": True} if old else {}), version
+    assert set(added) <= set(fields)
+    assert compat.graphs_off({"disable_cuda_graph": False}, fields) == {}
+    # the caller's own choice stands
+    assert compat.graphs_off({"disable_cuda_graph": True, "disable_piecewise_cuda_graph": False}, fields) == {}
+
+
+class _Started(Exception):
+    pass
+
+
+def test_launch_hands_sglang_0512_the_piecewise_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_process.launch`` builds ``sglang.Engine``'s arguments with it (an Engine stand-in records them;
+    ``ServerArgs`` has 0.5.12's recorded fields)."""
+    import dataclasses
+
+    from genengine_sglang import _process
+
+    fields = _server_args_fields("0.5.12")
+    server_args = dataclasses.make_dataclass("ServerArgs", [(f, Any, None) for f in fields])
+    seen: dict[str, Any] = {}
+
+    def engine(**kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise _Started
+
+    for name in ("sglang", "sglang.srt", "sglang.srt.entrypoints"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.entrypoints.engine", types.SimpleNamespace(Engine=engine))
+    monkeypatch.setitem(sys.modules, "sglang.srt.server_args", types.SimpleNamespace(ServerArgs=server_args))
+    with pytest.raises(_Started):
+        _process.launch({"model_path": "m", "disable_cuda_graph": True}, enable_sleep=False)
+    assert seen == {"model_path": "m", "disable_cuda_graph": True, "disable_piecewise_cuda_graph": True}
+    seen.clear()
+    with pytest.raises(_Started):
+        _process.launch({"model_path": "m", "disable_cuda_graph": False}, enable_sleep=False)
+    assert seen == {"model_path": "m", "disable_cuda_graph": False}
