@@ -30,6 +30,7 @@ __all__ = [
     "graphs_off",
     "incremental_streaming",
     "local_serialized_tensor",
+    "lora_tensors_per_rank",
     "prompt_ids_returned",
     "recorded_server_args",
     "request_prompt_ids",
@@ -77,7 +78,8 @@ BRANCHES: Mapping[str, tuple[str, ...]] = {
     _GRAPHS_SPLIT: _OLDER_THAN_0514,
     _GRAPH_BACKENDS: _OLDER_THAN_0514,
     _GRAPHS_ONE: ("0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17"),
-    # adapters.lora_from_tensors: adapters from tensors one payload per TP rank (the field genengine sends) in 0.5.17.
+    # lora_tensors_per_rank (adapters.py): adapters from tensors one payload per TP rank (the field genengine
+    # sends) in 0.5.17; before, one payload for every rank (serialized_tensors), which genengine does not send.
     _LORA_TENSORS: (*_OLDER_THAN_0514, "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16"),
     # incremental_streaming: the tokenizer manager copies the server argument onto itself from 0.5.16.
     _TM_INCREMENTAL: (*_OLDER_THAN_0514, "0.5.14", "0.5.15", "0.5.15.post1"),
@@ -185,6 +187,17 @@ def graphs_off(kwargs: Mapping[str, Any], server_args: Iterable[str]) -> dict[st
     if "disable_piecewise_cuda_graph" in kwargs:
         return {}
     return {"disable_piecewise_cuda_graph": True}
+
+
+def lora_tensors_per_rank(engine: Any = None) -> bool:
+    """Whether SGLang takes LoRA adapters from tensors as genengine sends them: one payload per TP rank
+    (``LoadLoRAAdapterFromTensorsReqInput.serialized_named_tensors``, ``Engine._serialize_tensors_per_rank``),
+    0.5.17 on; ``engine``: the started ``sglang.Engine``, whose serializer is checked too."""
+    from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+
+    if "serialized_named_tensors" not in inspect.signature(LoadLoRAAdapterFromTensorsReqInput).parameters:
+        return False
+    return engine is None or getattr(engine, "_serialize_tensors_per_rank", None) is not None
 
 
 def local_serialized_tensor() -> Any:

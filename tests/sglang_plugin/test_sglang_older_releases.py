@@ -144,3 +144,31 @@ def test_launch_hands_sglang_0512_the_piecewise_switch(monkeypatch: pytest.Monke
     with pytest.raises(_Started):
         _process.launch({"model_path": "m", "disable_cuda_graph": False}, enable_sleep=False)
     assert seen == {"model_path": "m", "disable_cuda_graph": False}
+
+
+def test_adapters_from_tensors_follow_the_request_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    """0.5.12 - 0.5.16's request has one payload for every rank (``serialized_tensors``, a dataclass), 0.5.17's
+    one per rank (``serialized_named_tensors``, and the Engine's per-rank serializer): only the latter is
+    what genengine sends; the adapters GPU test skips on the former."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Old:
+        lora_name: str
+        config_dict: dict[str, Any]
+        serialized_tensors: str
+
+    @dataclasses.dataclass
+    class New:
+        lora_name: str
+        config_dict: dict[str, Any]
+        serialized_named_tensors: list[bytes]
+
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    for cls, want in ((Old, False), (New, True)):
+        io_struct = types.SimpleNamespace(LoadLoRAAdapterFromTensorsReqInput=cls)
+        monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
+        assert compat.lora_tensors_per_rank() is want
+        assert compat.lora_tensors_per_rank(types.SimpleNamespace(_serialize_tensors_per_rank=print)) is want
+    assert compat.lora_tensors_per_rank(types.SimpleNamespace()) is False  # an Engine without the serializer
