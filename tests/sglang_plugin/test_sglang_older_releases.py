@@ -172,3 +172,89 @@ def test_adapters_from_tensors_follow_the_request_field(monkeypatch: pytest.Monk
         assert compat.lora_tensors_per_rank() is want
         assert compat.lora_tensors_per_rank(types.SimpleNamespace(_serialize_tensors_per_rank=print)) is want
     assert compat.lora_tensors_per_rank(types.SimpleNamespace()) is False  # an Engine without the serializer
+
+
+class _LosingAbortManager0512:
+    """0.5.12's abort path: ``TokenizerManager.abort_request`` sends ``AbortReq`` for any rid it knows, and the
+    scheduler drops one for a request it does not have yet (``Scheduler.abort_request`` searches its queues):
+    an abort between ``_init_req_state`` and ``_send_one_request`` is lost and the request runs to its end.
+    Here the request reaches the "scheduler" when ``gate`` opens; then one chunk per step until aborted."""
+
+    tokenizer = None
+
+    def __init__(self) -> None:
+        self.server_args = types.SimpleNamespace(incremental_streaming_output=False)
+        self.rid_to_state: dict[str, Any] = {}
+        self.scheduled: set[str] = set()
+        self.aborted: set[str] = set()
+        self.abort_calls: list[tuple[str, bool]] = []
+        self.steps = 0
+        self.gate: asyncio.Event | None = None
+
+    async def generate_request(self, obj: Any, request: Any) -> Any:
+        self.rid_to_state[obj.rid] = obj
+        self.gate = asyncio.Event()
+        try:
+            await self.gate.wait()  # tokenizing, or behind a weight update's lock
+            self.scheduled.add(obj.rid)
+            for step in range(1, 5000):
+                await asyncio.sleep(0.001)
+                self.steps += 1
+                if obj.rid in self.aborted:
+                    reason = {"type": "abort", "message": "aborted", "status_code": 200}
+                    yield {"output_ids": [], "meta_info": {"completion_tokens": step - 1, "finish_reason": reason}}
+                    return
+                yield {"output_ids": list(range(step)), "meta_info": {"completion_tokens": step, "finish_reason": None}}
+        finally:
+            self.rid_to_state.pop(obj.rid, None)
+
+    def abort_request(self, rid: str) -> None:
+        scheduled = rid in self.scheduled
+        self.abort_calls.append((rid, scheduled))
+        if scheduled:
+            self.aborted.add(rid)
+
+
+def test_an_abort_lost_before_the_scheduler_had_the_request_is_told_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Aborted while between the tokenizer manager and the scheduler (0.5.12 loses that abort): SGLang's next
+    chunk of the request makes the driver tell it again, and the request ends within a few steps instead of
+    running its 5000."""
+    from genengine.engine.aio import AsyncRequest
+    from genengine_sglang._async import AsyncDriver
+    from genengine_sglang._loop import LoopThread
+
+    io_struct = types.ModuleType("sglang.srt.managers.io_struct")
+    io_struct.GenerateReqInput = lambda **kw: types.SimpleNamespace(**kw)  # type: ignore[attr-defined]
+    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
+    monkeypatch.setattr(compat, "prompt_ids_returned", lambda: True)
+
+    sgl_loop, caller_loop = asyncio.new_event_loop(), asyncio.new_event_loop()
+    driver = LoopThread(sgl_loop)
+    tm = _LosingAbortManager0512()
+    aio = AsyncDriver(driver, tm, deterministic=False, processor=None, extra_key=lambda: None, timeout_s=30)
+    requests = normalize_requests(None, {"temperature": 0, "max_new_tokens": 5000}, prompt_token_ids=[[1, 2, 3]])
+    entries = build_entries(requests, deterministic=False, has_tokenizer=True)
+    handle = AsyncRequest("r0", requests[0], 0, caller_loop)
+
+    def until(check: Any) -> None:
+        deadline = time.monotonic() + 5
+        while not check() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert check()
+
+    try:
+        aio.start(handle, entries)
+        until(lambda: tm.rid_to_state and tm.gate is not None)
+        aio.abort([handle])  # the caller's abort: SGLang is told while the request is not scheduled yet
+        until(lambda: tm.abort_calls)
+        assert handle.done and handle.samples[0].finish == "abort"
+        sgl_loop.call_soon_threadsafe(tm.gate.set)  # type: ignore[union-attr]
+        assert driver.wait_idle(5), driver.describe()
+        assert [scheduled for _, scheduled in tm.abort_calls] == [False, True]
+        assert tm.steps < 200, tm.steps
+    finally:
+        driver.close(5)
+        sgl_loop.close()
+        caller_loop.close()
