@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from genengine.errors import EngineStateError, InvalidArgumentError
 from genengine_sglang._loop import LoopThread
-from genengine_sglang.compat import request_prompt_ids
+from genengine_sglang.compat import incremental_streaming, request_prompt_ids
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.mapping import SglEntry, finish_from_sglang, sampling_to_sglang, stream_delta
 
@@ -52,6 +52,8 @@ class _InFlight:
     """None; "drop": finished here, SGLang's answers are ignored; "park": held for a clear-cache resume."""
     parked: bool = False
     finished: bool = False
+    retold: bool = False
+    """The abort of the current SGLang request was told again (see ``AsyncDriver._tell_again``)."""
 
 
 class AsyncDriver:
@@ -241,6 +243,16 @@ class AsyncDriver:
         if sample.submitted and rid is not None:
             self._loop.soon(lambda: self._tm.abort_request(rid))
 
+    def _tell_again(self, sample: _InFlight) -> None:
+        """Under ``_lock``: SGLang still streams a request we told to stop; tell it once more (aborts are
+        idempotent). Before 0.5.17 an abort that came while the request was between the tokenizer manager and
+        the scheduler (tokenized, or waiting for a weight update's lock) reached the scheduler first, which
+        did not have it yet, and was lost: the request ran to its end. Its chunks come from the scheduler, so
+        the second abort finds it."""
+        if sample.submitted and not sample.retold:
+            sample.retold = True
+            self._tell_abort(sample)
+
     async def _pause_in_place(self) -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
@@ -300,6 +312,7 @@ class AsyncDriver:
         sample.rid = uuid.uuid4().hex
         sample.segments += 1
         sample.seen = 0
+        sample.retold = False
         sample.submitted = True
         return GenerateReqInput(rid=sample.rid, stream=True, sampling_params=sgl, **kwargs)
 
@@ -346,6 +359,7 @@ class AsyncDriver:
     def _take(self, sample: _InFlight, out: Mapping[str, Any]) -> None:
         """Under ``_lock``: one streamed chunk of ``sample``'s current SGLang request."""
         if sample.finished or sample.want == "drop":
+            self._tell_again(sample)
             return
         handle, params = sample.handle, sample.handle.params
         if sample.segments == 1 and handle.prompt_token_ids is None and out.get("prompt_token_ids") is not None:
@@ -365,6 +379,8 @@ class AsyncDriver:
             )
             self._failed(sample, error)
             return
+        if sample.want == "park":
+            self._tell_again(sample)
         ids, logprobs, sample.seen = stream_delta(out, sample.seen, logprobs=params.logprobs)
         if params.ignore_eos and params.stop_token_ids:
             # SGLang's ignore_eos disables stop_token_ids too (mapping.sampling_to_sglang): cut here, as the sync
@@ -378,7 +394,7 @@ class AsyncDriver:
         self._emit(sample, ids, logprobs)
         if reason is not None:
             finish, stop_reason = finish_from_sglang(reason, params)
-            if sample.segments == 1 and not self._tm.incremental_streaming_output:  # cumulative chunks: the whole text
+            if sample.segments == 1 and not incremental_streaming(self._tm):  # cumulative chunks: the whole text
                 text = out.get("text")  # the whole text, as the sync path gets it
             else:
                 text = self._decode(sample.tokens)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from genengine.engine.environ import scoped_environ, strip_expandable_segments
 from genengine.errors import BackendImportError, ConfigError, closest
+from genengine_sglang.compat import graphs_off
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.settings import check_graph_memory_saver
 
@@ -92,6 +93,7 @@ def launch(kwargs: Mapping[str, Any], *, enable_sleep: bool) -> tuple[Any, ExitH
         if key not in known:
             hint = closest(key, known)
             raise ConfigError(f"SGLang has no server argument {key!r}" + (f" (did you mean {hint!r}?)" if hint else ""))
+    kwargs = {**kwargs, **graphs_off(kwargs, known)}  # disable_cuda_graph: all graphs, on every release
     check_graph_memory_saver(kwargs, os.environ, known)
     trainer_sigterm = signal.getsignal(signal.SIGTERM)
     with engine_environment(enable_sleep):

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from genengine.adapters import Adapter
 from genengine.errors import ConfigError, GenEngineError
+from genengine_sglang.compat import lora_tensors_per_rank
 
 __all__ = [
     "ADAPTER_SYNC_MODES",
@@ -261,14 +262,11 @@ class SGLangAdapters:
         self._shared_buffers.clear()
 
     def _add_adapter(self, adapter: Adapter, replaced: Adapter | None) -> None:
-        import inspect
         import time
 
         from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
 
-        fields = inspect.signature(LoadLoRAAdapterFromTensorsReqInput).parameters
-        serialize = getattr(self._engine, "_serialize_tensors_per_rank", None)
-        if "serialized_named_tensors" not in fields or serialize is None:  # compat.BRANCHES: before 0.5.17
+        if not lora_tensors_per_rank(self._engine):  # compat.BRANCHES: before 0.5.17
             raise GenEngineError(
                 "this SGLang release cannot load adapters from tensors as genengine sends them: 0.5.17 can"
             )
@@ -302,11 +300,11 @@ class SGLangAdapters:
                 copied = time.perf_counter()
                 adapter.phases["flatten_s"] = copied - begin
                 # One payload per TP rank (load_format None: serialize it as it is), each a handle of the buffer.
-                payloads = serialize({"flattened_tensor": shared, "metadata": metadata}, None)
+                payloads = engine._serialize_tensors_per_rank({"flattened_tensor": shared, "metadata": metadata}, None)
                 load_format: str | None = "flattened_bucket"
             else:
                 copied = begin
-                payloads = serialize(sglang_tensors(adapter), None)
+                payloads = engine._serialize_tensors_per_rank(sglang_tensors(adapter), None)
                 load_format = None
             serialized = time.perf_counter()
             adapter.phases["serialize_s"] = serialized - copied

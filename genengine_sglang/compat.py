@@ -27,7 +27,10 @@ __all__ = [
     "VERIFIED",
     "check_installed",
     "graph_options",
+    "graphs_off",
+    "incremental_streaming",
     "local_serialized_tensor",
+    "lora_tensors_per_rank",
     "prompt_ids_returned",
     "recorded_server_args",
     "request_prompt_ids",
@@ -62,6 +65,7 @@ _GRAPH_BACKENDS = (
 )
 _OLDER_THAN_0514 = ("0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1")
 _LORA_TENSORS = "sglang.srt.managers.io_struct:LoadLoRAAdapterFromTensorsReqInput.serialized_named_tensors"
+_TM_INCREMENTAL = "sglang.srt.managers.tokenizer_manager:TokenizerManager.incremental_streaming_output"
 
 BRANCHES: Mapping[str, tuple[str, ...]] = {
     # prompt_ids_returned / request_prompt_ids: GenerateReqInput.return_prompt_token_ids came in 0.5.13.
@@ -69,12 +73,16 @@ BRANCHES: Mapping[str, tuple[str, ...]] = {
     # local_serialized_tensor: the class moved to model_runner_components.weight_updater in 0.5.16.
     _LST_NEW: ("0.5.12", "0.5.12.post1", "0.5.13", "0.5.13.post1", "0.5.14", "0.5.15", "0.5.15.post1"),
     _LST_OLD: ("0.5.16", "0.5.17"),
-    # split_graph_options / graph_options: per-phase CUDA-graph options (decode, prefill) came in 0.5.14.
+    # split_graph_options / graph_options / graphs_off: per-phase CUDA-graph options (decode, prefill) came in
+    # 0.5.14; before, disable_cuda_graph left the (piecewise) prefill graphs on.
     _GRAPHS_SPLIT: _OLDER_THAN_0514,
     _GRAPH_BACKENDS: _OLDER_THAN_0514,
     _GRAPHS_ONE: ("0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17"),
-    # adapters.lora_from_tensors: adapters from tensors one payload per TP rank (the field genengine sends) in 0.5.17.
+    # lora_tensors_per_rank (adapters.py): adapters from tensors one payload per TP rank (the field genengine
+    # sends) in 0.5.17; before, one payload for every rank (serialized_tensors), which genengine does not send.
     _LORA_TENSORS: (*_OLDER_THAN_0514, "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16"),
+    # incremental_streaming: the tokenizer manager copies the server argument onto itself from 0.5.16.
+    _TM_INCREMENTAL: (*_OLDER_THAN_0514, "0.5.14", "0.5.15", "0.5.15.post1"),
 }
 """Each use of ``genengine_sglang.upstream.USES`` that some supported releases lack → those releases."""
 
@@ -153,6 +161,43 @@ def graph_options(max_bs: int, server_args: Iterable[str] | None = None) -> dict
     if split_graph_options(recorded_server_args() if server_args is None else server_args):
         return {"cuda_graph_max_bs_decode": max_bs, "disable_prefill_cuda_graph": True}
     return {"cuda_graph_max_bs": max_bs, "disable_piecewise_cuda_graph": True}
+
+
+def incremental_streaming(tokenizer_manager: Any) -> bool:
+    """Whether SGLang's streamed chunks are deltas (``incremental_streaming_output``) rather than cumulative.
+
+    The tokenizer manager holds its own copy from 0.5.16; before (0.5.12 - 0.5.15.post1) only its
+    ``server_args`` has it, and reading the manager's attribute there fails every stream at its last chunk."""
+    value = getattr(tokenizer_manager, "incremental_streaming_output", None)
+    if value is None:
+        value = tokenizer_manager.server_args.incremental_streaming_output
+    return bool(value)
+
+
+def graphs_off(kwargs: Mapping[str, Any], server_args: Iterable[str]) -> dict[str, Any]:
+    """What to add to ``sglang.Engine(**kwargs)`` so that ``disable_cuda_graph=True`` means no CUDA graphs on
+    this release too (``server_args``: its ``ServerArgs`` fields).
+
+    From 0.5.14 it switches off both phases (``ServerArgs`` resolves it into the per-phase graph config).
+    Before (0.5.12 - 0.5.13.post1) it stopped the decode graphs only: ``ModelRunner`` still captured the
+    piecewise prefill graphs, compiling the model with torch.compile at every start, in memory outside the
+    memory saver, unless ``disable_piecewise_cuda_graph``. A value the caller set for that wins."""
+    if not kwargs.get("disable_cuda_graph") or split_graph_options(server_args):
+        return {}
+    if "disable_piecewise_cuda_graph" in kwargs:
+        return {}
+    return {"disable_piecewise_cuda_graph": True}
+
+
+def lora_tensors_per_rank(engine: Any = None) -> bool:
+    """Whether SGLang takes LoRA adapters from tensors as genengine sends them: one payload per TP rank
+    (``LoadLoRAAdapterFromTensorsReqInput.serialized_named_tensors``, ``Engine._serialize_tensors_per_rank``),
+    0.5.17 on; ``engine``: the started ``sglang.Engine``, whose serializer is checked too."""
+    from sglang.srt.managers.io_struct import LoadLoRAAdapterFromTensorsReqInput
+
+    if "serialized_named_tensors" not in inspect.signature(LoadLoRAAdapterFromTensorsReqInput).parameters:
+        return False
+    return engine is None or getattr(engine, "_serialize_tensors_per_rank", None) is not None
 
 
 def local_serialized_tensor() -> Any:

@@ -45,6 +45,11 @@ USES: tuple[str, ...] = (
     "sglang.srt.managers.io_struct:PauseGenerationReqInput(mode)",
     "sglang.srt.managers.io_struct:ContinueGenerationReqInput",
     "sglang.srt.server_args:ServerArgs.incremental_streaming_output",
+    # compat.incremental_streaming: the manager's own copy from 0.5.16, its server_args' before
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager.incremental_streaming_output",
+    "sglang.srt.managers.tokenizer_manager:TokenizerManager.server_args",
+    "?sglang.srt.managers.tokenizer_manager:TokenizerManager.rid_to_state",
+    "?sglang.srt.managers.tokenizer_manager:TokenizerManager.is_pause",
     # _weightsync.py: weights through CUDA IPC
     "sglang.srt.entrypoints.engine:Engine.update_weights_from_tensor(load_format, flush_cache)",
     "sglang.srt.managers.tokenizer_manager:TokenizerManager.update_weights_from_tensor",

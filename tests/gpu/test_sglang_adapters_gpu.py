@@ -19,6 +19,16 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("sglang")
 
+from genengine_sglang.compat import lora_tensors_per_rank  # noqa: E402
+
+if not lora_tensors_per_rank():
+    pytest.skip(
+        "this SGLang takes LoRA adapters from tensors as one payload for every TP rank (before 0.5.17: "
+        "LoadLoRAAdapterFromTensorsReqInput.serialized_tensors); genengine sends one per rank "
+        "(serialized_named_tensors) and refuses adapter loads there (compat.BRANCHES)",
+        allow_module_level=True,
+    )
+
 from genengine import create_engine  # noqa: E402
 from genengine.adapters import supports_adapters  # noqa: E402
 from genengine.protocol import GenerationEngine  # noqa: E402
