@@ -57,19 +57,23 @@ class _StreamingManager0512:
         self.rid_to_state.pop(rid, None)
 
 
-def test_a_stream_ends_on_a_0512_tokenizer_manager(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The async driver's last chunk asks whether chunks are cumulative: on 0.5.12 reading the manager's
-    own attribute failed every stream at its end (``AttributeError`` → the request failed)."""
-    from genengine.engine.aio import AsyncRequest
-    from genengine_sglang._async import AsyncDriver
-    from genengine_sglang._loop import LoopThread
-
+@pytest.fixture
+def fake_io_struct(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's ``GenerateReqInput`` as a namespace (the driver builds one per request), prompt ids returned."""
     io_struct = types.ModuleType("sglang.srt.managers.io_struct")
     io_struct.GenerateReqInput = lambda **kw: types.SimpleNamespace(**kw)  # type: ignore[attr-defined]
     for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
         monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
     monkeypatch.setattr(compat, "prompt_ids_returned", lambda: True)
+
+
+def test_a_stream_ends_on_a_0512_tokenizer_manager(fake_io_struct: None) -> None:
+    """The async driver's last chunk asks whether chunks are cumulative: on 0.5.12 reading the manager's
+    own attribute failed every stream at its end (``AttributeError`` → the request failed)."""
+    from genengine.engine.aio import AsyncRequest
+    from genengine_sglang._async import AsyncDriver
+    from genengine_sglang._loop import LoopThread
 
     sgl_loop, caller_loop = asyncio.new_event_loop(), asyncio.new_event_loop()
     driver = LoopThread(sgl_loop)
@@ -215,20 +219,13 @@ class _LosingAbortManager0512:
             self.aborted.add(rid)
 
 
-def test_an_abort_lost_before_the_scheduler_had_the_request_is_told_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_abort_lost_before_the_scheduler_had_the_request_is_told_again(fake_io_struct: None) -> None:
     """Aborted while between the tokenizer manager and the scheduler (0.5.12 loses that abort): SGLang's next
     chunk of the request makes the driver tell it again, and the request ends within a few steps instead of
     running its 5000."""
     from genengine.engine.aio import AsyncRequest
     from genengine_sglang._async import AsyncDriver
     from genengine_sglang._loop import LoopThread
-
-    io_struct = types.ModuleType("sglang.srt.managers.io_struct")
-    io_struct.GenerateReqInput = lambda **kw: types.SimpleNamespace(**kw)  # type: ignore[attr-defined]
-    for name in ("sglang", "sglang.srt", "sglang.srt.managers"):
-        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "sglang.srt.managers.io_struct", io_struct)
-    monkeypatch.setattr(compat, "prompt_ids_returned", lambda: True)
 
     sgl_loop, caller_loop = asyncio.new_event_loop(), asyncio.new_event_loop()
     driver = LoopThread(sgl_loop)
