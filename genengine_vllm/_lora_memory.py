@@ -25,10 +25,15 @@ __all__ = ["drop_lora", "lora_manager", "refresh_mapping", "stage_lora"]
 _STORE = "_genengine_memory_loras"
 
 
+def _worker_manager(wrapper: Any) -> Any:
+    """The worker's ``LRUCacheWorkerLoRAManager`` (``GPUModelRunner.lora_manager``), or None without LoRA."""
+    worker = getattr(wrapper, "worker", wrapper)
+    return getattr(worker.model_runner, "lora_manager", None)
+
+
 def lora_manager(wrapper: Any) -> Any:
     """The worker's ``LRUCacheWorkerLoRAManager`` (``GPUModelRunner.lora_manager``), with our loader installed."""
-    worker = getattr(wrapper, "worker", wrapper)
-    manager = getattr(worker.model_runner, "lora_manager", None)
+    manager = _worker_manager(wrapper)
     if manager is None:
         raise RuntimeError("vLLM was started without LoRA (enable_lora=True)")
     if _STORE not in manager.__dict__:
@@ -119,8 +124,7 @@ def stage_lora(
 
 def drop_lora(wrapper: Any, uid: int) -> None:
     """Forget adapter ``uid``'s staged model (vLLM has removed it, or refused it)."""
-    worker = getattr(wrapper, "worker", wrapper)
-    manager = getattr(worker.model_runner, "lora_manager", None)
+    manager = _worker_manager(wrapper)
     if manager is not None:
         manager.__dict__.get(_STORE, {}).pop(uid, None)
 
@@ -130,8 +134,5 @@ def refresh_mapping(wrapper: Any) -> bool:
     vLLM release would keep a stale one (``compat.refresh_lora_mapping``). True when it had to."""
     from genengine_vllm.compat import refresh_lora_mapping
 
-    worker = getattr(wrapper, "worker", wrapper)
-    manager = getattr(worker.model_runner, "lora_manager", None)
-    if manager is None:
-        return False
-    return refresh_lora_mapping(manager._adapter_manager)
+    manager = _worker_manager(wrapper)
+    return manager is not None and refresh_lora_mapping(manager._adapter_manager)
