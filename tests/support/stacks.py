@@ -29,12 +29,19 @@ def processes_with_env(marker: str) -> list[int]:
 
 
 def dump_stacks_and_kill(marker: str, *, settle_s: float = 3.0) -> list[int]:
-    """SIGUSR1 to each process carrying ``marker``, ``settle_s`` for the dumps, then SIGKILL; the pids signalled."""
+    """SIGUSR1 to each process carrying ``marker``, ``settle_s`` for the dumps, then SIGKILL until none is left;
+    the pids signalled first."""
     pids = processes_with_env(marker)
-    for sig in (signal.SIGUSR1, signal.SIGKILL):
-        for pid in processes_with_env(marker) if sig == signal.SIGKILL else pids:
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(settle_s)
+    deadline = time.monotonic() + 5
+    while left := processes_with_env(marker):  # any started since are killed too; gone (or reaped) when we return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"processes {left} carrying {marker} outlived SIGKILL by 5 s")
+        for pid in left:
             with contextlib.suppress(OSError):
-                os.kill(pid, sig)
-        if sig == signal.SIGUSR1:
-            time.sleep(settle_s)
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
     return pids
