@@ -551,9 +551,13 @@ def test_a_pause_carries_samples_over_a_weight_update(setup: Setup, engine: Any)
         else:
             raise AssertionError("20 pauses found no completion in the middle of its sampling")
         assert engine.paused == "keep" and engine.in_flight > 0
-        held = engine.in_flight
+        # The requests held by the pause, by id: the worker may queue a new group meanwhile (in_flight grows).
+        held = {rid for rid, st in list(streams.items()) if not st.done}
+        assert held, "no request held by the pause"
         transfer.send_weights(iter(weights))
-        assert engine.weight_version == 1 and engine.in_flight == held, "the held requests survive the load"
+        assert engine.weight_version == 1, engine.weight_version
+        ended = sorted(rid for rid in held if streams[rid].done)
+        assert not ended and engine.in_flight >= len(held), f"the held requests survive the load; ended: {ended}"
         transfer.resume()
         worker.update_model_version(1)
         assert transfer.versions == [1]
