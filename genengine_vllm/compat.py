@@ -14,7 +14,8 @@ names: before 0.26.0 ``LoRAModelManager.set_adapter_mapping`` rebuilds the punic
 mapping changed, so an ``add_lora`` between steps that moves adapters between GPU slots (LRU eviction at
 ``max_loras``) leaves the running batch reading the wrong slots; ``refresh_lora_mapping`` forces the rebuild there.
 0.24.0 leaves its sleep allocator's pools to interpreter finalization, which can abort the exit ("pure virtual
-method called"); ``release_cumem_pools_at_exit`` releases them first, as 0.25.0 on do themselves.
+method called"), and keeps them, with the engine's memory, after the engine's shutdown; ``release_cumem_pools_at_exit``
+and ``release_cumem_pools`` release them, as 0.25.0 on do themselves (at exit and in ``Worker.shutdown``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ __all__ = [
     "check_installed",
     "recorded_engine_args",
     "refresh_lora_mapping",
+    "release_cumem_pools",
     "release_cumem_pools_at_exit",
     "surface",
 ]
@@ -49,7 +51,8 @@ SUPPORTED: tuple[str, ...] = ("0.24.0", "0.25.0", "0.25.1", "0.26.0")
 BRANCHES: Mapping[str, tuple[str, ...]] = {
     # _lora_memory.stage_lora: the name mapper vLLM's adapter loader uses, unstacked from 0.25.0 on.
     "vllm.model_executor.models.utils:WeightsMapper.get_unstacked_mapper": ("0.24.0",),
-    # release_cumem_pools_at_exit: vLLM drops its sleep pools before interpreter finalization, 0.25.0 on.
+    # release_cumem_pools(_at_exit): vLLM drops its sleep pools in Worker.shutdown and before interpreter
+    # finalization, 0.25.0 on.
     "vllm.device_allocator.cumem:CuMemAllocator.release_pools": ("0.24.0",),
     # refresh_lora_mapping: the punica mapping rebuilt when slots move under an unchanged batch, 0.26.0 on.
     "vllm.lora.model_manager:LRUCacheLoRAModelManager._last_slot_layout": ("0.24.0", "0.25.0", "0.25.1"),
@@ -90,6 +93,19 @@ def release_cumem_pools_at_exit() -> bool:
         return False
     atexit.register(_release_cumem_pools, cls)
     _CUMEM_EXIT_REGISTERED = True
+    return True
+
+
+def release_cumem_pools() -> bool:
+    """After a sleep-enabled engine's shutdown: release vLLM's sleep pools where its ``Worker.shutdown`` does
+    not (0.24.0), so that the engine's memory is free when shutdown returns and the process's next engine
+    starts on an allocator without a foreign pool (0.25.0 on call ``CuMemAllocator.release_pools`` there,
+    0.26.0 ``v1/worker/gpu_worker.py:1397-1405``). True when this released them."""
+    module = sys.modules.get("vllm.device_allocator.cumem")
+    cls = getattr(module, "CuMemAllocator", None)
+    if cls is None or hasattr(cls, "release_pools"):  # BRANCHES: 0.25.0 on
+        return False
+    _release_cumem_pools(cls)
     return True
 
 

@@ -512,6 +512,8 @@ class VLLMEngine(VLLMAdapters, AsyncEngineBase):  # type: ignore[misc,override] 
             if llm is not None and not self.released_tags:
                 last = not untrack_engine(self, VLLMEngine)
                 self._teardown(llm, last=last)
+                if self.settings.enable_sleep:
+                    compat.release_cumem_pools()  # one sleep engine per process: its pools are this engine's
         finally:
             untrack_engine(self)
             self._life.close()

@@ -73,6 +73,10 @@ class RawVLLMEngine:
                 self.llm.llm_engine.engine_core.shutdown()
             if self._topology is None:
                 PROCESS_STATE.vllm_world = None
+            if self._claimed:
+                from genengine_vllm.compat import release_cumem_pools
+
+                release_cumem_pools()
             self.llm = None
             gc.collect()
             torch.cuda.empty_cache()

@@ -280,7 +280,8 @@ def test_vllm_sleep_pools_are_released_before_finalization_where_vllm_does_not(
 ) -> None:
     """vLLM 0.24.0 leaves its sleep allocator's ``(MemPool, allocator)`` pairs to interpreter finalization (an
     abort when GC frees an allocator before its pool): compat registers 0.26.0's release at exit, pools first,
-    then allocators; a release with ``release_pools`` (0.25.0 on) registers its own, and compat none."""
+    then allocators, and releases them the same way at an engine's shutdown (0.24.0 keeps them, with the engine's
+    memory, after it); a release with ``release_pools`` (0.25.0 on) does both itself, and compat nothing."""
     import atexit
     import weakref
 
@@ -325,5 +326,14 @@ def test_vllm_sleep_pools_are_released_before_finalization_where_vllm_does_not(
         assert Old.instance.allocator_and_pools == {}
         assert sorted(freed[:2]) == ["pool:kv_cache", "pool:weights"]
         assert sorted(freed[2:]) == ["allocator:kv_cache", "allocator:weights"]
+        # At an engine's shutdown (0.25.0 on: Worker.shutdown does it), pools first, then their allocators.
+        freed.clear()
+        Old.instance = Old()
+        assert compat.release_cumem_pools() is True
+        assert Old.instance.allocator_and_pools == {}
+        assert sorted(freed[:2]) == ["pool:kv_cache", "pool:weights"] and len(freed) == 4
+        _fake(monkeypatch, "vllm.device_allocator.cumem", CuMemAllocator=New)
+        New.instance = New()
+        assert compat.release_cumem_pools() is False and len(New.instance.allocator_and_pools) == 2
     finally:
-        Old.instance = None
+        Old.instance = New.instance = None
