@@ -1,4 +1,4 @@
-"""genengine's SGLang backend (SGLang 0.5.17), and a drop-in for ``lightrft.strategy.sglang_utils``.
+"""genengine's SGLang backend (SGLang 0.5.12 - 0.5.17), and a drop-in for ``lightrft.strategy.sglang_utils``.
 
 ``SGLangEngine`` (the protocol engine), and LightRFT's ``get_sglang_engine``, ``get_sglang_engine_for_rollout``
 and ``RLGenerationEngine``, load lazily: importing this package (which ``genengine_sglang.plugin`` does, and

@@ -85,8 +85,10 @@ def launch(kwargs: Mapping[str, Any], *, enable_sleep: bool) -> tuple[Any, ExitH
         from sglang.srt.entrypoints.engine import Engine
         from sglang.srt.server_args import ServerArgs
     except ImportError as exc:
+        from genengine_sglang.compat import VERIFIED
+
         raise BackendImportError(
-            f"the sglang backend needs SGLang 0.5.17 (pip install 'genengine[sglang]'): {exc}"
+            f"the sglang backend needs {VERIFIED.requirement} (pip install 'genengine[sglang]'): {exc}"
         ) from exc
     known = {f.name for f in dataclasses.fields(ServerArgs)}
     for key in kwargs:

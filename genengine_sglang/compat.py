@@ -39,7 +39,7 @@ __all__ = [
     "with_prompt_ids",
 ]
 
-VERIFIED = VerifiedRange("sglang", minimum="0.5.17", maximum="0.5.17")
+VERIFIED = VerifiedRange("sglang", minimum="0.5.12", maximum="0.5.17")
 """Verified 2026-12-03 on the H200 with torch 2.11 (docs/deployment.md, "Supported engine versions")."""
 
 SUPPORTED: tuple[str, ...] = (
