@@ -1,4 +1,4 @@
-"""``SGLangEngine``: SGLang 0.5.17 behind genengine's protocol (``genengine.protocol.GenerationEngine``).
+"""``SGLangEngine``: SGLang (0.5.12 - 0.5.17) behind genengine's protocol (``genengine.protocol.GenerationEngine``).
 
 One engine per tensor-parallel group: the group's first rank (its *leader*) owns an ``sglang.Engine`` spanning
 the group's GPUs; every rank calls every method, the leader does the engine work, and its result (or error) is
