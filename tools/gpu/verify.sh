@@ -327,6 +327,9 @@ verl_run_s() {
   [ "$left" -lt "$t" ] && t=$left
   echo $(( t > 80 ? t - 40 : 40 ))
 }
+# pytest's faulthandler dump (run_tests.sh's GPU_TEST_HANG_S, 120 s) after the run's own limit: a healthy run
+# takes ~200 s, and the run's timeout dumps every process's stacks itself.
+verl_hang_s() { echo $(( $(verl_run_s) + 20 )); }
 for part in $PARTS; do
   case "$part" in
     suite) run_part suite 330 bash tools/gpu/run_tests.sh "$ENGINE" "$(PYTEST_J suite)" ;;
@@ -352,9 +355,9 @@ for part in $PARTS; do
     profile) run_part profile 240 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/profile_p1.py "$ENGINE" ;;
     adapters) run_part adapters 240 bash tools/gpu/run_tests.sh "$ENGINE" "tests/gpu/test_${ENGINE}_adapters_gpu.py" "$(PYTEST_J adapters)" ;;
     trl_async) run_part trl_async 360 bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_trl_async_gpu.py "$(PYTEST_J trl_async)" ;;
-    verl) run_part verl "${VERIFY_VERL_TIMEOUT_S:-420}" env GENENGINE_VERL_BASELINE=0 GENENGINE_VERL_RUN_TIMEOUT_S="$(verl_run_s)" \
+    verl) run_part verl "${VERIFY_VERL_TIMEOUT_S:-420}" env GENENGINE_VERL_BASELINE=0 GENENGINE_VERL_RUN_TIMEOUT_S="$(verl_run_s)" GPU_TEST_HANG_S="$(verl_hang_s)" \
             bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_verl_gpu.py "$(PYTEST_J verl)" ;;
-    verl_base) run_part verl_base "${VERIFY_VERL_TIMEOUT_S:-420}" env GENENGINE_VERL_BASELINE=only GENENGINE_VERL_RUN_TIMEOUT_S="$(verl_run_s)" \
+    verl_base) run_part verl_base "${VERIFY_VERL_TIMEOUT_S:-420}" env GENENGINE_VERL_BASELINE=only GENENGINE_VERL_RUN_TIMEOUT_S="$(verl_run_s)" GPU_TEST_HANG_S="$(verl_hang_s)" \
             bash tools/gpu/run_tests.sh "$ENGINE" tests/gpu/test_verl_gpu.py "$(PYTEST_J verl_base)" ;;
     lora) run_part lora 330 bash tools/gpu/run_tests.sh "$ENGINE" --script benchmarks/bench_lora_sync.py --backend "$ENGINE" \
             --json "$WORK/bench_lora_sync_$ENGINE.json" ;;
