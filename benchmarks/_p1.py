@@ -55,10 +55,13 @@ def measure(
     log: Callable[[str], None],
     samples: int = P1_SAMPLES,
     warmup: int = P1_WARMUP,
+    control: bool = False,
 ) -> dict[str, Any]:
     """One P1 row (graphs on or eager): start raw, then ours (``ours_mem_util(raw_took, free_now)`` gives
-    its fraction), alternate ``samples`` rounds, stop both. Errors are reported in the row, not raised."""
-    result: dict[str, Any] = {"cuda_graphs": graphs, "raw_mem_util": P1_RAW_SHARE}
+    its fraction), alternate ``samples`` rounds, stop both. ``control``: the second child is raw too (an A/A
+    row: what the start order and the halves of the GPU alone give the "ours" side, with nothing of ours in
+    it). Errors are reported in the row, not raised."""
+    result: dict[str, Any] = {"cuda_graphs": graphs, "raw_mem_util": P1_RAW_SHARE, "control": control}
     start = time.perf_counter()
     with_pair(
         script,
@@ -69,7 +72,8 @@ def measure(
         ours_mem_util=ours_mem_util,
         free_bytes=free_bytes,
         log=log,
-        name=f"P1 {'graphs' if graphs else 'eager'}",
+        name=f"P1 {'control' if control else 'graphs' if graphs else 'eager'}",
+        second="raw" if control else "ours",
     )
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
@@ -87,11 +91,15 @@ def with_pair(
     log: Callable[[str], None],
     env: dict[str, str] | None = None,
     name: str = "",
+    second: str = "ours",
 ) -> None:
     """Start raw, then ours (``ours_mem_util(raw_took, free_now)`` gives its fraction), each child's facts in
     ``result``; run ``body(ours, raw)``; close both, their exit codes in ``result["exit_codes"]``: P1's rows and
-    benchmarks/profile_p1.py alike. An error, starting them or in ``body``, goes in ``result["error"]`` and the
-    log (``name`` before it), not raised: what the children answered so far stays in ``result``."""
+    benchmarks/profile_p1.py alike. ``second="raw"`` starts a second raw engine in ours' place (P1's control
+    row). An error, starting them or in ``body``, goes in ``result["error"]`` and the log (``name`` before it),
+    not raised: what the children answered so far stays in ``result``."""
+    if second not in ("ours", "raw"):
+        raise ValueError(f"second={second!r}: allowed are 'ours' and 'raw'")
     label = "graphs" if graphs else "eager"
     children: list[SampleChild] = []
     try:
@@ -103,8 +111,9 @@ def with_pair(
         took = free0 - free1
         util = ours_mem_util(took, free1)
         result["ours_mem_util"] = round(util, 4)
-        log(f"P1 {label}: raw up ({took / (1 << 30):.1f} GiB); ours at mem_util {util:.3f}")
-        ours = SampleChild(f"ours ({label})", child_argv(script, model, "ours", graphs, util), env=env)
+        log(f"P1 {label}: raw up ({took / (1 << 30):.1f} GiB); {second} second at mem_util {util:.3f}")
+        name2 = "ours" if second == "ours" else "raw, started second"
+        ours = SampleChild(f"{name2} ({label})", child_argv(script, model, second, graphs, util), env=env)
         children.append(ours)
         result["ours_info"] = ours.wait_ready()
         result["ours_took_gib"] = round((free1 - free_bytes()) / (1 << 30), 2)
@@ -200,6 +209,13 @@ def serve_child(result_fd: int, start: Callable[[], Started]) -> None:
     os._exit(0)
 
 
+def labels(mode: str) -> tuple[str, str]:
+    """The report's two row names for one P1 mode (its tok/s pair, its ratio)."""
+    if mode == "control":
+        return "P1 generate tok/s, control (raw started second, raw)", "P1 raw started second / raw, control"
+    return f"P1 generate tok/s, {mode} (paired)", f"P1 ours / raw, {mode}"
+
+
 def cells(row: dict[str, Any]) -> tuple[str, str, str]:
     """(ours, raw, ours/raw) of one P1 row as table cells: medians with their spread (max - min, % of the
     median), the ratio with the range of the per-round ratios; an error in the first cell."""
@@ -218,13 +234,22 @@ def ratio(report_p1: dict[str, Any], mode: str = "graphs") -> float | None:
     return row["ratio"]["median"] if "ratio" in row else None
 
 
+MODES = ("graphs", "eager", "control")
+"""P1's rows: CUDA graphs on (what users run), eager, and ``control``: graphs on with raw in ours' place."""
+
+
 def modes(text: str) -> list[str]:
-    """``--p1-modes``: comma-separated from graphs, eager (in the order given); '' or 'none' for no P1."""
+    """``--p1-modes``: comma-separated from ``MODES`` (in the order given); '' or 'none' for no P1."""
     got = [m.strip() for m in text.split(",") if m.strip() and m.strip() != "none"]
-    bad = [m for m in got if m not in ("graphs", "eager")]
+    bad = [m for m in got if m not in MODES]
     if bad or len(set(got)) != len(got):
-        raise argparse.ArgumentTypeError(f"--p1-modes {text!r}: allowed are graphs and eager, each once")
+        raise argparse.ArgumentTypeError(f"--p1-modes {text!r}: allowed are {', '.join(MODES)}, each once")
     return got
+
+
+def measure_mode(mode: str, script: str, model: str, **kwargs: Any) -> dict[str, Any]:
+    """``measure`` for one of ``MODES``."""
+    return measure(script, model, graphs=mode != "eager", control=mode == "control", **kwargs)
 
 
 samples = int_at_least(10, "--p1-samples {text!r}: at least 10 rounds (1 % needs them)")

@@ -2,7 +2,7 @@
 
     PYTHONPATH=/tmp/site-proj:/tmp/site-sglang python3 benchmarks/bench_sglang.py [--json PATH] [--strict]
     (or: bash tools/gpu/run_tests.sh sglang --bench)
-    [--p1-only] [--p1-modes graphs,eager] [--p1-samples 12]
+    [--p1-only] [--p1-modes graphs,eager,control] [--p1-samples 12]
 
 Model: Qwen2-7B shapes (config.json and a small tokenizer only, ``load_format="dummy"``: random bf16 weights,
 15.2 GB, 339 tensors), memory fraction 0.6, no CUDA graphs, no radix cache, token-id prompts, as
@@ -17,7 +17,8 @@ this process, driven as a trainer drives it.
       memory, ours at the fraction of what is then free that takes as much), sampled in turn on the same
       prompts, 12 rounds after 2 warm-up ones; the median of the per-round ratios, each side's median and
       spread. Target (graphs): ours / raw >= 0.995. ``--p1-only``: this alone (graphs, ~150 s at 7B;
-      ``--p1-modes graphs,eager`` adds the eager row, ~90 s more).
+      ``--p1-modes graphs,eager`` adds the eager row, ~90 s more; ``control`` a row of raw started second
+      against raw, ~150 s: what the start order and the GPU's halves give the second engine, nothing of ours).
   P2  load_weights of all 339 tensors from trainer-held CUDA tensors, per variant (VARIANTS: handles at 1 GiB
       and 512 MiB per call, flattened 512 and 256 MiB buckets, handles in one call for comparison with raw,
       per-parameter as LightRFT): wall time of the call (it returns once SGLang has read the tensors), the
@@ -172,10 +173,10 @@ def ours_mem_util(took: int, free: int) -> float:
 
 def p1(model: str, modes: list[str], samples: int) -> dict[str, Any]:
     return {
-        mode: _p1.measure(
+        mode: _p1.measure_mode(
+            mode,
             __file__,
             model,
-            graphs=mode == "graphs",
             ours_mem_util=ours_mem_util,
             free_bytes=free_bytes,
             log=log,
@@ -591,8 +592,9 @@ def table(r: dict[str, Any]) -> str:
     p2, p3 = r.get("p2") or {}, r.get("p3") or {}
     for mode, row in (r.get("p1") or {}).items():
         ours_cell, raw_cell, ratio_cell = _p1.cells(row)
-        rows.append((f"P1 generate tok/s, {mode} (paired)", ours_cell, raw_cell))
-        rows.append((f"P1 ours / raw, {mode}", ratio_cell, ""))
+        pair_label, ratio_label = _p1.labels(mode)
+        rows.append((pair_label, ours_cell, raw_cell))
+        rows.append((ratio_label, ratio_cell, ""))
     for label, m in p2.items():
         if isinstance(m, dict) and "load_s" in m:
             rows.append(
@@ -697,7 +699,8 @@ def main() -> int:
         "--p1-modes",
         type=_p1.modes,
         default=None,
-        help="P1 rows, comma-separated from graphs,eager; '' for none (default: graphs,eager; --p1-only: graphs)",
+        help="P1 rows, comma-separated from graphs,eager,control (raw against raw: the start order's share); "
+        "'' for none (default: graphs,eager; --p1-only: graphs)",
     )
     ap.add_argument("--p1-samples", type=_p1.samples, default=_p1.P1_SAMPLES, help="paired rounds per P1 row")
     ap.add_argument("--raw-child", default=None, help=argparse.SUPPRESS)

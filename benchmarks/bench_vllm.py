@@ -1,7 +1,7 @@
 """The vllm backend at 7B scale on one GPU, with a raw ``vllm.LLM`` measured beside it in the same run.
 
     PYTHONPATH=/tmp/site-proj:/tmp/site-vllm python3 benchmarks/bench_vllm.py [--json PATH] [--strict]
-        [--p1-only] [--p1-modes graphs,eager] [--p1-samples 12]
+        [--p1-only] [--p1-modes graphs,eager,control] [--p1-samples 12]
 
 Model: Qwen2-7B shapes (config.json only, ``load_format="dummy"``: random bf16 weights, 15.2 GB), memory
 fraction 0.6, eager, no prefix cache, no tokenizer (token-id prompts), as shared/gpu/anchor_bench.py. The
@@ -13,7 +13,8 @@ exactly the ``vllm.LLM`` arguments genengine would pass; then ours in this proce
       once, each in a child process at 0.4 of the GPU, sampled in turn on the same prompts, 12 rounds after
       2 warm-up ones; the median of the per-round ratios, each side's median and spread. Target (graphs):
       ours / raw >= 0.995. ``--p1-only``: this alone (graphs, ~150 s at 7B; ``--p1-modes graphs,eager``
-      adds the eager row, ~90 s more).
+      adds the eager row, ~90 s more; ``control`` a row of raw started second against raw, ~150 s: what the
+      start order and the GPU's halves give the second engine with nothing of ours in it).
   P2  load_weights of all 339 tensors from trainer-held CUDA tensors, timed until the copies are done
       (torch.cuda.synchronize: the engine is in-process, so the next generate sees them; checked once by
       loading a zeroed final norm and reading uniform logprobs). The default (512 MiB buckets, which a list
@@ -165,10 +166,10 @@ def ours_mem_util(took: int, free: int) -> float:
 
 def p1(model: str, modes: list[str], samples: int) -> dict[str, Any]:
     return {
-        mode: _p1.measure(
+        mode: _p1.measure_mode(
+            mode,
             __file__,
             model,
-            graphs=mode == "graphs",
             ours_mem_util=ours_mem_util,
             free_bytes=free_bytes,
             log=log,
@@ -521,8 +522,9 @@ def table(r: dict[str, Any]) -> str:
 
     for mode, row in (r.get("p1") or {}).items():
         ours_cell, raw_cell, ratio_cell = _p1.cells(row)
-        add(f"P1 generate tok/s, {mode} (paired)", ours_cell, raw_cell)
-        add(f"P1 ours / raw, {mode}", ratio_cell, "", f">= {TARGETS['p1_ratio']}" if mode == "graphs" else "")
+        pair_label, ratio_label = _p1.labels(mode)
+        add(pair_label, ours_cell, raw_cell)
+        add(ratio_label, ratio_cell, "", f">= {TARGETS['p1_ratio']}" if mode == "graphs" else "")
     p2 = ours_.get("p2", {})
     for label in ("bucketed_512MiB", "bucketed_1GiB", "one_bucket", "per_param"):
         if label in p2:
@@ -635,7 +637,8 @@ def main() -> int:
         "--p1-modes",
         type=_p1.modes,
         default=None,
-        help="P1 rows, comma-separated from graphs,eager; '' for none (default: graphs,eager; --p1-only: graphs)",
+        help="P1 rows, comma-separated from graphs,eager,control (raw against raw: the start order's share); "
+        "'' for none (default: graphs,eager; --p1-only: graphs)",
     )
     ap.add_argument("--p1-samples", type=_p1.samples, default=_p1.P1_SAMPLES, help="paired rounds per P1 row")
     ap.add_argument("--p1-child", choices=("ours", "raw"), default=None, help=argparse.SUPPRESS)

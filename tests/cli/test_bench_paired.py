@@ -112,11 +112,13 @@ def test_bench_scripts_p1_arguments_and_cells(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.syspath_prepend(BENCHMARKS)
     import _p1
 
-    assert _p1.modes("graphs,eager") == ["graphs", "eager"]
+    assert _p1.modes("graphs,eager") == ["graphs", "eager"] and _p1.modes("control") == ["control"]
     assert _p1.modes("") == [] and _p1.modes("none") == []
     for bad in ("graph", "graphs,graphs"):
-        with pytest.raises(argparse.ArgumentTypeError, match="allowed are graphs and eager"):
+        with pytest.raises(argparse.ArgumentTypeError, match="allowed are graphs, eager, control, each once"):
             _p1.modes(bad)
+    assert _p1.labels("graphs") == ("P1 generate tok/s, graphs (paired)", "P1 ours / raw, graphs")
+    assert "raw started second" in _p1.labels("control")[1]
     assert _p1.samples("12") == 12
     for bad in ("9", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match="at least 10"):
@@ -216,6 +218,31 @@ def test_bench_scripts_p1_measure_starts_raw_then_ours_and_stops_both(tmp_path: 
     assert row["ours"]["n"] == row["raw"]["n"] == 10 and row["ratio"]["median"] > 1.0  # ours sleeps less
     assert sorted(stopped.read_text().splitlines()) == ["ours graphs=1 mem_util=0.6667", "raw graphs=1 mem_util=0.4000"]
     assert set(row["exit_codes"].values()) == {0}
+
+
+def test_bench_scripts_p1_control_row_starts_raw_twice(tmp_path: Path) -> None:
+    """P1's control row: raw in ours' place (graphs on), started second at the fraction ours would get, so the
+    ratio holds the start order's share and nothing of ours; the report says it is a control."""
+    _p1, script, stopped = _p1_with_stand_in(tmp_path)
+    free = iter([100, 60, 20])
+    logs: list[str] = []
+    row = _p1.measure_mode(
+        "control",
+        str(script),
+        "/nonexistent-model",
+        ours_mem_util=lambda took, now: took / now,
+        free_bytes=lambda: next(free),
+        log=logs.append,
+        samples=10,
+        warmup=1,
+    )
+    assert "error" not in row, row
+    assert row["control"] is True and row["cuda_graphs"] is True
+    assert row["raw_info"]["side"] == "raw" and row["ours_info"]["side"] == "raw"
+    assert 0.9 < row["ratio"]["median"] < 1.1  # the same stand-in engine on both sides
+    assert sorted(stopped.read_text().splitlines()) == ["raw graphs=1 mem_util=0.4000", "raw graphs=1 mem_util=0.6667"]
+    assert set(row["exit_codes"]) == {"raw (graphs)", "raw, started second (graphs)"}
+    assert any("raw second at mem_util 0.667" in line for line in logs), logs
 
 
 def test_bench_scripts_p1_measure_reports_a_failure_and_still_closes_the_child(tmp_path: Path) -> None:

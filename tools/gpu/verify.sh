@@ -11,7 +11,8 @@
 #
 # Env: VERIFY_BUDGET_S (540), VERIFY_PARTS (default "suite ray exit transport async", in that order of priority;
 #      also "pool": benchmarks/bench_pool.py by itself, "p1": bench_ENGINE.py --p1-only (ours and raw paired,
-#      CUDA graphs on, 12 rounds; ~150 s at 7B; VERIFY_P1_MODES=graphs,eager adds the eager row), "ipc": benchmarks/bench_ipc.py (torch's CUDA IPC against
+#      CUDA graphs on, 12 rounds; ~150 s at 7B; VERIFY_P1_MODES=graphs,eager adds the eager row, graphs,control
+#      a row of raw against raw, the start order's share of the ratio), "ipc": benchmarks/bench_ipc.py (torch's CUDA IPC against
 #      the driver's, per phase), "trl": where TRL is installed its two scripts, else one
 #      "skipped" row at no cost, "trl_grpo" or "trl_sync": one of them, "trl_step": benchmarks/bench_trl_step.py, only on request;
 #      "bench": bench_ENGINE.py without P1 (P2, P3, SGLang's level-2 memory per process; ~200 s),
@@ -163,7 +164,8 @@ for mode, row in (r.get("p1") or {}).items():
         out.append(f"{mode}: failed: {row.get('error', 'no samples')[:200]}")
         continue
     o, w, q = row["ours"], row["raw"], row["ratio"]
-    out.append(f"{mode}: ours/raw {q['median']:.4f} (rounds {q['min']:.3f}-{q['max']:.3f}, n={row['samples']}); "
+    who = "raw started second/raw" if mode == "control" else "ours/raw"
+    out.append(f"{mode}: {who} {q['median']:.4f} (rounds {q['min']:.3f}-{q['max']:.3f}, n={row['samples']}); "
                f"tok/s {o['median']:.0f} / {w['median']:.0f} (spread {o['spread_pct']:.1f} % / {w['spread_pct']:.1f} %); {row['seconds']:.0f} s")
 print("; ".join(out) or "no P1 rows")
 EOF
