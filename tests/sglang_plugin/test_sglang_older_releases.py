@@ -150,6 +150,60 @@ def test_launch_hands_sglang_0512_the_piecewise_switch(monkeypatch: pytest.Monke
     assert seen == {"model_path": "m", "disable_cuda_graph": False}
 
 
+def test_launch_refuses_adapters_before_sglang_starts_where_it_cannot_take_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On 0.5.12 - 0.5.16 (one adapter payload for every rank) ``enable_lora=True`` is refused before
+    ``sglang.Engine`` starts, naming the installed release and the one that takes adapters; 0.5.17's request
+    starts it."""
+    import dataclasses
+    import importlib.metadata
+
+    from genengine.errors import ConfigError
+    from genengine_sglang import _process
+
+    @dataclasses.dataclass
+    class Old:
+        serialized_tensors: str
+
+    @dataclasses.dataclass
+    class New:
+        serialized_named_tensors: list[bytes]
+
+    fields = _server_args_fields("0.5.12")
+    assert {"enable_lora", "max_lora_rank", "lora_target_modules"} <= set(fields)
+    server_args = dataclasses.make_dataclass("ServerArgs", [(f, Any, None) for f in fields])
+    started: list[dict[str, Any]] = []
+
+    def engine(**kwargs: Any) -> None:
+        started.append(kwargs)
+        raise _Started
+
+    for name in ("sglang", "sglang.srt", "sglang.srt.entrypoints", "sglang.srt.managers"):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "sglang.srt.entrypoints.engine", types.SimpleNamespace(Engine=engine))
+    monkeypatch.setitem(sys.modules, "sglang.srt.server_args", types.SimpleNamespace(ServerArgs=server_args))
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "0.5.12" if name == "sglang" else real_version(name)
+    )
+    lora = {"model_path": "m", "enable_lora": True, "max_lora_rank": 8, "lora_target_modules": ["q_proj"]}
+    monkeypatch.setitem(
+        sys.modules, "sglang.srt.managers.io_struct", types.SimpleNamespace(LoadLoRAAdapterFromTensorsReqInput=Old)
+    )
+    with pytest.raises(ConfigError, match=r"enable_lora=True: .*from 0\.5\.17 on, and sglang 0\.5\.12 is installed"):
+        _process.launch(lora, enable_sleep=False)
+    assert started == []
+    with pytest.raises(_Started):  # without adapters 0.5.12 starts
+        _process.launch({"model_path": "m", "enable_lora": False}, enable_sleep=False)
+    monkeypatch.setitem(
+        sys.modules, "sglang.srt.managers.io_struct", types.SimpleNamespace(LoadLoRAAdapterFromTensorsReqInput=New)
+    )
+    with pytest.raises(_Started):
+        _process.launch(lora, enable_sleep=False)
+    assert started[-1]["enable_lora"] is True
+
+
 def test_adapters_from_tensors_follow_the_request_field(monkeypatch: pytest.MonkeyPatch) -> None:
     """0.5.12 - 0.5.16's request has one payload for every rank (``serialized_tensors``, a dataclass), 0.5.17's
     one per rank (``serialized_named_tensors``, and the Engine's per-rank serializer): only the latter is
