@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from genengine.engine.environ import scoped_environ, strip_expandable_segments
 from genengine.errors import BackendImportError, ConfigError, closest
-from genengine_sglang.compat import graphs_off, lora_tensors_per_rank
+from genengine_sglang.compat import VERIFIED, graphs_off, lora_tensors_per_rank
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.settings import check_graph_memory_saver
 
@@ -94,8 +94,6 @@ def launch(kwargs: Mapping[str, Any], *, enable_sleep: bool) -> tuple[Any, ExitH
         from sglang.srt.entrypoints.engine import Engine
         from sglang.srt.server_args import ServerArgs
     except ImportError as exc:
-        from genengine_sglang.compat import VERIFIED
-
         raise BackendImportError(
             f"the sglang backend needs {VERIFIED.requirement} (pip install 'genengine[sglang]'): {exc}"
         ) from exc

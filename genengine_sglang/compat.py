@@ -40,7 +40,8 @@ __all__ = [
 ]
 
 VERIFIED = VerifiedRange("sglang", minimum="0.5.12", maximum="0.5.17")
-"""Verified 2026-12-03 on the H200 with torch 2.11 (docs/deployment.md, "Supported engine versions")."""
+"""Both ends verified on the H200 with torch 2.11 (0.5.17 2026-12-03, 0.5.12 2026-12-04; docs/deployment.md,
+"Supported engine versions")."""
 
 SUPPORTED: tuple[str, ...] = (
     "0.5.12",
@@ -78,8 +79,9 @@ BRANCHES: Mapping[str, tuple[str, ...]] = {
     _GRAPHS_SPLIT: _OLDER_THAN_0514,
     _GRAPH_BACKENDS: _OLDER_THAN_0514,
     _GRAPHS_ONE: ("0.5.14", "0.5.15", "0.5.15.post1", "0.5.16", "0.5.17"),
-    # lora_tensors_per_rank (adapters.py): adapters from tensors one payload per TP rank (the field genengine
-    # sends) in 0.5.17; before, one payload for every rank (serialized_tensors), which genengine does not send.
+    # lora_tensors_per_rank (adapters.py, _process.launch): adapters from tensors one payload per TP rank (the
+    # field genengine sends) in 0.5.17; before, one payload for every rank (serialized_tensors), which genengine
+    # does not send: enable_lora is refused there.
     _LORA_TENSORS: (*_OLDER_THAN_0514, "0.5.14", "0.5.15", "0.5.15.post1", "0.5.16"),
     # incremental_streaming: the tokenizer manager copies the server argument onto itself from 0.5.16.
     _TM_INCREMENTAL: (*_OLDER_THAN_0514, "0.5.14", "0.5.15", "0.5.15.post1"),

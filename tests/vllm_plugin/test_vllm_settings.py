@@ -209,3 +209,40 @@ def test_engine_scopes_its_environment(
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
     assert {k: os.environ.get(k) for k in _START_VARS} == outside
     vprocess.claim_sleep_slot(_FakeEngineArgs(), "after the failed start")  # any object a weakref can name
+
+
+@needs_no_vllm
+@pytest.mark.parametrize("enable_sleep", [True, False])
+def test_shutdown_releases_the_sleep_pools_after_the_teardown_where_vllm_does_not(
+    model_dir: Path, fake_vllm: Any, fresh_slot: Any, monkeypatch: pytest.MonkeyPatch, enable_sleep: bool
+) -> None:
+    """vLLM 0.24.0's ``Worker.shutdown`` keeps the sleep allocator's pools (and so the engine's memory, which
+    the GPU run showed: 42 GiB after shutdown); the engine's shutdown releases them after vLLM's own teardown,
+    pools before allocators, and only for a sleep engine (the process's one sleep engine owns them)."""
+    events: list[str] = []
+
+    class Pool:
+        def __del__(self) -> None:
+            events.append("pool freed")
+
+    class Old:  # 0.24.0's CuMemAllocator: no release_pools
+        instance: Any = None
+
+        def __init__(self) -> None:
+            self.allocator_and_pools = {"weights": (Pool(), object()), "kv_cache": (Pool(), object())}
+
+    _fake_module(monkeypatch, "vllm.device_allocator")
+    _fake_module(monkeypatch, "vllm.device_allocator.cumem", CuMemAllocator=Old)
+    monkeypatch.setattr(fake_vllm.LLM, "fail", False)
+    engine = _from_config(model_dir, enable_sleep=enable_sleep)
+    Old.instance = Old()
+    monkeypatch.setattr(engine._llm.llm_engine.engine_core, "shutdown", lambda: events.append("vllm teardown"))
+    try:
+        engine.shutdown()
+        if enable_sleep:
+            assert Old.instance.allocator_and_pools == {}
+            assert events == ["vllm teardown", "pool freed", "pool freed"]
+        else:
+            assert len(Old.instance.allocator_and_pools) == 2 and events == ["vllm teardown"]
+    finally:
+        Old.instance = None
