@@ -196,38 +196,16 @@ def _p1_with_stand_in(tmp_path: Path) -> tuple[ModuleType, Path, Path]:
     return _p1, script, stopped
 
 
-def test_bench_scripts_p1_measure_starts_raw_then_ours_and_stops_both(tmp_path: Path) -> None:
-    """_p1.measure with a stand-in bench script: raw starts first, ours gets the fraction measure computes from
-    what raw took, both are sampled in turn and stopped (their engines' stop called) at the end."""
+@pytest.mark.parametrize("mode", ["graphs", "control"])
+def test_bench_scripts_p1_measure_starts_raw_then_the_second_and_stops_both(tmp_path: Path, mode: str) -> None:
+    """_p1.measure with a stand-in bench script: raw starts first, the second child (ours; raw again in the
+    control row, which then holds the start order's share and nothing of ours) gets the fraction measure
+    computes from what raw took, both are sampled in turn and stopped (their engines' stop called) at the end."""
     _p1, script, stopped = _p1_with_stand_in(tmp_path)
-    free = iter([100, 60, 20])  # before raw, after raw (took 40), after ours
-    logs: list[str] = []
-    row = _p1.measure(
-        str(script),
-        "/nonexistent-model",
-        graphs=True,
-        ours_mem_util=lambda took, now: took / now,
-        free_bytes=lambda: next(free),
-        log=logs.append,
-        samples=10,
-        warmup=1,
-    )
-    assert "error" not in row, row
-    assert row["ours_mem_util"] == round(40 / 60, 4) and row["raw_mem_util"] == _p1.P1_RAW_SHARE
-    assert row["raw_info"]["side"] == "raw" and row["ours_info"]["side"] == "ours"
-    assert row["ours"]["n"] == row["raw"]["n"] == 10 and row["ratio"]["median"] > 1.0  # ours sleeps less
-    assert sorted(stopped.read_text().splitlines()) == ["ours graphs=1 mem_util=0.6667", "raw graphs=1 mem_util=0.4000"]
-    assert set(row["exit_codes"].values()) == {0}
-
-
-def test_bench_scripts_p1_control_row_starts_raw_twice(tmp_path: Path) -> None:
-    """P1's control row: raw in ours' place (graphs on), started second at the fraction ours would get, so the
-    ratio holds the start order's share and nothing of ours; the report says it is a control."""
-    _p1, script, stopped = _p1_with_stand_in(tmp_path)
-    free = iter([100, 60, 20])
+    free = iter([100, 60, 20])  # before raw, after raw (took 40), after the second
     logs: list[str] = []
     row = _p1.measure_mode(
-        "control",
+        mode,
         str(script),
         "/nonexistent-model",
         ours_mem_util=lambda took, now: took / now,
@@ -236,13 +214,21 @@ def test_bench_scripts_p1_control_row_starts_raw_twice(tmp_path: Path) -> None:
         samples=10,
         warmup=1,
     )
+    second = "ours" if mode == "graphs" else "raw"
     assert "error" not in row, row
-    assert row["control"] is True and row["cuda_graphs"] is True
-    assert row["raw_info"]["side"] == "raw" and row["ours_info"]["side"] == "raw"
-    assert 0.9 < row["ratio"]["median"] < 1.1  # the same stand-in engine on both sides
-    assert sorted(stopped.read_text().splitlines()) == ["raw graphs=1 mem_util=0.4000", "raw graphs=1 mem_util=0.6667"]
-    assert set(row["exit_codes"]) == {"raw (graphs)", "raw, started second (graphs)"}
-    assert any("raw second at mem_util 0.667" in line for line in logs), logs
+    assert row["control"] is (mode == "control") and row["cuda_graphs"] is True
+    assert row["ours_mem_util"] == round(40 / 60, 4) and row["raw_mem_util"] == _p1.P1_RAW_SHARE
+    assert row["raw_info"]["side"] == "raw" and row["ours_info"]["side"] == second
+    assert row["ours"]["n"] == row["raw"]["n"] == 10
+    if mode == "graphs":
+        assert row["ratio"]["median"] > 1.0  # ours sleeps less
+    else:
+        assert 0.9 < row["ratio"]["median"] < 1.1  # the same stand-in engine on both sides
+    assert sorted(stopped.read_text().splitlines()) == sorted(
+        [f"{second} graphs=1 mem_util=0.6667", "raw graphs=1 mem_util=0.4000"]
+    )
+    assert set(row["exit_codes"].values()) == {0} and len(row["exit_codes"]) == 2
+    assert any(f"{second} second at mem_util 0.667" in line for line in logs), logs
 
 
 def test_bench_scripts_p1_measure_reports_a_failure_and_still_closes_the_child(tmp_path: Path) -> None:
