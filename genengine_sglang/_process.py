@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from genengine.engine.environ import scoped_environ, strip_expandable_segments
 from genengine.errors import BackendImportError, ConfigError, closest
+from genengine.plugins.versions import installed_version
 from genengine_sglang.compat import VERIFIED, graphs_off, lora_tensors_per_rank
 from genengine_sglang.errors import SGLangEngineError
 from genengine_sglang.settings import check_graph_memory_saver
@@ -73,15 +74,6 @@ def engine_environment(enable_sleep: bool) -> Iterator[None]:
             multiprocessing.set_start_method(method, force=True)
 
 
-def _installed_version() -> str:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return "(version unknown)"
-
-
 def launch(kwargs: Mapping[str, Any], *, enable_sleep: bool) -> tuple[Any, ExitHandle]:
     """A started ``sglang.Engine(**kwargs)``, and the exit hook that stops its processes (and only those).
 
@@ -105,9 +97,10 @@ def launch(kwargs: Mapping[str, Any], *, enable_sleep: bool) -> tuple[Any, ExitH
     if kwargs.get("enable_lora") and not lora_tensors_per_rank():  # compat.BRANCHES: before 0.5.17
         # load_adapter sends the trainer's tensors one payload per TP rank: refused here, not at the first
         # load_adapter after the engine took its memory.
+        found = installed_version("sglang") or "(version unknown)"
         raise ConfigError(
             f"enable_lora=True: genengine loads adapters from the trainer's tensors, which SGLang takes as it sends "
-            f"them from 0.5.17 on, and sglang {_installed_version()} is installed; install sglang 0.5.17 for "
+            f"them from 0.5.17 on, and sglang {found} is installed; install sglang 0.5.17 for "
             "adapters, or leave enable_lora off"
         )
     kwargs = {**kwargs, **graphs_off(kwargs, known)}  # disable_cuda_graph: all graphs, on every release
