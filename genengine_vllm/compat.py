@@ -87,9 +87,8 @@ def release_cumem_pools_at_exit() -> bool:
     method called" (pytorch/pytorch#145168; 0.26.0 ``device_allocator/cumem.py:120-183``,
     ``CuMemAllocator.release_pools`` and its ``atexit`` hook). True when this registered the release."""
     global _CUMEM_EXIT_REGISTERED
-    module = sys.modules.get("vllm.device_allocator.cumem")
-    cls = getattr(module, "CuMemAllocator", None)
-    if cls is None or hasattr(cls, "release_pools") or _CUMEM_EXIT_REGISTERED:  # BRANCHES: 0.25.0 on
+    cls = _cumem_without_release()
+    if cls is None or _CUMEM_EXIT_REGISTERED:
         return False
     atexit.register(_release_cumem_pools, cls)
     _CUMEM_EXIT_REGISTERED = True
@@ -101,12 +100,20 @@ def release_cumem_pools() -> bool:
     not (0.24.0), so that the engine's memory is free when shutdown returns and the process's next engine
     starts on an allocator without a foreign pool (0.25.0 on call ``CuMemAllocator.release_pools`` there,
     0.26.0 ``v1/worker/gpu_worker.py:1397-1405``). True when this released them."""
-    module = sys.modules.get("vllm.device_allocator.cumem")
-    cls = getattr(module, "CuMemAllocator", None)
-    if cls is None or hasattr(cls, "release_pools"):  # BRANCHES: 0.25.0 on
+    cls = _cumem_without_release()
+    if cls is None:
         return False
     _release_cumem_pools(cls)
     return True
+
+
+def _cumem_without_release() -> Any:
+    """vLLM's ``CuMemAllocator`` where it was loaded and does not release its pools itself (0.24.0), else None."""
+    module = sys.modules.get("vllm.device_allocator.cumem")  # only if vLLM's allocator was ever loaded
+    cls = getattr(module, "CuMemAllocator", None)
+    if cls is None or hasattr(cls, "release_pools"):  # BRANCHES: 0.25.0 on
+        return None
+    return cls
 
 
 def _release_cumem_pools(cls: Any) -> None:
