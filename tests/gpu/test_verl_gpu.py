@@ -82,7 +82,7 @@ def _run(rollout: str, engine: str, out: Path, extra: list[str]) -> tuple[int, l
         try:
             proc.wait(timeout=RUN_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            dump_stacks_and_kill(f"GENENGINE_STACKS_DIR={stacks}")
+            dump_stacks_and_kill("GENENGINE_STACKS_DIR", str(stacks))
             proc.wait()
             pytest.fail(
                 f"the {rollout} run did not end in {RUN_TIMEOUT_S:g} s; every process's stacks are in {stacks}; "

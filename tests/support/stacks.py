@@ -11,35 +11,28 @@ import contextlib
 import os
 import signal
 import time
-from pathlib import Path
 
-__all__ = ["dump_stacks_and_kill", "processes_with_env"]
+from support.processes import find_by_environ
 
-
-def processes_with_env(marker: str) -> list[int]:
-    """The pids whose environment holds the entry ``marker`` (``NAME=value``), this process excluded."""
-    pids = []
-    for env_file in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if marker.encode() in env_file.read_bytes().split(b"\0"):
-                pids.append(int(env_file.parent.name))
-        except (OSError, ValueError):
-            continue
-    return [pid for pid in pids if pid != os.getpid()]
+__all__ = ["dump_stacks_and_kill"]
 
 
-def dump_stacks_and_kill(marker: str, *, settle_s: float = 3.0) -> list[int]:
-    """SIGUSR1 to each process carrying ``marker``, ``settle_s`` for the dumps, then SIGKILL until none is left;
-    the pids signalled first."""
-    pids = processes_with_env(marker)
+def _pids(key: str, value: str) -> list[int]:
+    return [p.pid for p in find_by_environ(key, value)]
+
+
+def dump_stacks_and_kill(key: str, value: str, *, settle_s: float = 3.0) -> list[int]:
+    """SIGUSR1 to each live process whose environment holds ``key=value``, ``settle_s`` for the dumps, then
+    SIGKILL until none is left; the pids signalled first."""
+    pids = _pids(key, value)
     for pid in pids:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGUSR1)
     time.sleep(settle_s)
     deadline = time.monotonic() + 5
-    while left := processes_with_env(marker):  # any started since are killed too; gone (or reaped) when we return
+    while left := _pids(key, value):  # any started since are killed too; gone (or zombies) when we return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"processes {left} carrying {marker} outlived SIGKILL by 5 s")
+            raise RuntimeError(f"processes {left} carrying {key}={value} outlived SIGKILL by 5 s")
         for pid in left:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)

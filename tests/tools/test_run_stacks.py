@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from support.stacks import dump_stacks_and_kill, processes_with_env
+from support.processes import find_by_environ
+from support.stacks import dump_stacks_and_kill
 
 SITE = Path(__file__).resolve().parents[1] / "support" / "verl_site"
 
@@ -25,7 +26,6 @@ child_waits()
 
 def test_every_process_of_a_stuck_run_dumps_its_stacks_then_dies(tmp_path: Path) -> None:
     stacks = tmp_path / "stacks"
-    marker = f"GENENGINE_STACKS_DIR={stacks}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SITE), os.environ.get("PYTHONPATH", "")])}
     env["GENENGINE_STACKS_DIR"] = str(stacks)
     run = subprocess.Popen(["bash", "-c", f"\"{sys.executable}\" -c '{CHILD}'; sleep 600"], env=env)
@@ -34,12 +34,12 @@ def test_every_process_of_a_stuck_run_dumps_its_stacks_then_dies(tmp_path: Path)
         assert time.monotonic() < deadline, "the Python processes never started"
         time.sleep(0.1)
     time.sleep(0.5)  # past the imports, into the sleeps
-    pids = dump_stacks_and_kill(marker, settle_s=2.0)
+    pids = dump_stacks_and_kill("GENENGINE_STACKS_DIR", str(stacks), settle_s=2.0)
     assert len(pids) == 3, pids  # bash, the child and the grandchild: found by their environment
     run.wait(timeout=10)
     dumps = "\n".join(f.read_text() for f in stacks.glob("stacks-*.txt"))
     assert "in child_waits" in dumps and "in grandchild_waits" in dumps, dumps
-    assert not processes_with_env(marker)
+    assert not find_by_environ("GENENGINE_STACKS_DIR", str(stacks))
 
 
 def test_trl_is_hidden_only_when_asked(tmp_path: Path) -> None:
