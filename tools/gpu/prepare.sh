@@ -108,6 +108,12 @@ if [ "${WITH_VERL:-0}" = 1 ]; then
   for pin in orjson==3.13.0 uvicorn==0.54.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1; do
     case " $PINS " in *" ${pin%%==*}=="*) ;; *) PINS="$PINS $pin" ;; esac
   done
+  # verl's own vllm rollout (the verl_base comparison) imports vLLM's OpenAI server, whose module-level imports
+  # need these; the image lacks them (H200, 2026-12-04: "No module named 'watchfiles'"; the rest found by reading
+  # the server's import chain in the 0.26.0 wheel).
+  if [ "$ENGINE" = vllm ]; then
+    PINS="$PINS watchfiles==1.1.1 model-hosting-container-standards==0.1.16 supervisor==4.3.0 jmespath==1.1.0"
+  fi
 fi
 
 # PINS_ONLY=1: print the wheels this kit would carry, one pin a line, and stop (nothing downloaded or written).
