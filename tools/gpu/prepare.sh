@@ -108,11 +108,12 @@ if [ "${WITH_VERL:-0}" = 1 ]; then
   for pin in orjson==3.13.0 uvicorn==0.54.0 datasets==5.2.0 multiprocess==0.70.19 dill==0.4.1; do
     case " $PINS " in *" ${pin%%==*}=="*) ;; *) PINS="$PINS $pin" ;; esac
   done
-  # verl's own vllm rollout (the verl_base comparison) imports vLLM's OpenAI server, whose module-level imports
-  # need these; the image lacks them (H200, 2026-12-04: "No module named 'watchfiles'"; the rest found by reading
-  # the server's import chain in the 0.26.0 wheel).
+  # verl's own vllm rollout (the verl_base comparison) runs vLLM's OpenAI server, which imports these and the image
+  # lacks them (found on the H200, 2026-12-04: the first two runs stopped on watchfiles, then on the instrumentator;
+  # importing every vllm.entrypoints module with this kit then missed only the multipart parser and optional gRPC).
   if [ "$ENGINE" = vllm ]; then
-    PINS="$PINS watchfiles==1.1.1 model-hosting-container-standards==0.1.16 supervisor==4.3.0 jmespath==1.1.0"
+    PINS="$PINS watchfiles==1.1.1 model-hosting-container-standards==0.1.16 supervisor==4.3.0 jmespath==1.1.0
+ prometheus-fastapi-instrumentator==7.1.0 python-multipart==0.0.20"
   fi
 fi
 
