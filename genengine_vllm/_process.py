@@ -22,6 +22,8 @@ __all__ = [
     "PROCESS_STATE",
     "check_sleep_slot",
     "claim_sleep_slot",
+    "drop_cuda_graphs",
+    "fresh_graph_pool",
     "import_vllm",
     "keep_default_group",
     "preserve_rng_states",
@@ -151,6 +153,38 @@ def _set_expandable_segments(enabled: bool) -> None:
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.memory._set_allocator_settings(f"expandable_segments:{enabled}")
+
+
+_GRAPH_WRAPPERS = (
+    ("vllm.compilation.cuda_graph", "CUDAGraphWrapper"),
+    ("vllm.compilation.breakable_cudagraph", "BreakableCUDAGraphWrapper"),
+)
+
+
+def drop_cuda_graphs() -> None:
+    """Before the process's last engine's teardown: destroy every CUDA graph vLLM's wrappers captured.
+
+    On CUDA vLLM leaves them to be collected whenever their wrappers die (its model runner drops them at shutdown
+    only on ROCm), and the wrappers outlive the engine (compiled code keeps them), so without this the graphs' pool
+    stays in use after shutdown and the next engine's start drops it in the middle of its own capture."""
+    for module, name in _GRAPH_WRAPPERS:
+        wrapper = getattr(sys.modules.get(module), name, None)
+        if wrapper is not None:
+            wrapper.clear_all_graphs()
+
+
+def fresh_graph_pool() -> None:
+    """After the process's last engine is gone: make the next engine capture into a new graph pool, as in a new
+    process.
+
+    vLLM shares one pool id per process (``Platform.get_global_graph_pool``). When the old pool's graphs are gone but
+    a block of it is still held, torch keeps the id registered with no user, and a capture into that id fails
+    torch's ``use_count > 0`` assert: the GPU suite hit it on vLLM 0.24.0, in the first graph engine after another
+    one shut down. A new id costs nothing; the old pool is freed with its last block."""
+    platform = getattr(sys.modules.get("vllm.platforms"), "_current_platform", None)  # set once vLLM resolved it
+    cls: Any = type(platform)
+    if platform is not None and getattr(cls, "_global_graph_pool", None) is not None:
+        cls._global_graph_pool = None
 
 
 def import_vllm() -> Any:

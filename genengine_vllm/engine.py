@@ -37,6 +37,8 @@ from genengine_vllm._process import (
     PROCESS_STATE,
     check_sleep_slot,
     claim_sleep_slot,
+    drop_cuda_graphs,
+    fresh_graph_pool,
     import_vllm,
     keep_default_group,
     preserve_rng_states,
@@ -506,6 +508,7 @@ class VLLMEngine(VLLMAdapters, AsyncEngineBase):  # type: ignore[misc,override] 
             driver.close()  # streams in flight end with "abort", keeping their tokens
         llm, self._llm = self._llm, None
         self._remove_adapter_dirs()
+        last = False
         try:
             # EngineBase woke every released tag first (wake_before_shutdown); when that wake failed, memory is
             # still unmapped and freeing it would poison the process's allocator: leave it to process exit.
@@ -523,6 +526,8 @@ class VLLMEngine(VLLMAdapters, AsyncEngineBase):  # type: ignore[misc,override] 
         # so the memory is free when shutdown returns, while the caller still holds the engine.
         del llm
         _free_gpu_memory()
+        if last:
+            fresh_graph_pool()
 
     def _teardown(self, llm: Any, *, last: bool) -> None:
         client = llm.llm_engine.engine_core
@@ -530,6 +535,7 @@ class VLLMEngine(VLLMAdapters, AsyncEngineBase):  # type: ignore[misc,override] 
             # EngineCore.shutdown → cleanup_dist_env_and_memory destroys vLLM's groups and the default group:
             # keep the default group when it is the trainer's.
             in_trainer_world = self.topology is not None
+            drop_cuda_graphs()  # no engine of this process replays them again
             with keep_default_group(in_trainer_world):
                 client.shutdown()
             if not in_trainer_world:

@@ -66,9 +66,16 @@ class RawVLLMEngine:
     def close(self) -> None:
         import torch
 
-        from genengine_vllm._process import PROCESS_STATE, keep_default_group, release_sleep_slot
+        from genengine_vllm._process import (
+            PROCESS_STATE,
+            drop_cuda_graphs,
+            fresh_graph_pool,
+            keep_default_group,
+            release_sleep_slot,
+        )
 
         if self.llm is not None:
+            drop_cuda_graphs()  # as ours: the next engine of this process captures into a pool of its own
             with keep_default_group(self._topology is not None):
                 self.llm.llm_engine.engine_core.shutdown()
             if self._topology is None:
@@ -80,6 +87,7 @@ class RawVLLMEngine:
             self.llm = None
             gc.collect()
             torch.cuda.empty_cache()
+            fresh_graph_pool()
         if self._claimed:
             release_sleep_slot(self._token)
             self._claimed = False

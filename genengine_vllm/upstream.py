@@ -78,6 +78,11 @@ USES: tuple[str, ...] = (
     "vllm.v1.structured_output:StructuredOutputManager.clear_backend",
     "vllm.v1.executor.abstract:Executor.shutdown",
     "vllm.v1.core.sched.scheduler:Scheduler.shutdown",
+    # _process.drop_cuda_graphs / fresh_graph_pool: the process's last engine leaves no graphs and a new pool id
+    "?vllm.compilation.cuda_graph:CUDAGraphWrapper.clear_all_graphs",
+    "?vllm.compilation.breakable_cudagraph:BreakableCUDAGraphWrapper.clear_all_graphs",
+    "?vllm.platforms:_current_platform",
+    "?vllm.platforms.interface:Platform._global_graph_pool",
     "?vllm.device_allocator.cumem:CuMemAllocator",
     # compat.release_cumem_pools_at_exit: the sleep allocator's pools, released before finalization
     "vllm.device_allocator.cumem:CuMemAllocator.release_pools",

@@ -246,3 +246,40 @@ def test_shutdown_releases_the_sleep_pools_after_the_teardown_where_vllm_does_no
             assert len(Old.instance.allocator_and_pools) == 2 and events == ["vllm teardown"]
     finally:
         Old.instance = None
+
+
+@needs_no_vllm
+def test_the_last_engine_drops_vllms_cuda_graphs_and_leaves_a_fresh_graph_pool(
+    model_dir: Path, fake_vllm: Any, fresh_slot: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM shares one graph pool id per process and leaves its captured graphs to whenever their wrappers die; on
+    vLLM 0.24.0 the GPU suite's first graph engine after another one shut down failed its capture on that id
+    (torch's ``use_count > 0`` assert). The process's last engine drops the graphs before vLLM's teardown and
+    leaves the next engine a new pool id; an engine that is not the last touches neither (another one replays
+    them)."""
+    events: list[str] = []
+
+    def wrapper(name: str) -> Any:
+        return type(name, (), {"clear_all_graphs": classmethod(lambda cls: events.append(f"{name} cleared"))})
+
+    class CudaPlatform:
+        _global_graph_pool: Any = (0, 3)
+
+    _fake_module(monkeypatch, "vllm.compilation")
+    _fake_module(monkeypatch, "vllm.compilation.cuda_graph", CUDAGraphWrapper=wrapper("CUDAGraphWrapper"))
+    _fake_module(monkeypatch, "vllm.compilation.breakable_cudagraph", BreakableCUDAGraphWrapper=wrapper("Breakable"))
+    _fake_module(monkeypatch, "vllm.platforms", _current_platform=CudaPlatform())
+    monkeypatch.setattr(fake_vllm.LLM, "fail", False)
+    first, second = _from_config(model_dir, enable_sleep=False), _from_config(model_dir, enable_sleep=False)
+    core = first._llm.llm_engine.engine_core
+    core.engine_core = SimpleNamespace(
+        structured_output_manager=SimpleNamespace(clear_backend=lambda: events.append("first: own teardown")),
+        model_executor=SimpleNamespace(shutdown=lambda: None),
+        scheduler=SimpleNamespace(shutdown=lambda: None),
+    )
+    first.shutdown()  # the second engine still replays its graphs from the shared pool
+    assert events == ["first: own teardown"] and CudaPlatform._global_graph_pool == (0, 3)
+    monkeypatch.setattr(second._llm.llm_engine.engine_core, "shutdown", lambda: events.append("vllm teardown"))
+    second.shutdown()
+    assert events[1:] == ["CUDAGraphWrapper cleared", "Breakable cleared", "vllm teardown"]
+    assert CudaPlatform._global_graph_pool is None  # vLLM makes a new one for the next engine
