@@ -1,4 +1,4 @@
-"""genengine's vLLM backend (vLLM 0.26.0, colocated in the trainer's processes).
+"""genengine's vLLM backend (vLLM 0.24.0 - 0.26.0, colocated in the trainer's processes).
 
 Importing this package (which ``genengine_vllm.plugin`` does when backends are listed) loads neither
 vLLM nor torch: the public names resolve on first use.

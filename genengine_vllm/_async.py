@@ -1,4 +1,4 @@
-"""The async capability on vLLM 0.26.0: one driver thread steps the in-process engine for streamed requests.
+"""The async capability on vLLM 0.24.0 - 0.26.0: one driver thread steps the in-process engine for streamed requests.
 
 vLLM's ``LLM.generate`` steps its ``LLMEngine`` until *every* request it knows is finished, so streamed
 requests cannot share it; they go through the same v1 ``LLMEngine`` one level down, as ``LLM`` itself does:

@@ -191,8 +191,11 @@ def import_vllm() -> Any:
     try:
         import vllm
     except ImportError as exc:
+        from genengine_vllm.compat import VERIFIED
+
         raise BackendImportError(
-            f"the vllm backend needs vLLM 0.26.0 (pip install 'genengine[vllm]'): {type(exc).__name__}: {exc}"
+            f"the vllm backend needs {VERIFIED.requirement} (pip install 'genengine[vllm]'): "
+            f"{type(exc).__name__}: {exc}"
         ) from exc
     return vllm
 

@@ -42,8 +42,8 @@ __all__ = [
     "surface",
 ]
 
-VERIFIED = VerifiedRange("vllm", minimum="0.26.0", maximum="0.26.0")
-"""Verified 2026-12-03 on the H200 with torch 2.11 (docs/deployment.md, "Supported engine versions")."""
+VERIFIED = VerifiedRange("vllm", minimum="0.24.0", maximum="0.26.0")
+"""Verified 2026-12-04 on the H200 with torch 2.11 (docs/deployment.md, "Supported engine versions")."""
 
 SUPPORTED: tuple[str, ...] = ("0.24.0", "0.25.0", "0.25.1", "0.26.0")
 """Every release from 0.24.0 to 0.26.0 on the index (all pin torch 2.11.0), each with a recorded surface."""

@@ -1,4 +1,4 @@
-"""``VLLMEngine``: vLLM 0.26.0 colocated in the trainer's own processes, behind genengine's protocol.
+"""``VLLMEngine``: vLLM (0.24.0 - 0.26.0) colocated in the trainer's own processes, behind genengine's protocol.
 
 The engine core runs in this process, so ``load_weights`` writes the trainer's tensors straight into the model
 (``LLM.apply_model``): no IPC, no second copy. Under the trainer's ``torch.distributed`` world every rank holds

@@ -1,4 +1,4 @@
-"""vLLM 0.26.0 on one GPU: the conformance suite, plus what only a real GPU shows.
+"""vLLM (0.24.0 - 0.26.0) on one GPU: the conformance suite, plus what only a real GPU shows.
 
 The engine runs colocated, as under a trainer: this module initialises a one-rank NCCL world first, so the
 engine takes the external_launcher path and its shutdown must leave that world alive. One sleep-mode
