@@ -123,11 +123,55 @@ def hook(trainer: Any, clock: PhaseClock, side: str) -> None:
         engine.wake = clock.wrap("sleep_wake", engine.wake)
 
 
-def step_rows(clock: PhaseClock) -> tuple[Any, list[dict[str, float]]]:
-    """A TrainerCallback that closes one row per optimizer step: the hooked parts and ``train`` (the rest)."""
+class StepProbe:
+    """What can make one step's ``train`` slow that the parts do not show, per step: the seconds the interpreter
+    spent in garbage collection, and on CUDA torch's allocator retries (a cudaMalloc that failed, the cache
+    emptied, the malloc retried) and the free GPU memory when the step began. SGLang's side has shown two
+    steps of 5-6 s train among steps of 1.2 s (docs/benchmarks.md, P8); these say which, if either."""
+
+    def __init__(self, cuda: bool) -> None:
+        import gc
+
+        self.cuda = cuda
+        self.gc_s = 0.0
+        self._gc_start = 0.0
+        self._at_begin: dict[str, float] = {}
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start:
+            self.gc_s += time.perf_counter() - self._gc_start
+            self._gc_start = 0.0
+
+    def _retries(self) -> int:
+        import torch
+
+        return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+    def begin(self) -> None:
+        self._at_begin = {"gc_s": self.gc_s}
+        if self.cuda:
+            import torch
+
+            self._at_begin["alloc_retries"] = self._retries()
+            self._at_begin["free_gib_at_begin"] = torch.cuda.mem_get_info()[0] / (1 << 30)
+
+    def end(self) -> dict[str, float]:
+        row = {"gc_s": self.gc_s - self._at_begin["gc_s"]}
+        if self.cuda:
+            row["alloc_retries"] = self._retries() - self._at_begin["alloc_retries"]
+            row["free_gib_at_begin"] = round(self._at_begin["free_gib_at_begin"], 2)
+        return row
+
+
+def step_rows(clock: PhaseClock, probe: StepProbe | None = None) -> tuple[Any, list[dict[str, Any]]]:
+    """A TrainerCallback that closes one row per optimizer step: the hooked parts and ``train`` (the rest), and
+    under ``probe`` what it saw in the step."""
     from transformers import TrainerCallback
 
-    rows: list[dict[str, float]] = []
+    rows: list[dict[str, Any]] = []
 
     class Steps(TrainerCallback):  # type: ignore[misc]
         begin = 0.0
@@ -135,6 +179,8 @@ def step_rows(clock: PhaseClock) -> tuple[Any, list[dict[str, float]]]:
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             clock._sync()
             clock.take()  # what ran between steps (logging, the dataloader) is no step's
+            if probe is not None:
+                probe.begin()
             self.begin = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -142,12 +188,12 @@ def step_rows(clock: PhaseClock) -> tuple[Any, list[dict[str, float]]]:
             total = time.perf_counter() - self.begin
             parts = clock.take()
             parts["train"] = max(total - sum(parts.values()), 0.0)
-            rows.append({**parts, "total": total})
+            rows.append({**parts, "total": total, **({"probe": probe.end()} if probe is not None else {})})
 
     return Steps(), rows
 
 
-def summarize(rows: list[dict[str, float]], warmup: int) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Medians per part over the steps after ``warmup``, and every step's row."""
     timed = rows[warmup:]
     if not timed:
@@ -231,7 +277,7 @@ def side_main(side: str, backend: str, model_dir: str, device: str, steps: int, 
     trainer.remove_callback(PrinterCallback)
     clock = PhaseClock(cuda)
     hook(trainer, clock, side)
-    callback, rows = step_rows(clock)
+    callback, rows = step_rows(clock, StepProbe(cuda))
     trainer.add_callback(callback)
     try:
         trainer.train()

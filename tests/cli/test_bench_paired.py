@@ -163,6 +163,30 @@ def test_trl_step_clock_counts_nested_calls_once(monkeypatch: pytest.MonkeyPatch
     assert text.splitlines()[2].split()[-1] == "1.000"
 
 
+def test_trl_step_probe_counts_the_steps_garbage_collection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_trl_step.py's per-step probe: the seconds in GC inside the step, not before it."""
+    import gc
+
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_trl_step as b
+
+    probe = b.StepProbe(cuda=False)
+    try:
+        gc.collect()  # before the step: not its
+        probe.begin()
+        assert probe.end() == {"gc_s": 0.0}
+        cycles = [[] for _ in range(200_000)]
+        for c in cycles:
+            c.append(c)  # a cycle each: only the collector frees them
+        del cycles
+        probe.begin()
+        gc.collect()
+        row = probe.end()
+        assert set(row) == {"gc_s"} and row["gc_s"] > 0.0
+    finally:
+        gc.callbacks.remove(probe._on_gc)
+
+
 FAKE_SCRIPT = textwrap.dedent(
     """
     import argparse, sys, time
