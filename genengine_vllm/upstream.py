@@ -109,6 +109,10 @@ USES: tuple[str, ...] = (
     # mapping.py (vllm_sampling_kwargs), engine.py and raw.py: the SamplingParams keywords we pass
     "vllm.sampling_params:SamplingParams(n, temperature, top_p, top_k, max_tokens, stop, stop_token_ids, "
     "ignore_eos, seed, logprobs, flat_logprobs, detokenize, skip_special_tokens, include_stop_str_in_output)",
+    # engine.py (_vllm_requests): a call's requests get copies of one built SamplingParams, each its own seed;
+    # vLLM clones a request's params before it changes them (InputProcessor.process_inputs)
+    "vllm.sampling_params:SamplingParams.seed",
+    "vllm.sampling_params:SamplingParams.clone",
     # settings.py (build_llm_kwargs): the EngineArgs fields genengine sets itself
     "vllm.engine.arg_utils:EngineArgs(model, tensor_parallel_size, gpu_memory_utilization, dtype, "
     "enable_sleep_mode, enforce_eager, skip_tokenizer_init, seed, logprobs_mode, distributed_executor_backend)",

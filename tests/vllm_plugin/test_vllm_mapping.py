@@ -19,6 +19,7 @@ from genengine_vllm.mapping import (
     completion_delta,
     contract_stop_reason,
     convert_request_output,
+    int_list,
     sampled_logprobs,
     split_greedy_n,
     vllm_sampling_kwargs,
@@ -131,6 +132,25 @@ def test_convert_refuses_what_it_cannot_map() -> None:
         convert_request_output([abort], SamplingParams(n=2), detokenize=True)
     with pytest.raises(EngineStateError, match="sampled token 5"):
         sampled_logprobs([5], _Flat([0], [1], [6], [-1.0]))
+
+
+def test_logprobs_with_more_than_the_sampled_token_per_position_take_the_sampled_ones() -> None:
+    # logprobs=k > 0 shape: the top tokens and the sampled one at each position.
+    flat = _Flat([0, 2], [2, 3], [9, 7, 8], [-3.0, -0.5, -1.25])
+    assert sampled_logprobs([7, 8], flat) == [-0.5, -1.25]
+    # As many entries as tokens, but position 0 empty and position 1 holding two: not the one-per-position case.
+    with pytest.raises(EngineStateError, match="position 0 do not include the sampled token 7"):
+        sampled_logprobs([7, 8], _Flat([0, 0], [0, 2], [7, 8], [-0.5, -1.25]))
+
+
+def test_int_list_makes_plain_ints_of_any_integer_tokens() -> None:
+    np = pytest.importorskip("numpy")
+    ids = [3, 4]
+    out = int_list(ids)
+    assert out == [3, 4] and out is not ids
+    mixed = int_list([np.int64(5), True, 6])
+    assert mixed == [5, 1, 6] and [type(t) for t in mixed] == [int, int, int]
+    assert int_list(None) == [] and int_list(()) == []
 
 
 # ---- streamed outputs (RequestOutputKind.DELTA) ------------------------------------------------------------

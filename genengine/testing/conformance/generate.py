@@ -259,6 +259,13 @@ class GenerateTests(ConformanceBase):
                 assert 1 <= len(out.token_ids) <= 8
                 assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
 
+    def test_repeated_prompts_sample_independently(self, engine: GenerationEngine) -> None:
+        """GRPO's group: one prompt repeated, one unseeded ``SamplingParams`` shared by all. Each copy draws its
+        own seed; a backend that built one engine request and copied it per prompt must not copy the seed."""
+        params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+        samples = token_ids_of(engine.generate([PROMPTS[0]] * 4, params))
+        assert len({tuple(s[0]) for s in samples}) > 1, f"4 copies of one prompt sampled the same tokens: {samples}"
+
     def test_seeded_sampling_is_reproducible(self, engine: GenerationEngine) -> None:
         if not self.supports_seed:
             pytest.skip("the engine does not promise reproducible seeded sampling (supports_seed = False)")
