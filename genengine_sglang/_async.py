@@ -291,7 +291,9 @@ class AsyncDriver:
             if prompt is None:
                 raise SGLangEngineError("cannot continue a sample whose prompt token ids SGLang never returned")
             rest = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(sample.tokens))
-            sgl, use_filter = sampling_to_sglang(rest, deterministic=self._deterministic, sample=sample.index)
+            sgl, use_filter = sampling_to_sglang(
+                rest, deterministic=self._deterministic, sample=sample.index, drawn_seed=sample.entry.drawn_seed
+            )
             kwargs["input_ids"] = [*prompt, *sample.tokens]
         elif request.prompt is not None:
             kwargs["text"] = request.prompt

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import random
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
@@ -94,6 +95,9 @@ class SGLangEngine(SGLangAdapters, AsyncEngineBase):  # type: ignore[misc,overri
         super().__init__(sleep_enabled=settings.enable_sleep, bucket_bytes=settings.bucket_bytes)
         self._settings = settings
         self._group = group
+        # The seeds of unseeded sampled requests in deterministic mode (mapping.sampling_to_sglang); from the
+        # engine's seed, so that a rerun of the same calls samples the same tokens.
+        self._seed_rng = random.Random(settings.seed)
         self._engine: Any = None
         self._loop_thread: LoopThread | None = None
         self._driver: AsyncDriver | None = None
@@ -218,10 +222,16 @@ class SGLangEngine(SGLangAdapters, AsyncEngineBase):  # type: ignore[misc,overri
     def _weight_spec(self) -> Mapping[str, WeightInfo]:
         return self._spec
 
+    def _draw_seed(self) -> int:
+        return self._seed_rng.getrandbits(61)
+
     def _generate(self, requests: list[Request]) -> list[GenerationResult]:
         self._check_request_kinds(requests)
         entries = build_entries(
-            requests, deterministic=self._settings.deterministic, has_tokenizer=not self._settings.skip_tokenizer_init
+            requests,
+            deterministic=self._settings.deterministic,
+            has_tokenizer=not self._settings.skip_tokenizer_init,
+            draw_seed=self._draw_seed,
         )
         if not self._settings.deterministic and any(r.params.seed is not None for r in requests):
             _warn_seed()
@@ -534,6 +544,7 @@ class SGLangEngine(SGLangAdapters, AsyncEngineBase):  # type: ignore[misc,overri
             [request.request],
             deterministic=self._settings.deterministic,
             has_tokenizer=not self._settings.skip_tokenizer_init,
+            draw_seed=self._draw_seed,
         )
         if not self._settings.deterministic and request.params.seed is not None:
             _warn_seed()

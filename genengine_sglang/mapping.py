@@ -33,7 +33,9 @@ SEEDED_TOP_K = (1 << 30) - 1
 """Below SGLang's "whole vocabulary" marker (``TOP_K_ALL = 1 << 30``), above any vocabulary: masks nothing."""
 
 
-def sampling_to_sglang(params: SamplingParams, *, deterministic: bool, sample: int = 0) -> tuple[dict[str, Any], bool]:
+def sampling_to_sglang(
+    params: SamplingParams, *, deterministic: bool, sample: int = 0, drawn_seed: int | None = None
+) -> tuple[dict[str, Any], bool]:
     """SGLang's ``sampling_params`` dict for one sample of a request, and whether it needs our filter.
 
     ``n`` is expanded by the caller (one SGLang request per sample, all the same prompt), so sample ``j``
@@ -43,6 +45,10 @@ def sampling_to_sglang(params: SamplingParams, *, deterministic: bool, sample: i
     makes the returned logprobs the processed ones. SGLang's ``ignore_eos`` also disables
     ``stop_token_ids`` (``schedule_batch.py``, ``_check_token_based_finish``); the contract keeps them, so
     with ``ignore_eos`` they are not sent and ``results_from_sglang`` cuts the output at the first one.
+
+    ``drawn_seed`` is the seed the engine drew for an unseeded sampled request in deterministic mode: SGLang
+    gives every unseeded row seed 42 there (``SamplingBatchInfo.from_schedule_batch``), so a GRPO group (one
+    prompt repeated) would sample one completion n times. It goes to SGLang as a seed, on SGLang's usual path.
     """
     out: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
@@ -62,6 +68,8 @@ def sampling_to_sglang(params: SamplingParams, *, deterministic: bool, sample: i
             # seed picks different tokens on the two. A top-k that keeps every token puts the row on the sorted
             # path in every batch, so its samples no longer depend on the other requests.
             out["top_k"] = SEEDED_TOP_K
+    elif drawn_seed is not None and deterministic and not params.greedy:
+        out["sampling_seed"] = drawn_seed + sample
     top_k = params.top_k_or_none
     use_filter = not params.greedy and (top_k is not None or params.top_p < 1.0)
     if use_filter:
@@ -78,10 +86,19 @@ class SglEntry:
     params: dict[str, Any]
     use_filter: bool
     logprobs: bool
+    drawn_seed: int | None = None
+    """The seed drawn for the request when it has none (``sampling_to_sglang``): a continuation keeps it."""
 
 
-def build_entries(requests: Sequence[Request], *, deterministic: bool, has_tokenizer: bool) -> list[SglEntry]:
-    """One entry per (request, sample), in request order; checks what SGLang cannot do in this setup."""
+def build_entries(
+    requests: Sequence[Request],
+    *,
+    deterministic: bool,
+    has_tokenizer: bool,
+    draw_seed: Callable[[], int] | None = None,
+) -> list[SglEntry]:
+    """One entry per (request, sample), in request order; checks what SGLang cannot do in this setup.
+    ``draw_seed`` gives each unseeded sampled request its seed in deterministic mode (``sampling_to_sglang``)."""
     entries = []
     for req in requests:
         if not has_tokenizer:
@@ -95,9 +112,12 @@ def build_entries(requests: Sequence[Request], *, deterministic: bool, has_token
                     f"stop={list(req.params.stop)!r}: stop strings need the tokenizer (skip_tokenizer_init=True); "
                     "use stop_token_ids"
                 )
+        drawn = None
+        if deterministic and draw_seed is not None and req.params.seed is None and not req.params.greedy:
+            drawn = draw_seed()
         for j in range(req.params.n):
-            sgl, use_filter = sampling_to_sglang(req.params, deterministic=deterministic, sample=j)
-            entries.append(SglEntry(req.index, j, sgl, use_filter, req.params.logprobs))
+            sgl, use_filter = sampling_to_sglang(req.params, deterministic=deterministic, sample=j, drawn_seed=drawn)
+            entries.append(SglEntry(req.index, j, sgl, use_filter, req.params.logprobs, drawn))
     return entries
 
 

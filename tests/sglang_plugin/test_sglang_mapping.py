@@ -68,6 +68,34 @@ def test_entries_expand_n_and_check_tokenizer_needs() -> None:
         build_entries(ids, deterministic=False, has_tokenizer=False)
 
 
+def test_unseeded_sampled_requests_get_a_drawn_seed_each_in_deterministic_mode() -> None:
+    """SGLang's deterministic mode gives every unseeded row seed 42: a GRPO group (one prompt repeated, one
+    unseeded params) would sample one completion 4 times (seen on the H200). Each request draws its own."""
+    draws = iter([1000, 2000, 3000, 4000, 5000])
+    group = normalize_requests(["q"] * 4, {"temperature": 1.0, "max_new_tokens": 4})
+    entries = build_entries(group, deterministic=True, has_tokenizer=True, draw_seed=lambda: next(draws))
+    assert [e.params["sampling_seed"] for e in entries] == [1000, 2000, 3000, 4000]
+    assert [e.drawn_seed for e in entries] == [1000, 2000, 3000, 4000]
+    assert all("top_k" not in e.params for e in entries)  # SGLang's usual path: only a caller's seed moves it
+    n3 = build_entries(
+        normalize_requests(["q"], {"temperature": 1.0, "n": 3}),
+        deterministic=True,
+        has_tokenizer=True,
+        draw_seed=lambda: next(draws),
+    )
+    assert [e.params["sampling_seed"] for e in n3] == [5000, 5001, 5002]  # sample j: seed + j, as when seeded
+    # Nothing drawn for greedy or seeded requests, nor outside deterministic mode (SGLang drops seeds there).
+    mixed = normalize_requests(["a", "b"], [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}])
+    kept = build_entries(mixed, deterministic=True, has_tokenizer=True, draw_seed=lambda: next(draws))
+    assert "sampling_seed" not in kept[0].params and kept[1].params["sampling_seed"] == 7
+    assert [e.drawn_seed for e in kept] == [None, None]
+    plain = build_entries(group, deterministic=False, has_tokenizer=True, draw_seed=lambda: next(draws))
+    assert all("sampling_seed" not in e.params and e.drawn_seed is None for e in plain)
+    # A continuation (the async layer's rest of a paused sample) keeps the drawn seed.
+    rest, _ = sampling_to_sglang(SamplingParams(temperature=1.0), deterministic=True, sample=1, drawn_seed=1000)
+    assert rest["sampling_seed"] == 1001
+
+
 def _out(ids: list[int], reason: dict[str, Any], logprobs: bool = True, text: str | None = "t") -> dict[str, Any]:
     meta: dict[str, Any] = {"finish_reason": reason}
     if logprobs:
