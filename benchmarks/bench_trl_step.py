@@ -22,7 +22,9 @@ counts once, for the inner one): ``generate`` (``vllm_generation.generate`` minu
 ``sync`` (``sync_weights``), ``sleep_wake`` (vLLM's ``llm.sleep``/``llm.wake_up``, genengine's
 ``engine.sleep``/``engine.wake``); the step is ``on_step_begin`` → ``on_step_end`` of a TrainerCallback and
 ``train`` is the rest of it (scoring, the policy's logprobs, backward, the optimizer). On a GPU every hooked call
-is CUDA-synchronized on both ends, so queued work lands in the phase that issued it.
+is CUDA-synchronized on both ends, so queued work lands in the phase that issued it. Each step's row also has a
+``probe``: ``train`` split (``TRAIN_SPLIT``), GC seconds, allocator retries, free GPU memory at the step's start and
+the CPU seconds of the process's descendants (an engine's own processes).
 
 Estimated seconds on one H200 (1.5B): a start of ~60 s per side (policy init, engine start with graphs), then
 6 steps of ~4-6 s: ~2 min per side, ~4 min for the vllm run (two sides), ~2 min for sglang.
@@ -51,6 +53,10 @@ import _bench_7b
 _bench_7b.set_offline_env()
 
 PARTS = ("generate", "sync", "sleep_wake", "train")
+TRAIN_SPLIT = ("score", "loss", "backward", "optimizer")
+"""``train``'s hooked pieces, in each row's probe (exclusive like the parts; ``rest`` is what none of them holds):
+TRL's ``_generate_and_score_completions`` outside the engine calls, ``compute_loss``, the accelerator's
+``backward``, and the optimizer step (``on_pre_optimizer_step`` → ``on_optimizer_step``)."""
 QWEN25_15B = {
     "hidden_size": 1536,
     "intermediate_size": 8960,
@@ -77,7 +83,7 @@ class PhaseClock:
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
-        self.spent: dict[str, float] = dict.fromkeys(PARTS, 0.0)
+        self.spent: dict[str, float] = dict.fromkeys((*PARTS, *TRAIN_SPLIT), 0.0)
         self._stack: list[list[float]] = []  # [start, seconds of nested hooked calls]
 
     def _sync(self) -> None:
@@ -104,7 +110,7 @@ class PhaseClock:
         return timed
 
     def take(self) -> dict[str, float]:
-        out, self.spent = self.spent, dict.fromkeys(PARTS, 0.0)
+        out, self.spent = self.spent, dict.fromkeys((*PARTS, *TRAIN_SPLIT), 0.0)
         return out
 
 
@@ -121,13 +127,42 @@ def hook(trainer: Any, clock: PhaseClock, side: str) -> None:
         engine = gen.engine
         engine.sleep = clock.wrap("sleep_wake", engine.sleep)
         engine.wake = clock.wrap("sleep_wake", engine.wake)
+    trainer._generate_and_score_completions = clock.wrap("score", trainer._generate_and_score_completions)
+    trainer.compute_loss = clock.wrap("loss", trainer.compute_loss)
+    trainer.accelerator.backward = clock.wrap("backward", trainer.accelerator.backward)
+
+
+def descendants_cpu_s() -> float | None:
+    """User + system CPU seconds of this process's descendants alive now (SGLang's scheduler and detokenizer
+    run as children of the trainer's process), from /proc; None where there is none."""
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return None
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parent[int(entry)] = int(fields[1])
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])
+    mine, frontier = set(), {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in mine}
+        mine |= frontier
+    return sum(ticks[pid] for pid in mine) / os.sysconf("SC_CLK_TCK") if mine else None
 
 
 class StepProbe:
     """What can make one step's ``train`` slow that the parts do not show, per step: the seconds the interpreter
     spent in garbage collection, and on CUDA torch's allocator retries (a cudaMalloc that failed, the cache
     emptied, the malloc retried) and the free GPU memory when the step began. SGLang's side has shown two
-    steps of 5-6 s train among steps of 1.2 s (docs/benchmarks.md, P8); these say which, if either."""
+    steps of 5-6 s train among steps of 1.2 s (docs/benchmarks.md, P8), which these ruled out on the H200
+    (ninth session); the row also gets ``train`` split into ``TRAIN_SPLIT`` and the CPU seconds the process's
+    descendants (an engine's own processes) used in the step."""
 
     def __init__(self, cuda: bool) -> None:
         import gc
@@ -152,6 +187,9 @@ class StepProbe:
 
     def begin(self) -> None:
         self._at_begin = {"gc_s": self.gc_s}
+        children = descendants_cpu_s()
+        if children is not None:
+            self._at_begin["children_cpu_s"] = children
         if self.cuda:
             import torch
 
@@ -160,6 +198,9 @@ class StepProbe:
 
     def end(self) -> dict[str, float]:
         row = {"gc_s": self.gc_s - self._at_begin["gc_s"]}
+        children = descendants_cpu_s()
+        if children is not None and "children_cpu_s" in self._at_begin:
+            row["children_cpu_s"] = round(children - self._at_begin["children_cpu_s"], 2)  # a child gone: < 0
         if self.cuda:
             row["alloc_retries"] = self._retries() - self._at_begin["alloc_retries"]
             row["free_gib_at_begin"] = round(self._at_begin["free_gib_at_begin"], 2)
@@ -175,6 +216,7 @@ def step_rows(clock: PhaseClock, probe: StepProbe | None = None) -> tuple[Any, l
 
     class Steps(TrainerCallback):  # type: ignore[misc]
         begin = 0.0
+        optimizer_start = 0.0
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             clock._sync()
@@ -183,12 +225,26 @@ def step_rows(clock: PhaseClock, probe: StepProbe | None = None) -> tuple[Any, l
                 probe.begin()
             self.begin = time.perf_counter()
 
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            clock._sync()
+            self.optimizer_start = time.perf_counter()
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            clock._sync()
+            clock.spent["optimizer"] += time.perf_counter() - self.optimizer_start
+
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             clock._sync()
             total = time.perf_counter() - self.begin
-            parts = clock.take()
+            spent = clock.take()
+            parts = {p: spent[p] for p in PARTS if p != "train"}
             parts["train"] = max(total - sum(parts.values()), 0.0)
-            rows.append({**parts, "total": total, **({"probe": probe.end()} if probe is not None else {})})
+            split = {p: spent[p] for p in TRAIN_SPLIT}
+            split["rest"] = parts["train"] - sum(split.values())
+            row: dict[str, Any] = {**parts, "total": total}
+            if probe is not None:
+                row["probe"] = {**probe.end(), "train_split": {k: round(v, 4) for k, v in split.items()}}
+            rows.append(row)
 
     return Steps(), rows
 

@@ -153,7 +153,7 @@ def test_trl_step_clock_counts_nested_calls_once(monkeypatch: pytest.MonkeyPatch
     clock.wrap("generate", gen)()
     spent = clock.take()
     assert spent["sleep_wake"] >= 0.05 and 0.02 <= spent["generate"] < 0.045, spent
-    assert clock.take() == dict.fromkeys(b.PARTS, 0.0)  # taken: the next step starts from zero
+    assert clock.take() == dict.fromkeys((*b.PARTS, *b.TRAIN_SPLIT), 0.0)  # taken: the next step starts from zero
     rows = [dict.fromkeys((*b.PARTS, "total"), float(i)) for i in (9, 1, 2, 3)]
     s = b.summarize(rows, warmup=1)
     assert s["steps"] == 3 and s["median_s"]["total"] == 2.0  # the warm-up step (9 s) left out
@@ -185,6 +185,30 @@ def test_trl_step_probe_counts_the_steps_garbage_collection(monkeypatch: pytest.
         assert set(row) == {"gc_s"} and row["gc_s"] > 0.0
     finally:
         gc.callbacks.remove(probe._on_gc)
+
+
+def test_trl_step_probe_counts_the_cpu_of_the_processes_an_engine_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_trl_step.py's per-step probe: CPU seconds of this process's descendants (SGLang's scheduler and
+    detokenizer are the trainer's children), a grandchild's too."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    import bench_trl_step as b
+
+    burn = "import time; t = time.process_time()\nwhile time.process_time() - t < 0.6: pass\ntime.sleep(30)"
+    spawn = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {burn!r}]); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", spawn], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while (b.descendants_cpu_s() or 0.0) < 0.6 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (b.descendants_cpu_s() or 0.0) >= 0.6  # the grandchild's busy loop, counted
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)  # the grandchild too
+        child.wait()
 
 
 FAKE_SCRIPT = textwrap.dedent(
