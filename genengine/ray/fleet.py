@@ -139,7 +139,7 @@ class Fleet:
     def identify(self, replica: Replica, info: Mapping[str, Any]) -> None:
         """What the replica's ``info`` said: its incarnation (the id every later call names), and its engine's
         state and version once started."""
-        replica.info, replica.incarnation = dict(info), info["incarnation"]
+        replica.info, replica.incarnation, replica.killed = dict(info), info["incarnation"], None
         if "state" in info:
             replica.state, replica.version = info["state"], info["weight_version"]
 
@@ -157,6 +157,12 @@ class Fleet:
                 replica.status = "stale"
                 self.unroute(replica)
                 _log.warning("%s died or restarted: it takes no traffic until it is restored", replica.where)
+
+    def mark_killed(self, replica: Replica) -> None:
+        """``restart_replica`` kills it: stale, and its killed incarnation's answers do not restore it."""
+        with self.lock:
+            self.mark_stale(replica)
+            replica.killed = replica.incarnation
 
     def mark_dead(self, replica: Replica) -> None:
         """Ray will not restart it: no traffic, and control calls raise until it is removed."""

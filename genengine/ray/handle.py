@@ -59,6 +59,9 @@ class Replica:
     bundle_index: int | None
     owned_pg: Any = None
     incarnation: str = ""
+    killed: str | None = None
+    """The incarnation ``restart_replica`` killed: Ray's kill lands a moment later, and what that incarnation
+    answers until then does not restore the replica (the refill would die with it)."""
     info: dict[str, Any] = field(default_factory=dict)
     status: Status = "stale"
     needs_weights: bool = False

@@ -192,6 +192,9 @@ class Lifecycle:
                         continue
                     except ray.exceptions.RayActorError:
                         continue  # restarting: ask again
+                    if r.killed is not None and info.get("incarnation") == r.killed:
+                        time.sleep(0.05)
+                        continue  # the killed incarnation, before Ray's kill landed: ask again
                     self.restore(r, info)
                 if not wait:
                     return

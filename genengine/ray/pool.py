@@ -154,7 +154,7 @@ class EnginePool(AsyncPoolCalls):
         replica = fleet.replicas.get(index) if isinstance(index, int) else None
         if replica is None:
             raise InvalidArgumentError(f"replica index={index!r} is not in the pool; it has {sorted(fleet.replicas)}")
-        fleet.mark_stale(replica)
+        fleet.mark_killed(replica)
         replica.kill(restart=True)
 
     @property

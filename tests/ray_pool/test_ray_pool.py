@@ -462,6 +462,26 @@ def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> No
     assert time.monotonic() - raised > 0.5, "the generate ended too soon after the flush gave up to have held it"
 
 
+def test_an_answer_from_the_killed_incarnation_does_not_restore_the_replica(pool: EnginePool) -> None:
+    """``restart_replica``'s kill lands a moment after the call returns. What the old incarnation answers in that
+    window must not restore the replica: the refill sent to it would die with it (CI saw "ActorUnavailableError:
+    The actor was restarted" from the refill). The window is held open here by not sending the kill yet."""
+    import ray
+
+    replica = pool._fleet.replicas[1]
+    old = replica.incarnation
+    pool._fleet.mark_killed(replica)  # what restart_replica does before its kill
+    life = pool._life
+    life.recover(wait=False)  # asks the replica who it is
+    ray.wait([life._pending[replica]], timeout=60)
+    life.recover(wait=False)  # the answer is there: the old incarnation's
+    assert replica.status == "stale" and replica.incarnation == old
+    replica.kill(restart=True)  # the kill lands: the new incarnation restores it
+    pool.check_health()
+    assert replica.status == "healthy" and replica.incarnation != old and replica.killed is None
+    assert [r.status for r in pool.replicas] == ["healthy", "healthy"]
+
+
 def test_a_replica_dead_for_good_is_left_out_and_the_retry_reaches_the_others(
     pool: EnginePool, local: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
