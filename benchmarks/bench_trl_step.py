@@ -134,26 +134,12 @@ def hook(trainer: Any, clock: PhaseClock, side: str) -> None:
 
 def descendants_cpu_s() -> float | None:
     """User + system CPU seconds of this process's descendants alive now (SGLang's scheduler and detokenizer
-    run as children of the trainer's process), from /proc; None where there is none."""
-    try:
-        entries = [e for e in os.listdir("/proc") if e.isdigit()]
-    except OSError:
-        return None
-    parent: dict[int, int] = {}
-    ticks: dict[int, int] = {}
-    for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        parent[int(entry)] = int(fields[1])
-        ticks[int(entry)] = int(fields[11]) + int(fields[12])
-    mine, frontier = set(), {os.getpid()}
-    while frontier:
-        frontier = {pid for pid, ppid in parent.items() if ppid in frontier and pid not in mine}
-        mine |= frontier
-    return sum(ticks[pid] for pid in mine) / os.sysconf("SC_CLK_TCK") if mine else None
+    run as children of the trainer's process); None where there is none."""
+    from support import processes  # tests/support, on the path since _bench_7b
+
+    seconds = [processes.cpu_seconds(p.pid) for p in processes.descendants(os.getpid())]
+    found = [s for s in seconds if s is not None]
+    return sum(found) if found else None
 
 
 class StepProbe:
@@ -186,8 +172,8 @@ class StepProbe:
         return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
     def begin(self) -> None:
+        children = descendants_cpu_s()  # before the GC baseline: a collection the scan itself causes is no step's
         self._at_begin = {"gc_s": self.gc_s}
-        children = descendants_cpu_s()
         if children is not None:
             self._at_begin["children_cpu_s"] = children
         if self.cuda:

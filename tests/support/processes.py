@@ -29,6 +29,7 @@ __all__ = [
     "TrainerOutcome",
     "TrainerRun",
     "children",
+    "cpu_seconds",
     "descendants",
     "find_by_environ",
     "is_alive",
@@ -199,6 +200,23 @@ def thread_count(pid: int | None = None) -> int:
         return len(os.listdir(_PROC / ("self" if pid is None else str(pid)) / "task"))
     psutil = _psutil()  # pragma: no cover
     return int(psutil.Process(pid).num_threads())  # pragma: no cover
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds ``pid`` has used (``/proc/PID/stat`` fields 14-15), or None when it is gone."""
+    if _have_proc():
+        try:
+            text = (_PROC / str(pid) / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            return None
+        fields = text[text.rfind(")") + 2 :].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    psutil = _psutil()  # pragma: no cover
+    try:  # pragma: no cover
+        times = psutil.Process(pid).cpu_times()
+        return float(times.user + times.system)
+    except Exception:  # pragma: no cover
+        return None
 
 
 def rss_bytes(pid: int | None = None) -> int:
