@@ -193,7 +193,8 @@ class Lifecycle:
                     except ray.exceptions.RayActorError:
                         continue  # restarting: ask again
                     if r.killed is not None and info.get("incarnation") == r.killed:
-                        time.sleep(0.05)
+                        if wait:
+                            time.sleep(0.05)  # the kill lands within moments: do not spin on the answers
                         continue  # the killed incarnation, before Ray's kill landed: ask again
                     self.restore(r, info)
                 if not wait:
