@@ -81,12 +81,19 @@ def _parse_stat(text: str) -> tuple[str, str, int, int]:
     return name, fields[0], int(fields[1]), int(fields[19])
 
 
+def _read_stat(pid: int) -> str | None:
+    """``/proc/PID/stat``, or None when the process is gone."""
+    try:
+        return (_PROC / str(pid) / "stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+
+
 def process_info(pid: int) -> ProcessInfo | None:
     """The process ``pid`` now, or None when there is none."""
     if _have_proc():
-        try:
-            text = (_PROC / str(pid) / "stat").read_text()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+        text = _read_stat(pid)
+        if text is None:
             return None
         name, state, ppid, start = _parse_stat(text)
         return ProcessInfo(pid, ppid, start, state, name)
@@ -205,9 +212,8 @@ def thread_count(pid: int | None = None) -> int:
 def cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds ``pid`` has used (``/proc/PID/stat`` fields 14-15), or None when it is gone."""
     if _have_proc():
-        try:
-            text = (_PROC / str(pid) / "stat").read_text()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+        text = _read_stat(pid)
+        if text is None:
             return None
         fields = text[text.rfind(")") + 2 :].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
