@@ -2,6 +2,7 @@
 vLLM against genengine's engines, same config.
 
     python3 benchmarks/bench_trl_step.py [--backend vllm|sglang] [--steps 5] [--json PATH]   # a GPU
+        [--engine-option KEY=VALUE ...]   # genengine's side only, e.g. SGLang's sleep_on_idle=true
     python3 benchmarks/bench_trl_step.py --tiny                                             # a CPU (its default)
 
 GPU config (issue 41): a Qwen2.5-1.5B-shaped policy with random bf16 weights on the GPU (config.json and a small
@@ -248,7 +249,9 @@ def summarize(rows: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
 
 
 # ---- one side (child process) ------------------------------------------------------------------------------------
-def side_main(side: str, backend: str, model_dir: str, device: str, steps: int, warmup: int) -> dict[str, Any]:
+def side_main(
+    side: str, backend: str, model_dir: str, device: str, steps: int, warmup: int, extra: dict[str, Any]
+) -> dict[str, Any]:
     import torch
     import trl
     from datasets import Dataset
@@ -312,7 +315,7 @@ def side_main(side: str, backend: str, model_dir: str, device: str, steps: int, 
         engine_config = {
             "backend": backend,
             "dtype": "bfloat16" if cuda else "float32",
-            "options": ENGINE_OPTIONS[backend],
+            "options": {**ENGINE_OPTIONS[backend], **extra},
         }
         trainer = GRPOTrainer(**common, genengine=engine_config)
     setup_s = time.perf_counter() - start
@@ -336,11 +339,15 @@ def side_main(side: str, backend: str, model_dir: str, device: str, steps: int, 
     }
 
 
-def run_side(side: str, backend: str, model_dir: str, device: str, steps: int, timeout: float) -> dict[str, Any]:
+def run_side(
+    side: str, backend: str, model_dir: str, device: str, steps: int, timeout: float, extra: dict[str, Any]
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "side.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--backend", backend]
         cmd += ["--model-dir", model_dir, "--device", device, "--steps", str(steps), "--result", result]
+        if extra and side == "genengine":
+            cmd += ["--engine-options-json", json.dumps(extra)]
         print(f"--- {side} side: {' '.join(cmd[2:])}", flush=True)
         try:
             code = subprocess.run(cmd, timeout=timeout, check=False).returncode
@@ -387,6 +394,20 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in lines)
 
 
+def engine_options(ap: argparse.ArgumentParser, pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs as options; the engine checks the keys (a typo is its ConfigError, before a GPU is used)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            ap.error(f"--engine-option {pair!r}: expected KEY=VALUE, e.g. sleep_on_idle=true")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=["vllm", "sglang", "transformers"], default=None)
@@ -394,13 +415,22 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help="timed steps after one warm-up (GPU 5, --tiny 2)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--side-timeout", type=float, default=420.0, help="seconds each side's process may take")
+    ap.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine option for genengine's side only (VALUE read as JSON, else a string), e.g. sleep_on_idle=true",
+    )
+    ap.add_argument("--engine-options-json", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--side", choices=["trl", "genengine"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--device", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.side is not None:
-        result = side_main(args.side, args.backend, args.model_dir, args.device, args.steps, warmup=1)
+        extra = json.loads(args.engine_options_json)
+        result = side_main(args.side, args.backend, args.model_dir, args.device, args.steps, 1, extra)
         with open(args.result, "w", encoding="utf-8") as fh:
             json.dump(result, fh)
         return 0
@@ -414,6 +444,7 @@ def main() -> int:
         ap.error(f"--tiny runs the embedded engine (backend transformers), not --backend {backend}")
     if not tiny and not cuda:
         ap.error(f"--backend {backend} runs the 1.5B shape on a CUDA GPU and there is none; --tiny runs on the CPU")
+    extra = engine_options(ap, args.engine_option)
     steps = args.steps if args.steps is not None else 2 if tiny else 5
     if steps < (1 if tiny else 5):
         ap.error(f"--steps {steps}: at least 5 timed steps on a GPU (the median of them is reported)")
@@ -433,13 +464,14 @@ def main() -> int:
         "per_step": TINY_SHAPE if tiny else GPU_SHAPE,
         "steps": steps,
         "warmup": 1,
+        **({"engine_options": extra} if extra else {}),
     }
     t0 = time.perf_counter()
     if not tiny and backend == "vllm" and importlib.util.find_spec("vllm") is not None:
-        results["trl"] = run_side("trl", backend, model_dir, device, steps, args.side_timeout)
+        results["trl"] = run_side("trl", backend, model_dir, device, steps, args.side_timeout, {})
     else:
         results["trl_not_run"] = "TRL's colocate path needs vLLM: the vllm run measures it"
-    results["genengine"] = run_side("genengine", backend, model_dir, device, steps, args.side_timeout)
+    results["genengine"] = run_side("genengine", backend, model_dir, device, steps, args.side_timeout, extra)
     results["elapsed_s"] = round(time.perf_counter() - t0, 1)
     g, t = results["genengine"].get("median_s"), (results.get("trl") or {}).get("median_s")
     if g and t:
