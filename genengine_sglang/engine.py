@@ -30,6 +30,7 @@ from genengine.backend import (
 from genengine.distributed import (
     EngineGroup,
     check_port_free,
+    group_seed,
 )
 from genengine.engine.checkpoint import read_model_config, vocab_size, weight_spec
 from genengine.engine.lifecycle import track_engine, untrack_engine
@@ -95,9 +96,10 @@ class SGLangEngine(SGLangAdapters, AsyncEngineBase):  # type: ignore[misc,overri
         super().__init__(sleep_enabled=settings.enable_sleep, bucket_bytes=settings.bucket_bytes)
         self._settings = settings
         self._group = group
-        # The seeds of unseeded sampled requests in deterministic mode (mapping.sampling_to_sglang); from the
-        # engine's seed, so that a rerun of the same calls samples the same tokens.
-        self._seed_rng = random.Random(settings.seed)
+        #: SGLang's ``random_seed`` and the source of the seeds of unseeded sampled requests in deterministic
+        #: mode (mapping.sampling_to_sglang): a rerun of the same calls samples the same tokens.
+        self.group_seed = group_seed(settings.seed, group.topology)
+        self._seed_rng = random.Random(self.group_seed)
         self._engine: Any = None
         self._loop_thread: LoopThread | None = None
         self._driver: AsyncDriver | None = None
@@ -170,7 +172,7 @@ class SGLangEngine(SGLangAdapters, AsyncEngineBase):  # type: ignore[misc,overri
         return on_leader(self._group, op, fn)
 
     def _start(self, port: int) -> None:
-        kwargs = server_kwargs(self._settings, base_gpu_id=self._base_gpu_id, port=port)
+        kwargs = server_kwargs(self._settings, base_gpu_id=self._base_gpu_id, port=port, group_seed=self.group_seed)
         self._engine, self._exit = _process.launch(kwargs, enable_sleep=self._settings.enable_sleep)
         from genengine_sglang._logits import serialized_processor
         from genengine_sglang._loop import LoopThread

@@ -16,7 +16,7 @@ def start_raw_engine(config: Any, **overrides: Any) -> Any:
 
     settings = resolve_settings(EngineConfig.from_any(config))
     gpu = settings.base_gpu_id if settings.base_gpu_id is not None else (current_gpu() or 0)
-    kwargs = server_kwargs(settings, base_gpu_id=gpu, port=settings.base_port)
+    kwargs = server_kwargs(settings, base_gpu_id=gpu, port=settings.base_port, group_seed=settings.seed)
     for ours in ("custom_weight_loader", "enable_custom_logit_processor"):
         kwargs.pop(ours)
     kwargs.update(overrides)

@@ -234,8 +234,12 @@ def resolve_settings(config: EngineConfig, *, environ: Mapping[str, str] | None 
     )
 
 
-def server_kwargs(settings: SGLangSettings, *, base_gpu_id: int, port: int) -> dict[str, Any]:
-    """``sglang.Engine(**kwargs)`` for these settings: the reference's arguments plus what genengine needs."""
+def server_kwargs(settings: SGLangSettings, *, base_gpu_id: int, port: int, group_seed: int) -> dict[str, Any]:
+    """``sglang.Engine(**kwargs)`` for these settings: the reference's arguments plus what genengine needs.
+
+    ``group_seed`` is SGLang's ``random_seed``: ``settings.seed`` plus the TP group's index
+    (``genengine.distributed.group_seed``), the same on every rank of the group.
+    """
     kwargs: dict[str, Any] = {
         "model_path": settings.model_path,
         "tp_size": settings.tp_size,
@@ -247,7 +251,7 @@ def server_kwargs(settings: SGLangSettings, *, base_gpu_id: int, port: int) -> d
         "skip_tokenizer_init": settings.skip_tokenizer_init,
         "trust_remote_code": settings.trust_remote_code,
         "disable_cuda_graph": settings.disable_cuda_graph,
-        "random_seed": settings.seed,
+        "random_seed": group_seed,
         # Sleep: the memory saver makes release_memory_occupation free memory at all (without it, nothing).
         "enable_memory_saver": settings.enable_sleep,
         "enable_weights_cpu_backup": settings.weights_cpu_backup,

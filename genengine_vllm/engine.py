@@ -28,6 +28,7 @@ from genengine.backend import (
     LoadReport,
     Request,
 )
+from genengine.distributed.topology import group_seed
 from genengine.engine.checkpoint import vocab_size, weight_spec
 from genengine.engine.environ import scoped_environ
 from genengine.engine.lifecycle import track_engine, untrack_engine
@@ -118,8 +119,7 @@ class VLLMEngine(VLLMAdapters, AsyncEngineBase):  # type: ignore[misc,override] 
         self._lock = DriverLock()  # every call into vLLM: the async driver steps it from its own thread
         self._driver: AsyncDriver | None = None
         self._cuda: tuple[int, Any] | None = None
-        group_index = topology.dp_rank if topology is not None else 0
-        self.group_seed = settings.seed + group_index
+        self.group_seed = group_seed(settings.seed, topology)
         self._seed_rng = random.Random(self.group_seed)
         if settings.enable_sleep:
             claim_sleep_slot(self, f"VLLMEngine({settings.model!r})")

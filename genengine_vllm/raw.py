@@ -21,6 +21,7 @@ class RawVLLMEngine:
     """
 
     def __init__(self, config: Any) -> None:
+        from genengine.distributed.topology import group_seed
         from genengine.engine.environ import scoped_environ
         from genengine_vllm._process import (
             claim_sleep_slot,
@@ -35,7 +36,7 @@ class RawVLLMEngine:
         self._topology = trainer_world(settings.tp_size)
         self._vllm = import_vllm()
         self._detokenize = not settings.skip_tokenizer_init
-        self._seed = settings.seed + (self._topology.dp_rank if self._topology is not None else 0)
+        self._seed = group_seed(settings.seed, self._topology)
         self._token = _RawRun()  # the sleep slot holds its owner by weak reference: a plain object() has none
         self._claimed = settings.enable_sleep
         if self._claimed:

@@ -32,6 +32,7 @@ from genengine.distributed.topology import (
     check_port_free,
     check_tp_group_ranks,
     compute_topology,
+    group_seed,
     parse_cuda_visible_devices,
     topology_from_env,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "compute_topology",
     "default_collective_timeout_s",
     "engine_group",
+    "group_seed",
     "input_digest",
     "parse_cuda_visible_devices",
     "topology_from_env",

@@ -21,6 +21,7 @@ __all__ = [
     "check_port_free",
     "check_tp_group_ranks",
     "compute_topology",
+    "group_seed",
     "parse_cuda_visible_devices",
     "topology_from_env",
 ]
@@ -29,6 +30,16 @@ __all__ = [
 DEFAULT_BASE_PORT = 40000
 
 _MAX_PORT = 65535
+
+
+def group_seed(seed: int, topology: Topology | None) -> int:
+    """``seed`` plus the index of this rank's TP group (0 without a trainer world).
+
+    Data-parallel engines built from one config would otherwise draw one random stream, and a GRPO group whose
+    samples are spread over ranks would repeat its completions; the ranks of one TP group keep the same seed,
+    as they must sample alike. The Ray pool gives its replicas ``seed + index`` for the same reason.
+    """
+    return seed if topology is None else seed + topology.dp_rank
 
 
 # --- topology (pure) ------------------------------------------------------------------------------------

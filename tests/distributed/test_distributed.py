@@ -99,6 +99,17 @@ def test_topology_exhaustive() -> None:
     assert checked > 5000 and valid > 400
 
 
+def test_group_seed_is_shared_by_a_tp_group_and_differs_between_groups() -> None:
+    """Every rank of a TP group gets one seed (they must sample alike); data-parallel groups get different ones
+    (else a GRPO group spread over ranks repeats its completions); no world: the config's seed."""
+    seeds = [
+        gd.group_seed(7, gd.compute_topology(rank=r, world_size=8, local_rank=r, local_world_size=8, tp_size=2))
+        for r in range(8)
+    ]
+    assert seeds == [7, 7, 8, 8, 9, 9, 10, 10]
+    assert gd.group_seed(7, None) == 7
+
+
 def test_reference_layout() -> None:
     """LightRFT's mapping: leader = first rank, base_gpu_id = its local_rank, port = 40000 + local_rank."""
     t = gd.compute_topology(rank=3, world_size=8, local_rank=3, local_world_size=8, tp_size=2)

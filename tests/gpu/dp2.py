@@ -8,6 +8,7 @@ Checks, with PASS/FAIL lines and exit code 1 on any failure:
 - both engines start: no port or GPU collision;
 - each engine's memory sits on its rank's GPU only (NVML, by process tree);
 - same prompts give the same greedy tokens on both engines, and each rank gets its own prompts' outputs;
+- unseeded sampling of the same prompts differs between the engines (each samples from seed + its group index);
 - the engines are independent: rank 0 sleeps, takes other weights and wakes while rank 1 generates
   unchanged, then rank 0 restores its weights;
 - shutdown gives each GPU's memory back and leaves the trainer's default group working.
@@ -140,6 +141,11 @@ def main() -> int:
         [t for t, _ in own] == [t for t, _ in base[RANK::2]],
         f"rank {RANK} gets its own prompts' outputs ({len(own)} prompts)",
     )
+
+    # --- unseeded sampling: each engine its own stream (the config's seed plus the TP group's index) -------------
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+    draws = gather([r.outputs[0].token_ids for r in engine.generate(PROMPTS, sampled)])
+    check(draws[0] != draws[1], "same prompts, unseeded sampling: the two engines draw different tokens")
 
     # --- independence: rank 0 sleeps and takes other weights while rank 1 generates -------------------------
     weights = {n: t.cuda() for n, t in load_checkpoint(MODEL_DIR).items()}

@@ -75,12 +75,12 @@ def test_server_kwargs_keep_the_reference_arguments(model_dir: Path) -> None:
         options={"attention_backend": "triton", "disable_cuda_graph": True, "server_args": {"log_level": "info"}},
     )
     settings = resolve_settings(config, environ={})
-    kwargs = server_kwargs(settings, base_gpu_id=2, port=40002)
+    kwargs = server_kwargs(settings, base_gpu_id=2, port=40002, group_seed=8)  # seed 7 + TP group 1
     assert kwargs["model_path"] == str(model_dir)
     assert kwargs["mem_fraction_static"] == 0.6 and kwargs["tp_size"] == 2
     assert kwargs["base_gpu_id"] == 2 and kwargs["gpu_id_step"] == 1 and kwargs["port"] == 40002
     assert kwargs["enable_memory_saver"] is True and kwargs["enable_weights_cpu_backup"] is False
-    assert kwargs["trust_remote_code"] is True and kwargs["dtype"] == "bfloat16" and kwargs["random_seed"] == 7
+    assert kwargs["trust_remote_code"] is True and kwargs["dtype"] == "bfloat16" and kwargs["random_seed"] == 8
     assert kwargs["skip_tokenizer_init"] is False and kwargs["disable_cuda_graph"] is True
     assert kwargs["attention_backend"] == "triton" and kwargs["log_level"] == "info"
     assert kwargs["custom_weight_loader"] == [SYNC_LOADER] and kwargs["enable_custom_logit_processor"] is True
