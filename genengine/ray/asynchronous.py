@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,10 @@ from genengine.ray.stream import PoolStream, StreamRegistry
 __all__ = ["AsyncPoolCalls"]
 
 _log = logging.getLogger("genengine.ray.pool")  # one logger for the pool and its parts
+
+
+class _GivenUp(Exception):
+    """Ends a cancelled pause's worker thread before it sends anything more (nobody awaits it any longer)."""
 
 
 class AsyncPoolCalls:
@@ -132,21 +137,28 @@ class AsyncPoolCalls:
     async def pause_generation(self, mode: PauseMode = "keep", *, clear_cache: bool = True) -> None:
         """``AsyncEngineBase.pause_generation`` on every replica (a replica restarted meanwhile is paused too).
         Cancelled (``wait_for`` giving up on a ``"wait"`` drain), it cancels the replicas' pauses: none is left
-        paused."""
+        paused, not even one the worker thread had yet to send (it sends nothing after the cancellation)."""
         refs: list[Any] = []
+        gate = threading.Lock()  # a pause is either sent before the cancellation (and cancelled) or never
+        given_up = False
         before = self._fleet.set_paused((mode, clear_cache))  # at once, as an engine sets it
 
         def submit(r: Replica) -> Any:
-            refs.append(r.pause_generation(mode, clear_cache))
-            return refs[-1]
+            with gate:
+                if given_up:
+                    raise _GivenUp("pause_generation was cancelled before it reached this replica")
+                refs.append(r.pause_generation(mode, clear_cache))
+                return refs[-1]
 
         try:
             await asyncio.to_thread(self._life.each, "pause_generation", submit)
         except BaseException as exc:
             self._fleet.set_paused(before)
             if isinstance(exc, asyncio.CancelledError):
+                with gate:
+                    given_up, sent = True, list(refs)
                 ray = ray_module()
-                for ref in refs:
+                for ref in sent:
                     ray.cancel(ref)
             raise
 

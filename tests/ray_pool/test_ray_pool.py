@@ -33,7 +33,7 @@ from support.ray_pool import (  # noqa: E402
 )
 from support.trl_async_checks import assert_groups_tagged_with_their_oldest_weights  # noqa: E402
 
-from genengine import GenerationEngine, SamplingParams  # noqa: E402
+from genengine import GenerationEngine, GenerationResult, SamplingParams  # noqa: E402
 from genengine.cli.demos.sync import TRL_PROMPTS  # noqa: E402
 from genengine.errors import (  # noqa: E402
     BackendNotFoundError,
@@ -480,6 +480,40 @@ def test_an_answer_from_the_killed_incarnation_does_not_restore_the_replica(pool
     pool.check_health()
     assert replica.status == "healthy" and replica.incarnation != old and replica.killed is None
     assert [r.status for r in pool.replicas] == ["healthy", "healthy"]
+
+
+def test_a_pause_given_up_before_it_reached_the_replicas_pauses_none(pool: EnginePool) -> None:
+    """``wait_for(pause_generation(...), t)`` giving up while the pool's worker thread has not sent the pause yet
+    (CI's loaded machine: the conformance suite's 0.2 s pause timed out so) must not send it later: replicas paused
+    behind the pool's back keep every later request waiting. The window is held open here by holding the fleet's
+    lock, which the worker thread takes before it sends anything."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pool._fleet.lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+
+    async def main() -> GenerationResult:
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(pool.pause_generation("keep"), 0.2)
+        finally:
+            release.set()
+        assert pool.paused is None
+        await asyncio.to_thread(holder.join, 10)
+        await asyncio.sleep(1.0)  # the worker thread goes on now that the lock is free
+        return await asyncio.wait_for(pool.generate_async(PROMPTS[0], GREEDY), 30)
+
+    try:
+        result = asyncio.run(main())
+    finally:
+        asyncio.run(pool.resume_generation())  # on a failure, the next tests find the replicas serving
+    assert result.outputs[0].token_ids
 
 
 def test_a_replica_dead_for_good_is_left_out_and_the_retry_reaches_the_others(
