@@ -455,11 +455,11 @@ def test_a_control_call_that_times_out_names_the_replica(pool: EnginePool) -> No
             while busy.is_alive():
                 pool.flush_cache()
                 time.sleep(0.05)
-        raised = time.monotonic()
+        held = busy.is_alive()  # the flush gave up while the generate still held a replica
     finally:
         pool.timeout_s = 300
         busy.join()
-    assert time.monotonic() - raised > 0.5, "the generate ended too soon after the flush gave up to have held it"
+    assert held, "the generate had ended when the flush gave up: nothing held it"
 
 
 def test_an_answer_from_the_killed_incarnation_does_not_restore_the_replica(pool: EnginePool) -> None:
