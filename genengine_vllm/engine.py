@@ -28,7 +28,7 @@ from genengine.backend import (
     LoadReport,
     Request,
 )
-from genengine.distributed.topology import group_seed
+from genengine.distributed import group_seed
 from genengine.engine.checkpoint import vocab_size, weight_spec
 from genengine.engine.environ import scoped_environ
 from genengine.engine.lifecycle import track_engine, untrack_engine

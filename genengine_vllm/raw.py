@@ -21,7 +21,7 @@ class RawVLLMEngine:
     """
 
     def __init__(self, config: Any) -> None:
-        from genengine.distributed.topology import group_seed
+        from genengine.distributed import group_seed
         from genengine.engine.environ import scoped_environ
         from genengine_vllm._process import (
             claim_sleep_slot,
