@@ -46,9 +46,10 @@ def sampling_to_sglang(
     ``stop_token_ids`` (``schedule_batch.py``, ``_check_token_based_finish``); the contract keeps them, so
     with ``ignore_eos`` they are not sent and ``results_from_sglang`` cuts the output at the first one.
 
-    ``drawn_seed`` is the seed the engine drew for an unseeded sampled request in deterministic mode: SGLang
-    gives every unseeded row seed 42 there (``SamplingBatchInfo.from_schedule_batch``), so a GRPO group (one
-    prompt repeated) would sample one completion n times. It goes to SGLang as a seed, on SGLang's usual path.
+    ``drawn_seed`` is the seed the engine drew for an unseeded sampled request in deterministic mode (only there:
+    ``build_entries`` decides): SGLang gives every unseeded row seed 42 there
+    (``SamplingBatchInfo.from_schedule_batch``), so a GRPO group (one prompt repeated) would sample one completion
+    n times. It goes to SGLang as a seed, on SGLang's usual path.
     """
     out: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
@@ -68,7 +69,7 @@ def sampling_to_sglang(
             # seed picks different tokens on the two. A top-k that keeps every token puts the row on the sorted
             # path in every batch, so its samples no longer depend on the other requests.
             out["top_k"] = SEEDED_TOP_K
-    elif drawn_seed is not None and deterministic and not params.greedy:
+    elif drawn_seed is not None:
         out["sampling_seed"] = drawn_seed + sample
     top_k = params.top_k_or_none
     use_filter = not params.greedy and (top_k is not None or params.top_p < 1.0)
