@@ -73,11 +73,15 @@ def _psutil() -> Any:
     return psutil
 
 
+def _stat_fields(text: str) -> list[str]:
+    """The fields after the name of a ``/proc/PID/stat`` line (state first); the name may hold spaces and ')'."""
+    return text[text.rfind(")") + 2 :].split()
+
+
 def _parse_stat(text: str) -> tuple[str, str, int, int]:
-    """(name, state, ppid, start_ticks) from a ``/proc/PID/stat`` line; the name may hold spaces and ')'."""
-    left, right = text.find("("), text.rfind(")")
-    name = text[left + 1 : right]
-    fields = text[right + 2 :].split()
+    """(name, state, ppid, start_ticks) from a ``/proc/PID/stat`` line."""
+    name = text[text.find("(") + 1 : text.rfind(")")]
+    fields = _stat_fields(text)
     return name, fields[0], int(fields[1]), int(fields[19])
 
 
@@ -215,7 +219,7 @@ def cpu_seconds(pid: int) -> float | None:
         text = _read_stat(pid)
         if text is None:
             return None
-        fields = text[text.rfind(")") + 2 :].split()
+        fields = _stat_fields(text)
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     psutil = _psutil()  # pragma: no cover
     try:  # pragma: no cover
