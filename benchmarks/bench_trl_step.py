@@ -58,6 +58,8 @@ TRAIN_SPLIT = ("score", "loss", "backward", "optimizer")
 """``train``'s hooked pieces, in each row's probe (exclusive like the parts; ``rest`` is what none of them holds):
 TRL's ``_generate_and_score_completions`` outside the engine calls, ``compute_loss``, the accelerator's
 ``backward``, and the optimizer step (``on_pre_optimizer_step`` → ``on_optimizer_step``)."""
+CLOCKED = (*PARTS, *TRAIN_SPLIT)
+"""What ``PhaseClock`` keeps seconds for (``train`` itself is the step's rest, never clocked)."""
 QWEN25_15B = {
     "hidden_size": 1536,
     "intermediate_size": 8960,
@@ -84,7 +86,7 @@ class PhaseClock:
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
-        self.spent: dict[str, float] = dict.fromkeys((*PARTS, *TRAIN_SPLIT), 0.0)
+        self.spent: dict[str, float] = dict.fromkeys(CLOCKED, 0.0)
         self._stack: list[list[float]] = []  # [start, seconds of nested hooked calls]
 
     def _sync(self) -> None:
@@ -111,7 +113,7 @@ class PhaseClock:
         return timed
 
     def take(self) -> dict[str, float]:
-        out, self.spent = self.spent, dict.fromkeys((*PARTS, *TRAIN_SPLIT), 0.0)
+        out, self.spent = self.spent, dict.fromkeys(CLOCKED, 0.0)
         return out
 
 
